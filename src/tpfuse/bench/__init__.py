@@ -1,0 +1,1 @@
+"""Benchmark harness: speaks HTTP to any OpenAI-compatible server."""

@@ -1,0 +1,1 @@
+"""Everything that crosses GPUs: peer workspaces, the Triton all-reduce kernels, and the Communicator."""

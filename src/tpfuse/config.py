@@ -1,0 +1,198 @@
+"""Engine, speculative-decoding and server settings: one source for the CLI flags.
+
+Each dataclass checks itself in __post_init__, so a bad value fails at start-up with a message
+that names the flag. `add_*_args` registers the flags on an argparse parser and `from_args`
+builds the dataclass back from the parsed namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+SPECULATIVE_ALGORITHMS = ("eagle3", "ngram", "draft")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    algorithm: str | None = None  # None: no speculation
+    draft_model_path: str | None = None  # EAGLE-3 head directory or draft model (dir or preset)
+    num_steps: int = 3  # draft depth
+    eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting
+    num_draft_tokens: int | None = None  # tree size; chain: num_steps + 1
+    adaptive: bool = True  # choose the number of draft tokens per step, zero included
+    simulate_acceptance_length: float | None = None  # benchmark-only: fake acceptance
+
+    def __post_init__(self):
+        if self.algorithm is not None and self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm {self.algorithm!r} is not supported; "
+                f"choose one of {', '.join(SPECULATIVE_ALGORITHMS)}"
+            )
+        if self.num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
+        if self.eagle_topk < 1:
+            raise ValueError(f"--speculative-eagle-topk must be >= 1, got {self.eagle_topk}")
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = self.num_steps + 1
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                "with --speculative-eagle-topk 1 (chain drafting) --speculative-num-draft-tokens must be "
+                f"--speculative-num-steps + 1 = {self.num_steps + 1}, got {self.num_draft_tokens}"
+            )
+        if self.simulate_acceptance_length is not None and not (
+            1.0 <= self.simulate_acceptance_length <= self.num_steps + 1
+        ):
+            raise ValueError(
+                "--speculative-simulate-acceptance-length must lie in [1, num_steps + 1] = "
+                f"[1, {self.num_steps + 1}], got {self.simulate_acceptance_length}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "tiny"  # local Hugging Face directory or preset name
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0  # dummy-weight seed and default sampling seed base
+    tp_size: int = 1
+    devices: list[int] | None = None  # CUDA device of each rank; repeats allowed (ranks share a GPU)
+    allreduce: str = "auto"  # auto (measured per size) | fused | nccl
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by KV size
+    block_size: int = 16
+    mem_fraction_static: float = 0.85
+    num_kv_blocks: int | None = None  # override the measured KV capacity
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_max_bs: int = 256
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"--dtype {self.dtype!r} is not supported; choose auto, float32, bfloat16 or float16"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.devices is not None and len(self.devices) != self.tp_size:
+            raise ValueError(
+                f"--devices lists {len(self.devices)} devices but --tp-size is {self.tp_size}; "
+                "give one device per rank (repeats allowed)"
+            )
+        if self.allreduce not in ("auto", "fused", "nccl"):
+            raise ValueError(f"--allreduce must be auto, fused or nccl, got {self.allreduce!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must lie in (0, 1), got {self.mem_fraction_static}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the --model value
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="local Hugging Face directory or preset name")
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default=d.dtype)
+    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--tp-size", type=int, default=d.tp_size)
+    g.add_argument("--devices", type=_int_list, default=None, help="CUDA device per rank, e.g. 0,0")
+    g.add_argument("--allreduce", default=d.allreduce, choices=["auto", "fused", "nccl"])
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--disable-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-algorithm", default=None, choices=list(SPECULATIVE_ALGORITHMS))
+    s.add_argument("--speculative-draft-model-path", default=None)
+    s.add_argument("--speculative-num-steps", type=int, default=3)
+    s.add_argument("--speculative-eagle-topk", type=int, default=1)
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    s.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose the number of draft tokens per step from measured costs (default on)",
+    )
+    s.add_argument(
+        "--speculative-simulate-acceptance-length",
+        type=float,
+        default=None,
+        help="benchmark only: accept drafts as if the mean acceptance length were this",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    spec = SpeculativeConfig(
+        algorithm=args.speculative_algorithm,
+        draft_model_path=args.speculative_draft_model_path,
+        num_steps=args.speculative_num_steps,
+        eagle_topk=args.speculative_eagle_topk,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        adaptive=args.speculative_adaptive,
+        simulate_acceptance_length=args.speculative_simulate_acceptance_length,
+    )
+    names = {f.name for f in fields(EngineConfig)} - {"speculative", "enable_prefix_caching"}
+    kwargs = {n: getattr(args, n) for n in names}
+    return EngineConfig(**kwargs, enable_prefix_caching=not args.disable_prefix_caching, speculative=spec)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--served-model-name", default=None)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name
+    )

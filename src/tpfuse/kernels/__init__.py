@@ -1,0 +1,78 @@
+"""Kernels: each op has a Triton kernel and a plain-torch reference in the same file.
+
+This module is the one place that chooses between them: CUDA tensors take the Triton kernel, CPU
+tensors take the reference. `TPFUSE_KERNELS=torch` forces the references everywhere (debugging,
+parity checks), `TPFUSE_KERNELS=triton` forces Triton (CPU tests under TRITON_INTERPRET=1).
+Callers import the op names below and never branch themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+
+__all__ = [
+    "decode_attention_op",
+    "fused_add_rmsnorm",
+    "prefill_attention_op",
+    "rmsnorm_op",
+    "rope_op",
+    "rope_cos_sin_cache",
+    "sample",
+    "silu_and_mul",
+    "store_kv",
+    "use_triton",
+]
+
+rope_cos_sin_cache = rope.rope_cos_sin_cache
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    mode = os.environ.get("TPFUSE_KERNELS", "auto")
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return True
+    return x.is_cuda
+
+
+def _pick(module, name: str, x: torch.Tensor):
+    impl = getattr(module, f"{name}_triton" if use_triton(x) else f"{name}_ref")
+    return impl
+
+
+def rmsnorm_op(x, weight, eps):
+    return _pick(rmsnorm, "rmsnorm", x)(x, weight, eps)
+
+
+def fused_add_rmsnorm(x, residual, weight, eps):
+    return _pick(rmsnorm, "fused_add_rmsnorm", x)(x, residual, weight, eps)
+
+
+def rope_op(positions, q, k, cos_sin_cache):
+    return _pick(rope, "rope", q)(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    return _pick(activation, "silu_and_mul", x)(x)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    return _pick(kv_store, "store_kv", k)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    return _pick(decode_attention, "decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def prefill_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale):
+    return _pick(prefill_attention, "prefill_attention", q)(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    )
+
+
+def sample(logits, temperatures, top_ks, top_ps, seeds):
+    return _pick(sampling, "sample", logits)(logits, temperatures, top_ks, top_ps, seeds)

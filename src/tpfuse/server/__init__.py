@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server, in its own process, talking to the engine process."""
