@@ -51,3 +51,31 @@ class SingleRankCommunicator(Communicator):
 
     def all_gather(self, x, dim=-1):
         return x
+
+
+class TorchDistributedCommunicator(Communicator):
+    """Plain torch.distributed collectives (gloo on CPU, NCCL on GPU), then the local fused norm.
+
+    The fallback every other path is measured against, and the CPU path of tensor parallelism.
+    """
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce(self, x):
+        out = x.clone()
+        self._dist.all_reduce(out, group=self.group)
+        return out
+
+    def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
+        return fused_add_rmsnorm(self.all_reduce(x), residual, weight, eps)
+
+    def all_gather(self, x, dim=-1):
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
