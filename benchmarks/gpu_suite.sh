@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment, GPU tests, benchmarks; logs and JSON under $OUT.
+# Usage (device machine, repo root): bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest -k expr]
+set -u
+what=${1:-all}
+kexpr=${2:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import torch, triton, subprocess
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__} triton {triton.__version__} cuda {torch.version.cuda} gpus {torch.cuda.device_count()} "
+      f"{p.name} cc{p.major}.{p.minor} sms {p.multi_processor_count}")
+print(subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+PY
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  if [ -n "$kexpr" ]; then
+    timeout 900 python3 -m pytest -q -m gpu tests -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+  else
+    timeout 900 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+  fi
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in ${BENCHES:-kernels comm_single_gpu decode}; do
+    echo "== benchmarks/$b.py"
+    timeout 600 python3 "benchmarks/$b.py" 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
+  done
+fi
