@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step is one batch under a token budget (--max-num-batched-tokens) and a cap on running
+requests (--max-running-requests). Running requests go first, in admission order, so decodes never
+stall behind a long prompt: each takes one token, and a request still in prefill takes what budget
+is left. Waiting requests are admitted (first come, first served) into the rest of the budget; a
+prompt longer than the budget is prefilled in chunks over several steps, alongside the decodes.
+When a running request needs a KV block and none is free, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the queue, to be recomputed (its full blocks
+usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tpfuse.engine.block_manager import BlockManager
+from tpfuse.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens from its num_computed_tokens."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether seqs[i] reaches its last token this step, so a new token is sampled for it."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_running_requests: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+    ):
+        self.block_manager = block_manager
+        self.max_running_requests = max_running_requests
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        """The next step's batch, or None when nothing can run."""
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        pending = deque(self.running)
+        kept: list[Sequence] = []
+        while pending and budget > 0:
+            seq = pending.popleft()
+            while not self.block_manager.may_append(seq):
+                victim = pending.pop() if pending else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                n = min(seq.num_uncomputed_tokens, budget)
+                seqs.append(seq)
+                counts.append(n)
+                kept.append(seq)
+                budget -= n
+        # Requests past the budget keep their place and run next step.
+        self.running = kept + list(pending)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return Batch(seqs, counts) if seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def banned_token_ids(self, seq: Sequence) -> list[int]:
+        """Tokens that must not be sampled next: end-of-sequence and stop ids before min_tokens."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned |= self.eos_token_ids
+        return sorted(banned)
+
+    def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
+        """Advances each sequence by its chunk, appends its sampled token (None where it did not
+        sample) and finishes it if it should stop. Returns the sequences that got a token."""
+        updated = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.seal_computed_blocks(seq)
+            if token is None:
+                continue
+            seq.append_token(token)
+            updated.append(seq)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return updated
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends seq (any queue) and frees its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
