@@ -1,8 +1,20 @@
-"""Paged decode attention: one query token per sequence, grouped-query heads, keys from the paged cache."""
+"""Paged decode attention: one query token per sequence, grouped-query heads, keys from the paged cache.
+
+The Triton version is split-K (flash-decoding): the grid is (batch, kv_head, split); each program
+holds all query heads of one KV group, so K/V is read once per group, and attends to its share of
+the context; a second kernel merges the splits by their log-sum-exp. The number of splits depends
+only on shapes (batch, heads, block-table width) and the device, never on seq_lens, so the launch
+is the same on every CUDA-graph replay; each program finds its token range from the seq_len it
+loads on the device.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
+import triton.language as tl
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -33,3 +45,284 @@ def decode_attention_ref(
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    block_table_row,
+    tokens,
+    token_mask,
+    kv_head,
+    dims,
+    dim_mask,
+    stride_block,
+    stride_slot,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_D] tile of one KV head for the given token positions of one sequence."""
+    page = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+    offsets = page * stride_block + (tokens % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(
+        cache_ptr + offsets[:, None] + dims[None, :], mask=token_mask[:, None] & dim_mask[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    scale_log2e,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    head_mask = g < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    block_table_row = block_tables_ptr + b * stride_bt
+
+    # Running max starts finite so that fully masked tiles give p = 0, never NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        k = _load_kv_tile(
+            k_cache_ptr,
+            block_table_row,
+            tokens,
+            token_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            BLOCK_SIZE,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(
+            v_cache_ptr,
+            block_table_row,
+            tokens,
+            token_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            BLOCK_SIZE,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mask = head_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        # partials: out [B, Hq, NUM_SPLITS, HEAD_DIM], lse [B, Hq, NUM_SPLITS] (log2 domain), contiguous
+        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    row = (b * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + row, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # A sequence with no keys (seq_len 0: a padding row) gives zeros, as the reference does.
+    weight = tl.where(
+        lse > float("-inf"), tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0
+    )
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=(weight > 0.0)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+DECODE_BLOCK_N = 64
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): enough programs for about four per SM,
+    never more splits than key tiles fit in the block-table width, at most 32."""
+    sms = (
+        _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        if (device.type == "cuda")
+        else 8
+    )
+    max_tiles = triton.cdiv(max_blocks * block_size, DECODE_BLOCK_N)
+    wanted = triton.cdiv(4 * sms, max(batch * num_kv_heads, 1))
+    return max(1, min(wanted, max_tiles, 32))
+
+
+def decode_attention_launch(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n=DECODE_BLOCK_N
+):
+    """decode_attention_triton with an explicit number of splits and key tile (tests, benchmarks)."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode attention needs q and the caches contiguous in head_dim")
+    if block_size & (block_size - 1):
+        raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        out,
+        scale * 1.4426950408889634,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton decode_attention_ref (same shapes and dtypes); CUDA-graph safe: the launch depends only
+    on shapes, seq_lens is read on the device. A sequence with seq_len 0 gives zeros.
+
+    Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
+    head_dim is strided."""
+    num_splits = choose_num_splits(
+        q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], q.device
+    )
+    return decode_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)

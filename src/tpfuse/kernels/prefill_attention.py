@@ -4,13 +4,19 @@ The query tokens of sequence b are the last q_len_b positions of its context (q_
 query_start_loc), so the same op serves a first prefill, a chunk of a chunked prefill after cached
 prefix blocks, and the k+1 tokens of a speculative verify pass. K/V of the query tokens must already
 be in the cache (store_kv runs first).
+
+The Triton version is a flash-attention forward: one program per (query tile, query head, sequence),
+keys and values gathered from the paged cache through the block table, online softmax in float32.
+The grid depends only on max_query_len and the shapes; tiles past a sequence's q_len exit at once.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from tpfuse.kernels.decode_attention import _gather_kv
+from tpfuse.kernels.decode_attention import _gather_kv, _load_kv_tile
 
 
 def prefill_attention_ref(
@@ -44,3 +50,140 @@ def prefill_attention_ref(
         scores = scores.masked_fill(~mask[None], float("-inf"))
         out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    scale_log2e,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + b + 1).to(tl.int64) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    kv_head = head // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    positions = seq_len - q_len + rows  # position of each query token in its context
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    block_table_row = block_tables_ptr + b * stride_bt
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Causal: the last query of this tile sees keys up to its own position.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        k = _load_kv_tile(
+            k_cache_ptr, block_table_row, tokens, token_mask, kv_head, dims, dim_mask,
+            stride_kb, stride_ks, stride_kh, BLOCK_SIZE,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
+        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, tokens, token_mask, kv_head, dims, dim_mask,
+            stride_vb, stride_vs, stride_vh, BLOCK_SIZE,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+def prefill_attention_launch(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+    block_m=64, block_n=64, num_warps=4, num_stages=2,
+):  # fmt: skip
+    """prefill_attention_triton with explicit tile sizes (tests, benchmarks)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("prefill attention needs q and the caches contiguous in head_dim")
+    if block_size & (block_size - 1):
+        raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
+    out = torch.empty_like(q)
+    batch = block_tables.shape[0]
+    if num_tokens == 0 or batch == 0 or max_query_len <= 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Triton prefill_attention_ref (same shapes and dtypes). max_query_len must bound every q_len
+    (it sizes the grid); rows of q past the last sequence's queries are left unwritten.
+
+    Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
+    head_dim is strided."""
+    return prefill_attention_launch(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    )

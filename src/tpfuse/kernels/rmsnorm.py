@@ -10,6 +10,8 @@ rounding in bfloat16.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,3 +27,107 @@ def fused_add_rmsnorm_ref(
     """x, residual: [T, H]; weight: [H]. Returns (normed, new_residual), both new tensors."""
     new_residual = (x.float() + residual.float()).to(x.dtype)
     return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+@triton.jit
+def _rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
+    var = tl.sum(row_f32 * row_f32, axis=0) / hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return row_f32 * (1.0 / tl.sqrt(var + eps)) * w
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _rmsnorm_row(x, w_ptr, cols, mask, hidden, eps)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    hidden,
+    eps,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    # The rounded sum is the new residual; the norm is taken from the rounded value, not the fp32 sum.
+    s = (x + r).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
+    y = _rmsnorm_row(s.to(tl.float32), w_ptr, cols, mask, hidden, eps)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"rmsnorm expects x [T, H] and weight [H]; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_config(hidden: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(hidden)
+    return block, min(max(block // 512, 1), 16)
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton rmsnorm_ref. x: [T, H] (last dim contiguous); weight: [H]. Returns a new [T, H] of x.dtype.
+
+    Raises ValueError when the shapes do not match."""
+    x = _check_rows(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    block, warps = _launch_config(x.shape[1])
+    _rmsnorm_kernel[(x.shape[0],)](
+        x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK_H=block, num_warps=warps
+    )
+    return out
+
+
+def fused_add_rmsnorm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton fused_add_rmsnorm_ref. x, residual: [T, H]; weight: [H].
+
+    Returns (normed, new_residual), both new [T, H] tensors of x.dtype; inputs are not modified.
+    Raises ValueError when the shapes do not match."""
+    x = _check_rows(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
+    residual = _check_rows(residual, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out)
+    if x.shape[0] == 0:
+        return out, new_residual
+    block, warps = _launch_config(x.shape[1])
+    _fused_add_rmsnorm_kernel[(x.shape[0],)](
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK_H=block,
+        num_warps=warps,
+    )
+    return out, new_residual

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rope_cos_sin_cache(
@@ -48,4 +50,85 @@ def rope_ref(
         r2 = x2 * cos + x1 * sin
         t[..., :half] = r1.to(t.dtype)
         t[..., half:] = r2.to(t.dtype)
+    return q, k
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_t, stride_h, num_heads, token, cos, sin, HALF, BLOCK_HEADS, BLOCK_HALF):
+    heads = tl.arange(0, BLOCK_HEADS)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
+    first = ptr + token * stride_t + heads[:, None] * stride_h + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, num_q_heads, token, cos, sin, HALF, BLOCK_QH, BLOCK_HALF)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, num_k_heads, token, cos, sin, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def rope_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton rope_ref. positions: [T] int32/int64; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin_cache:
+    [max_pos, D] float32 from rope_cos_sin_cache. Rotates q and k in place (neox halves) and returns them.
+
+    q and k may be strided views (e.g. of a fused qkv output) but their last dim must be contiguous.
+    Raises ValueError on a layout it cannot write in place."""
+    head_dim = q.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError(
+            "rope_triton rotates in place: q, k and the cache must be contiguous in the last dim"
+        )
+    if head_dim % 2 or k.shape[-1] != head_dim or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(
+            f"rope needs an even head_dim shared by q {tuple(q.shape)}, k {tuple(k.shape)} and the cache "
+            f"{tuple(cos_sin_cache.shape)}"
+        )
+    if q.shape[0] == 0:
+        return q, k
+    half = head_dim // 2
+    _rope_kernel[(q.shape[0],)](
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        q.shape[1],
+        k.shape[1],
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QH=triton.next_power_of_2(q.shape[1]),
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
+    )
     return q, k

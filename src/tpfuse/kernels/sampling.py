@@ -3,11 +3,18 @@
 Each row carries its own seed (the engine derives it from the request's seed and the token index),
 so a seeded request gives the same tokens whatever else is in the batch. Sampling is Gumbel-max:
 argmax(logits / T + Gumbel noise) over the tokens that survive top-k and top-p.
+
+The Triton version filters top-k/top-p in torch (one sort, only when some sampled row asks for it)
+and runs the final noise + argmax in one kernel, one program per row streaming the vocabulary. Its
+noise comes from Philox (tl.rand) keyed by the row's seed and the token index: deterministic per seed,
+independent of the other rows, but not the same stream as the torch reference's generator.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -46,4 +53,95 @@ def sample_ref(
         gen = torch.Generator(device=logits.device).manual_seed(int(seeds[b]) & 0x7FFF_FFFF_FFFF_FFFF)
         u = torch.rand(logits.shape[-1], generator=gen, device=logits.device).clamp_(1e-20, 1.0)
         out[b] = (filtered[b] - torch.log(-torch.log(u))).argmax()
+    return out
+
+
+@triton.jit
+def _row_argmax(values_ptr, vocab, temperature, seed, ADD_NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Index of the largest value of one row (ties: the lowest index); with ADD_NOISE, of
+    values / temperature + Gumbel(seed, token index)."""
+    best_value = float("-inf")
+    best_index = 0
+    for chunk_start in range(0, vocab, BLOCK_V):
+        tokens = chunk_start + tl.arange(0, BLOCK_V)
+        values = tl.load(values_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        if ADD_NOISE:
+            u = tl.maximum(tl.rand(seed, tokens), 1.0e-20)
+            values = values / temperature - tl.log(-tl.log(u))
+        chunk_best = tl.max(values, axis=0)
+        chunk_index = chunk_start + tl.argmax(values, axis=0)
+        # Strictly greater: an earlier chunk keeps a tie, as torch.argmax does.
+        better = chunk_best > best_value
+        best_index = tl.where(better, chunk_index, best_index)
+        best_value = tl.where(better, chunk_best, best_value)
+    return best_index
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    filtered_ptr,
+    temperatures_ptr,
+    seeds_ptr,
+    out_ptr,
+    vocab,
+    stride_logits,
+    stride_filtered,
+    FILTERED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperatures_ptr + row).to(tl.float32)
+    seed = tl.load(seeds_ptr + row)
+    if temperature <= 0.0:
+        token = _row_argmax(logits_ptr + row * stride_logits, vocab, 1.0, seed, False, BLOCK_V)
+        tl.store(out_ptr + row, token.to(tl.int64))
+    elif FILTERED:
+        # filtered rows are already divided by the temperature
+        token = _row_argmax(filtered_ptr + row * stride_filtered, vocab, 1.0, seed, True, BLOCK_V)
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:
+        token = _row_argmax(logits_ptr + row * stride_logits, vocab, temperature, seed, True, BLOCK_V)
+        tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _needs_filter(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> bool:
+    if temperatures.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True  # no host sync while capturing; filtering is then unconditional
+    return bool(((temperatures > 0) & ((top_ks > 0) | (top_ps < 1))).any())
+
+
+def sample_triton(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    seeds: torch.Tensor,
+) -> torch.Tensor:
+    """Triton sample_ref: same arguments and result ([B] int64). Greedy rows (temperature <= 0) are
+    exactly torch.argmax of the logits; sampled rows are deterministic for a given seed and row
+    contents, whatever else is in the batch. logits may be any float dtype, last dim contiguous."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    filtered = logits
+    use_filter = _needs_filter(temperatures, top_ks, top_ps)
+    if use_filter:
+        temps = temperatures.float().clamp(min=1e-6)[:, None]
+        filtered = apply_top_k_top_p(logits.float() / temps, top_ks, top_ps.float())
+    _sample_kernel[(batch,)](
+        logits,
+        filtered,
+        temperatures,
+        seeds,
+        out,
+        vocab,
+        logits.stride(0),
+        filtered.stride(0),
+        FILTERED=use_filter,
+        BLOCK_V=min(triton.next_power_of_2(vocab), 4096),
+        num_warps=8,
+    )
     return out
