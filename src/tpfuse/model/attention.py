@@ -1,10 +1,16 @@
-"""Attention metadata shared by the engine (which fills it) and the attention layer (which reads it)."""
+"""Attention metadata shared by the engine (which fills it) and the attention layer (which reads it),
+and the attention layer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_op, store_kv
+from tpfuse.model.config import ModelConfig
+from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear
 
 
 @dataclass
@@ -23,3 +29,72 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode: bool  # every sequence has exactly one query token
+
+
+class Attention(nn.Module):
+    """Self-attention of one decoder layer over the paged KV cache, heads split over ranks.
+
+    qkv projection -> (Qwen3: per-head RMSNorm of q and k) -> rotary embedding -> K/V stored into the
+    cache -> paged decode or prefill attention -> o_proj, whose output is this rank's partial sum.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext):
+        super().__init__()
+        dtype, d = config.dtype, config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            config.num_heads,
+            config.num_kv_heads,
+            parallel,
+            dtype,
+            bias=config.attention_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads_local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_local
+        self.head_dim = d
+        self.scale = d**-0.5
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, parallel, dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """positions: [T] int64; hidden: [T, H] (normed); kv_cache: (k, v) each
+        [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
+        Returns [T, H], this rank's partial sum of the attention output."""
+        num_tokens, d = hidden.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(num_tokens, self.num_heads, d)
+        k = k.view(num_tokens, self.num_kv_heads, d)
+        v = v.view(num_tokens, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d)
+        rope_op(positions, q, k, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if attn.is_decode:
+            out = decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
+        else:
+            out = prefill_attention_op(
+                q,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.seq_lens,
+                attn.query_start_loc,
+                attn.max_query_len,
+                self.scale,
+            )
+        return self.o_proj(out.view(num_tokens, self.num_heads * d))

@@ -1,0 +1,186 @@
+"""ModelConfig: the shape of a Llama-family decoder, read from a Hugging Face config.json or a preset.
+
+Both transformers 4.x files (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x files
+(`rope_parameters`, `dtype`) are understood.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Hugging Face rope_scaling dict (type "llama3" or None)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
+    dtype: torch.dtype = torch.bfloat16
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Number of distinct weights (a tied lm_head counts once), computed from the shapes alone."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        return self.num_layers * layer + embed + h + (0 if self.tie_word_embeddings else embed)
+
+    @classmethod
+    def from_hf_dict(
+        cls, hf: dict, dtype: str = "auto", generation_config: dict | None = None, source: str = "config.json"
+    ) -> ModelConfig:
+        """Builds a ModelConfig from a config.json dict.
+
+        dtype: the engine's --dtype ("auto" takes the checkpoint's torch_dtype/dtype, float32 when it
+        names none). generation_config: generation_config.json's dict, whose eos ids are added.
+        Raises ValueError naming the field and the fix for an unsupported architecture, dtype or shape.
+        """
+        architecture = _architecture(hf, source)
+        num_heads = _required(hf, "num_attention_heads", source)
+        hidden = _required(hf, "hidden_size", source)
+        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_scaling = hf.get("rope_scaling") or rope_params or None
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_scaling is not None:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+                rope_scaling = None
+        max_positions = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window")
+        uses_window = hf.get("use_sliding_window", architecture == "MistralForCausalLM")
+        if window and uses_window and window < max_positions:
+            # Sliding-window attention is not implemented: within the window it equals full attention.
+            max_positions = window
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden,
+            num_layers=_required(hf, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
+            intermediate_size=_required(hf, "intermediate_size", source),
+            vocab_size=_required(hf, "vocab_size", source),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            dtype=resolve_dtype(hf.get("torch_dtype") or hf.get("dtype"), dtype, source),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf, generation_config),
+        )
+
+
+def resolve_dtype(checkpoint_dtype: str | None, override: str = "auto", source: str = "config.json"):
+    """The run dtype: --dtype when given, else the checkpoint's, else float32. Raises ValueError."""
+    if override != "auto":
+        if override not in _DTYPES:
+            raise ValueError(
+                f"--dtype {override!r} is not supported; choose auto, float32, bfloat16 or float16"
+            )
+        return _DTYPES[override]
+    if checkpoint_dtype is None:
+        return torch.float32
+    name = str(checkpoint_dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(
+            f"{source} sets dtype {checkpoint_dtype!r}, which tpfuse does not run; "
+            "pass --dtype bfloat16, float16 or float32"
+        )
+    return _DTYPES[name]
+
+
+def _architecture(hf: dict, source: str) -> str:
+    names = hf.get("architectures") or []
+    if not names and hf.get("model_type") in _ARCHITECTURE_OF_MODEL_TYPE:
+        names = [_ARCHITECTURE_OF_MODEL_TYPE[hf["model_type"]]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = ", ".join(names) or f"model_type {hf.get('model_type')!r}"
+    raise ValueError(
+        f"{source}: architecture {found} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _required(hf: dict, key: str, source: str):
+    if key not in hf:
+        raise ValueError(f"{source} has no {key!r}; is it a Llama-family config.json?")
+    return hf[key]
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def _eos_ids(hf: dict, generation_config: dict | None) -> tuple[int, ...]:
+    ids = _as_list(hf.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,193 @@
+"""load_model: builds the model for one rank and fills its weights from safetensors or at random.
+
+Each rank reads only its shard of every tensor (safetensors `get_slice`), converting stored
+float32/bfloat16/float16 to the run dtype. Bad input fails once, with an error that names the file,
+tensor or value and the fix; a partial load is never returned.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import zlib
+
+import torch
+
+from tpfuse.config import EngineConfig
+from tpfuse.model.config import ModelConfig
+from tpfuse.model.layers import ParallelContext, ShardSlot
+from tpfuse.model.llama import LlamaForCausalLM
+from tpfuse.model.presets import PRESETS, is_preset, preset_config
+
+INDEX_FILE = "model.safetensors.index.json"
+_STORED_DTYPES = {"F32", "BF16", "F16"}
+_MAX_LISTED = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the culprit and the fix."""
+
+
+def read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); restore the file from the checkpoint") from e
+
+
+def load_model_config(engine_config: EngineConfig) -> ModelConfig:
+    """ModelConfig of --model (a preset name or a local Hugging Face directory) with --dtype applied."""
+    model = engine_config.model
+    if is_preset(model):
+        return preset_config(model, engine_config.dtype)
+    if not os.path.isdir(model):
+        raise CheckpointError(
+            f"--model {model!r} is neither a local directory nor a preset; presets: {', '.join(PRESETS)}"
+        )
+    config_path = os.path.join(model, "config.json")
+    hf = read_json(config_path)
+    if hf is None:
+        raise CheckpointError(
+            f"{config_path} not found; --model must be a Hugging Face checkpoint directory with config.json"
+        )
+    generation = read_json(os.path.join(model, "generation_config.json"))
+    return ModelConfig.from_hf_dict(hf, engine_config.dtype, generation, source=config_path)
+
+
+def load_model(
+    engine_config: EngineConfig, parallel: ParallelContext, device: torch.device | str
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Builds this rank's model on device and fills its weights.
+
+    Presets and --load-format dummy get seeded random weights (normal(0, 0.02), norm weights 1), the
+    same on every tp size. Raises CheckpointError (a ValueError) naming the missing file or tensor,
+    the mismatched shape or the unsupported dtype; ValueError for an unsupported architecture.
+    """
+    model_config = load_model_config(engine_config)
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config, parallel)
+    slots = model.checkpoint_slots()
+    if is_preset(engine_config.model) or engine_config.load_format == "dummy":
+        fill_dummy_weights(slots, engine_config.seed)
+    else:
+        load_safetensors(model, slots, engine_config.model)
+    check_all_parameters_written(model, slots)
+    return model.eval(), model_config
+
+
+def fill_dummy_weights(slots: dict[str, ShardSlot], seed: int) -> None:
+    """Each tensor is drawn whole from a generator seeded by (seed, name) and then sliced, so every
+    rank of every tp size holds the same weights as a TP=1 run with that seed."""
+    for name, slot in slots.items():
+        dest = slot.destination()
+        if name.endswith("norm.weight"):
+            dest.fill_(1.0)
+            continue
+        generator = torch.Generator(dest.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(slot.full_shape, dtype=torch.float32, device=dest.device)
+        full.normal_(0.0, 0.02, generator=generator)
+        dest.copy_(full[slot.source_index()])
+
+
+def checkpoint_files(directory: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from model.safetensors.index.json or the *.safetensors present."""
+    index = read_json(os.path.join(directory, INDEX_FILE))
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{os.path.join(directory, INDEX_FILE)} has no weight_map")
+        files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise CheckpointError(
+                    f"{file} is listed in {INDEX_FILE} but missing; download the complete checkpoint"
+                )
+        return files
+    paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not paths:
+        raise CheckpointError(
+            f"no *.safetensors weight files in {directory}; add the checkpoint's weights "
+            "or run with --load-format dummy"
+        )
+    from safetensors import safe_open
+
+    files = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), path))
+    return files
+
+
+def load_safetensors(model: LlamaForCausalLM, slots: dict[str, ShardSlot], directory: str) -> None:
+    """Copies this rank's shard of every checkpoint tensor into the model. Raises CheckpointError
+    for a missing tensor (named with the file it should be in), a shape or dtype that does not match,
+    or tensors the model has no place for."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(directory)
+    missing = [name for name in slots if name not in files]
+    if missing:
+        expected = "/".join(sorted({os.path.basename(f) for f in files.values()}))
+        if INDEX_FILE in os.listdir(directory):
+            expected = f"{INDEX_FILE} (and its shards)"
+        raise CheckpointError(
+            f"checkpoint {directory} is missing {len(missing)} tensor(s) the config needs, e.g. "
+            f"{_listing(missing)}; expected in {expected}. Check that config.json matches the weights."
+        )
+    unexpected = [n for n in files if n not in slots and not model.is_ignorable_tensor(n)]
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint {directory} has {len(unexpected)} tensor(s) that config.json has no place for: "
+            f"{_listing(unexpected)} (in {os.path.basename(files[unexpected[0]])}). "
+            "Check num_hidden_layers, the architecture and tie_word_embeddings in config.json."
+        )
+    by_file: dict[str, list[str]] = {}
+    for name in slots:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                _copy_slice(f.get_slice(name), slots[name], name, path)
+
+
+def _copy_slice(source, slot: ShardSlot, name: str, path: str) -> None:
+    shape = tuple(source.get_shape())
+    if shape != slot.full_shape:
+        raise CheckpointError(
+            f"tensor {name} in {path} has shape {list(shape)} but the config needs {list(slot.full_shape)}; "
+            "check config.json against the checkpoint (and its tp sharding)"
+        )
+    dtype = source.get_dtype()
+    if dtype not in _STORED_DTYPES:
+        raise CheckpointError(
+            f"tensor {name} in {path} is stored as {dtype}; tpfuse loads float32, bfloat16 or float16 "
+            "weights only (quantized checkpoints are not supported)"
+        )
+    if slot.length:
+        slot.destination().copy_(source[slot.source_index()])
+
+
+def check_all_parameters_written(model: torch.nn.Module, slots: dict[str, ShardSlot]) -> None:
+    """Every element of every parameter must be the destination of exactly one slot (vocabulary
+    padding rows are zeroed at construction); otherwise the model would run on uninitialized
+    memory. Raises RuntimeError naming the parameter (a bug in checkpoint_slots)."""
+    covered: dict[int, int] = {}
+    for slot in slots.values():
+        per_index = slot.param.numel() // slot.param.shape[slot.dim]
+        elements = (slot.length + slot.zero_rows) * per_index
+        covered[id(slot.param)] = covered.get(id(slot.param), 0) + elements
+    for name, param in model.named_parameters():
+        if covered.get(id(param), 0) != param.numel():
+            raise RuntimeError(
+                f"parameter {name} {list(param.shape)}: {covered.get(id(param), 0)} of {param.numel()} "
+                "elements are mapped to checkpoint tensors; the rest would never be written"
+            )
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")

@@ -1,0 +1,155 @@
+"""Named model shapes for random-weight runs: the embedded `tiny` model and real models' config.json values.
+
+A preset always loads with dummy weights; its shapes (and so its memory traffic and timings) are
+those of the real model. Values are copied from each model's public config.json and
+generation_config.json.
+"""
+
+from __future__ import annotations
+
+from tpfuse.model.config import ModelConfig
+
+# The byte tokenizer's layout (model/tokenizer.py): 256 byte ids, then these specials in order.
+BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+TINY_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_ROPE,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+_QWEN = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+}
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": TINY_VOCAB_SIZE,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 256 + BYTE_SPECIAL_TOKENS.index("<|bos|>"),
+        "eos_token_id": [
+            256 + BYTE_SPECIAL_TOKENS.index("<|eos|>"),
+            256 + BYTE_SPECIAL_TOKENS.index("<|end|>"),
+        ],
+    },
+    "llama-3.2-1b": {
+        **_LLAMA3,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "head_dim": 64,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+        "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+    },
+    "llama-3.1-70b": {
+        **_LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+    },
+    "qwen2.5-7b": {
+        **_QWEN,
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+    },
+    "qwen3-8b": {
+        **_QWEN,
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
+    "qwen3-32b": {
+        **_QWEN,
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str, dtype: str = "auto") -> ModelConfig:
+    """ModelConfig of a named preset; dtype is the engine's --dtype. Raises ValueError listing the presets."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    return ModelConfig.from_hf_dict(PRESETS[name], dtype=dtype, source=f"preset {name!r}")

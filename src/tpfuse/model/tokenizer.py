@@ -1,0 +1,121 @@
+"""Tokenizers: a byte-level one for presets (the embedded model), Hugging Face tokenizers for checkpoints.
+
+Both answer the same interface: `encode(text) -> list[int]`, `decode(ids) -> str`, `eos_token_ids`,
+`bos_token_id`, `apply_chat_template(messages) -> str`. `decode` never raises on a cut-off UTF-8
+sequence: an incomplete trailing character comes out as U+FFFD, which an incremental detokenizer
+holds back until the next token completes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from tpfuse.model.presets import BYTE_SPECIAL_TOKENS, is_preset
+
+_PLACEHOLDER_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _plain_chat_template(messages: list[dict], role_prefix: dict[str, str], end: str, reply: str) -> str:
+    parts = [f"{role_prefix.get(m['role'], m['role'] + ': ')}{m['content']}{end}" for m in messages]
+    return "".join(parts) + reply
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; the specials of presets.BYTE_SPECIAL_TOKENS follow.
+
+    Ids past the specials (preset models have real, larger vocabularies with random weights) decode
+    to a placeholder letter, so their output stays visible text.
+    """
+
+    def __init__(self):
+        self.special_ids = {tok: 256 + i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
+        self.vocab_size = 256 + len(BYTE_SPECIAL_TOKENS)
+        self.bos_token_id = self.special_ids["<|bos|>"]
+        self.eos_token_ids = {self.special_ids["<|eos|>"], self.special_ids["<|end|>"]}
+        self._special_pattern = re.compile("|".join(re.escape(t) for t in BYTE_SPECIAL_TOKENS))
+
+    def encode(self, text: str) -> list[int]:
+        """Bytes of text, special-token strings as their ids, with bos first (unless text starts with it)."""
+        ids: list[int] = []
+        pos = 0
+        for match in self._special_pattern.finditer(text):
+            ids.extend(text[pos : match.start()].encode("utf-8"))
+            ids.append(self.special_ids[match.group()])
+            pos = match.end()
+        ids.extend(text[pos:].encode("utf-8"))
+        if not ids or ids[0] != self.bos_token_id:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids with specials dropped; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                out.append(i)
+            elif i >= self.vocab_size:
+                out.extend(_PLACEHOLDER_LETTERS[i % 26].encode())
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}] -> prompt text ending
+        with the assistant marker."""
+        prefix = {r: f"<|{r}|>" for r in ("system", "user", "assistant")}
+        return _plain_chat_template(messages, prefix, "<|end|>", "<|assistant|>")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local checkpoint directory (never downloads)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"could not load a tokenizer from {path} ({e}); the directory needs tokenizer.json or "
+                "tokenizer_config.json with its vocabulary files"
+            ) from e
+        self.bos_token_id = self._tok.bos_token_id
+        self.vocab_size = len(self._tok)
+        eos = {self._tok.eos_token_id} if self._tok.eos_token_id is not None else set()
+        for name in ("generation_config.json", "config.json"):
+            file = os.path.join(path, name)
+            if os.path.isfile(file):
+                with open(file) as f:
+                    value = json.load(f).get("eos_token_id")
+                eos.update(value if isinstance(value, list) else [] if value is None else [value])
+        self.eos_token_ids = {int(i) for i in eos}
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids; the tokenizer's bos is added unless text already starts with it (chat templates do)."""
+        bos = self._tok.bos_token
+        add_special = not (bos and text.startswith(bos))
+        return self._tok.encode(text, add_special_tokens=add_special)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if getattr(self._tok, "chat_template", None):
+            return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prefix = {r: f"{r.capitalize()}: " for r in ("system", "user", "assistant")}
+        return _plain_chat_template(messages, prefix, "\n", "Assistant:")
+
+
+def load_tokenizer(model: str) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a preset name (byte-level) or of a local Hugging Face directory.
+
+    Raises ValueError when model is neither a preset nor a directory, or the directory has no tokenizer.
+    """
+    if is_preset(model):
+        return ByteTokenizer()
+    if os.path.isdir(model):
+        return HFTokenizer(model)
+    from tpfuse.model.presets import PRESETS
+
+    raise ValueError(f"model {model!r} is neither a local directory nor a preset ({', '.join(PRESETS)})")

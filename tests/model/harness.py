@@ -1,0 +1,152 @@
+"""Test harness for the model layer: tiny Hugging Face checkpoints, a paged KV cache with scattered
+block tables, and AttentionMetadata for prefill, chunked-prefill and decode steps.
+
+It stands in for the engine so the model can be checked against transformers on its own.
+transformers is imported inside functions: spawned TP ranks import this module and need only torch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tpfuse.comm.communicator import SingleRankCommunicator
+from tpfuse.config import EngineConfig
+from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.layers import ParallelContext
+from tpfuse.model.loader import load_model
+
+SMALL_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=253,  # divisible by neither 2 nor 4: the vocab-parallel padding is exercised
+    max_position_embeddings=256,
+)
+ARCHITECTURE_VARIANTS = {
+    "llama": dict(
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=32),
+    "mistral": dict(sliding_window=None),
+}
+
+
+def build_hf_checkpoint(directory, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Saves a random transformers model of architecture kind ("llama", "qwen2", "qwen3", "mistral")
+    in float32 to directory (sharded when max_shard_size is given) and returns the model."""
+    import transformers
+
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[kind]
+    config = config_class(**{**SMALL_SHAPE, **ARCHITECTURE_VARIANTS[kind], **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init leaves biases and norms at 0/1; make every tensor matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return model
+
+
+def hf_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 logits [len, vocab] for every position of every sequence, one at a time."""
+    with torch.no_grad():
+        return [hf_model(torch.tensor([s])).logits[0].float() for s in sequences]
+
+
+def load_for_test(path, tp_rank: int = 0, tp_size: int = 1, comm=None, **engine_kwargs):
+    engine_config = EngineConfig(
+        model=str(path), dtype="float32", tp_size=tp_size, device="cpu", **engine_kwargs
+    )
+    parallel = ParallelContext(tp_rank, tp_size, comm or SingleRankCommunicator())
+    return load_model(engine_config, parallel, "cpu")
+
+
+class PagedSequences:
+    """Sequences in a paged KV cache whose blocks are handed out in shuffled order, so block tables
+    are neither contiguous nor sorted. step() runs one forward pass over new tokens of every sequence."""
+
+    def __init__(self, model, num_sequences: int, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+        attn = model.layers[0].self_attn
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        dtype = model.config.dtype
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = [
+            (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+            for _ in model.layers
+        ]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_tables: list[list[int]] = [[] for _ in range(num_sequences)]
+        self.lengths = [0] * num_sequences
+
+    def metadata(self, new_lengths: list[int], is_decode: bool) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Allocates blocks for the new tokens; returns (AttentionMetadata, positions [T] int64)."""
+        positions, slots = [], []
+        for seq, n in enumerate(new_lengths):
+            start = self.lengths[seq]
+            while len(self.block_tables[seq]) * self.block_size < start + n:
+                self.block_tables[seq].append(self.free_blocks.pop())
+            for pos in range(start, start + n):
+                positions.append(pos)
+                block = self.block_tables[seq][pos // self.block_size]
+                slots.append(block * self.block_size + pos % self.block_size)
+            self.lengths[seq] = start + n
+        width = max(len(t) for t in self.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in self.block_tables]
+        starts = [0]
+        for n in new_lengths:
+            starts.append(starts[-1] + n)
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(self.lengths, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(new_lengths),
+            max_seq_len=max(self.lengths),
+            is_decode=is_decode,
+        )
+        return attn, torch.tensor(positions, dtype=torch.int64)
+
+    def step(self, new_tokens: list[list[int]], is_decode: bool = False):
+        """new_tokens: per sequence the tokens of this pass. Returns (logits [T, vocab] float32, aux)."""
+        attn, positions = self.metadata([len(t) for t in new_tokens], is_decode)
+        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
+        with torch.no_grad():
+            hidden, aux = self.model(input_ids, positions, attn, self.kv_caches)
+            return self.model.compute_logits(hidden), aux
+
+
+def run_prefill_then_decode(model, prompts: list[list[int]], decode_tokens: list[list[int]]):
+    """Prefills every prompt in one pass, then one decode pass per decode_tokens[step] (a token per
+    sequence). Returns the prefill logits [T, vocab] and a list of decode logits [B, vocab]."""
+    seqs = PagedSequences(model, len(prompts))
+    prefill, _ = seqs.step(prompts)
+    decodes = [seqs.step([[t] for t in step], is_decode=True)[0] for step in decode_tokens]
+    return prefill, decodes
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
