@@ -1,0 +1,129 @@
+"""One request's path through the engine as seen by the HTTP process: submit, then text pieces.
+
+Text comes from the engine's token ids through the incremental Detokenizer, which also finds stop
+strings; on a stop string the request is aborted in the engine (its KV blocks are freed) and ends
+with finish_reason "stop". Closing the generator early (client gone) aborts the request too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tpfuse.engine.detokenizer import Detokenizer
+from tpfuse.server.engine_process import EngineClient, EngineDied
+from tpfuse.server.metrics import ServerMetrics
+from tpfuse.server.protocol import RequestError
+
+
+@dataclass(slots=True)
+class Piece:
+    text: str
+    finish_reason: str | None  # None until the last piece
+
+
+class Generation:
+    """Drives one request: `await start()` (raises RequestError if the engine rejects it), then
+    `async for piece in pieces()`. Counts tokens for `usage` and records latency metrics."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        metrics: ServerMetrics,
+        endpoint: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params,
+        arrival: float,
+    ):
+        self.client = client
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival = arrival
+        self.detokenizer = Detokenizer(tokenizer, params.stop)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._queue: asyncio.Queue | None = None
+        self._first = None
+        self._last_token_time: float | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.detokenizer.token_ids)
+
+    async def start(self) -> None:
+        """Submits the request and waits for its first output, so a rejection is still a 400."""
+        try:
+            self._queue = self.client.submit(self.request_id, self.prompt_token_ids, self.params)
+            self._first = await self._next()
+        except BaseException:
+            self._abort()
+            raise
+
+    async def _next(self):
+        item = await self._queue.get()
+        if isinstance(item, EngineDied):
+            raise item
+        if isinstance(item, ValueError):
+            raise RequestError(f"the engine refused the request: {item}", param=None)
+        return item
+
+    def _abort(self) -> None:
+        if self.finish_reason is None:
+            self.client.abort(self.request_id)
+            self.metrics.requests.labels(self.endpoint, "abort").inc()
+            self.finish_reason = "abort"
+
+    def _record_tokens(self, output) -> None:
+        now = time.perf_counter()
+        n = len(output.new_token_ids)
+        if n == 0:
+            return
+        if self._last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            for _ in range(n - 1):
+                self.metrics.inter_token.observe(0.0)
+        else:
+            gap = (now - self._last_token_time) / n
+            for _ in range(n):
+                self.metrics.inter_token.observe(gap)
+        self._last_token_time = now
+        self.metrics.generated_tokens.inc(n)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.metrics.requests.labels(self.endpoint, reason).inc()
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(self.num_cached_tokens)
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text pieces as they become final; the last one carries finish_reason."""
+        try:
+            output = self._first
+            while True:
+                self._record_tokens(output)
+                self.num_cached_tokens = getattr(output, "num_cached_tokens", 0) or 0
+                text = self.detokenizer.add(output.new_token_ids)
+                if self.detokenizer.stopped:
+                    self.client.abort(self.request_id)  # frees its KV now; later outputs are dropped
+                    self._finish("stop")
+                    yield Piece(text, "stop")
+                    return
+                if output.finished:
+                    self.client.release(self.request_id)
+                    self._finish(output.finish_reason or "stop")
+                    yield Piece(text + self.detokenizer.flush(), self.finish_reason)
+                    return
+                if text:
+                    yield Piece(text, None)
+                output = await self._next()
+        finally:
+            self._abort()  # no-op once finished
