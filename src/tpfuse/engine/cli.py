@@ -1,0 +1,97 @@
+"""`tpfuse generate`: offline generation from the command line.
+
+Plain output: each completion's text on stdout, one line per prompt (a newline or carriage return
+inside a completion is written as the two characters \\n or \\r; `--json` keeps the exact text);
+`--json`: one JSON object per prompt per line. Logs (load time, tokens/s) go to stderr.
+Errors print one line on stderr and exit 1, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    from tpfuse.config import add_engine_args
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="offline generation",
+        description="Generate completions for one or more prompts and print them.",
+    )
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_generate)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except Exception as exc:  # one line, no traceback: the message names the problem and the fix
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, ValueError | RuntimeError | OSError):
+            message = f"{type(exc).__name__}: {message}"
+        print(f"tpfuse generate: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tpfuse.config import engine_config_from_args
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        seed=args.seed if args.temperature > 0 else None,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    config = engine_config_from_args(args)
+    start = time.perf_counter()
+    llm = LLM.from_config(config)
+    loaded = time.perf_counter()
+    _log(
+        f"loaded {config.model} in {loaded - start:.1f} s: {llm.engine.stats().num_kv_blocks} KV blocks, "
+        f"max_model_len {llm.engine.max_model_len}"
+    )
+    try:
+        outputs = llm.generate(args.prompt, params)
+    finally:
+        llm.shutdown()
+    elapsed = time.perf_counter() - loaded
+    generated = sum(len(o.token_ids) for o in outputs)
+    _log(
+        f"generated {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: {generated / elapsed:.1f} tok/s"
+    )
+    for out in outputs:
+        if args.json:
+            record = {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "prompt_token_ids": out.prompt_token_ids,
+                "finish_reason": out.finish_reason,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(out.text.replace("\n", "\\n").replace("\r", "\\r"))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,164 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+The engine owns the scheduler and block manager and drives a model executor: a ModelRunner in this
+process for TP=1, or the tensor-parallel group (worker.py) for TP > 1. It deals in token ids only;
+text (and stop strings) belongs to whoever holds a Detokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.block_manager import BlockManager
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.scheduler import Scheduler
+from tpfuse.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" when finished
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    prefix_cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens looked up
+    num_prompt_tokens: int  # prompt tokens of all accepted requests
+    num_generated_tokens: int
+    num_preemptions: int
+    num_kv_blocks: int
+    max_model_len: int
+
+
+def _make_executor(config: EngineConfig):
+    if config.tp_size == 1:
+        from tpfuse.engine.runner import ModelRunner
+
+        return ModelRunner(config)
+    from tpfuse.engine.worker import TensorParallelExecutor
+
+    return TensorParallelExecutor(config)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Use: add_request(...) any time, then call step() until has_unfinished() is false. Raises
+    ValueError at construction for bad settings or checkpoints (the message names the fix).
+    """
+
+    def __init__(self, config: EngineConfig):
+        from tpfuse.model.tokenizer import load_tokenizer
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.executor = _make_executor(config)
+        self.max_model_len: int = self.executor.max_model_len
+        self.vocab_size: int = self.executor.vocab_size
+        eos = set(self.tokenizer.eos_token_ids) | set(self.executor.model_config.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_running_requests,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            eos,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queues a request. Raises ValueError for a duplicate id, an empty prompt, a token id outside
+        the vocabulary, or a prompt plus max_tokens longer than max_model_len."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but max_model_len is {self.max_model_len}, which must also "
+                "leave room for one generated token; shorten the prompt or raise --max-model-len"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
+            )
+        seq = Sequence(request_id, list(prompt_token_ids), params, self.config.block_size)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += n
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request wherever it is and frees its KV blocks. Unknown ids are ignored; no
+        StepOutput follows for an aborted request."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        """Runs one batch; returns an output for every request that got a token (finished ones last
+        time they appear). Returns [] when there is nothing to do."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
+            return []
+        sampled = self.executor.run(batch, self.config.seed, self.scheduler.banned_token_ids)
+        outputs = []
+        for seq in self.scheduler.postprocess(batch, sampled):
+            self.num_generated_tokens += 1
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+            outputs.append(
+                StepOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[seq.token_ids[-1]],
+                    finished=seq.is_finished,
+                    finish_reason=seq.finish_reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage(),
+            prefix_cache_hit_rate=self.block_manager.hit_rate(),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_kv_blocks=self.block_manager.num_blocks,
+            max_model_len=self.max_model_len,
+        )
+
+    def shutdown(self) -> None:
+        """Releases the executor (worker processes for TP > 1). Safe to call twice."""
+        close = getattr(self.executor, "shutdown", None)
+        if close is not None:
+            close()

@@ -1,0 +1,69 @@
+"""KV cache sizing and allocation: how many paged blocks fit, and the per-layer tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from tpfuse.model.config import ModelConfig
+
+CPU_KV_BUDGET_BYTES = 64 * 2**20
+CUDA_CONTEXT_BYTES = 2**30
+
+
+def num_kv_heads_local(model_config: ModelConfig, tp_size: int) -> int:
+    """KV heads one rank holds: split evenly, or one (replicated) when there are fewer heads than ranks."""
+    return model_config.num_kv_heads // tp_size if model_config.num_kv_heads >= tp_size else 1
+
+
+def bytes_per_block(model_config: ModelConfig, tp_size: int, block_size: int) -> int:
+    """K and V of every layer for block_size tokens on one rank."""
+    elem = torch.empty((), dtype=model_config.dtype).element_size()
+    heads = num_kv_heads_local(model_config, tp_size)
+    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * elem
+
+
+def cuda_kv_blocks(
+    device: torch.device, block_bytes: int, mem_fraction_static: float, ranks_on_device: int = 1
+) -> int:
+    """Blocks that fit in this rank's share of the GPU after the weights and a warm-up forward.
+
+    Call after the warm-up at the largest batch: its activation peak beyond what is allocated now is
+    kept free. ranks_on_device > 1 (ranks sharing a GPU) splits the fraction between them.
+    Raises RuntimeError when nothing is left, naming the flags that help.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    peak = torch.cuda.max_memory_allocated(device)
+    if ranks_on_device == 1:
+        budget = total * mem_fraction_static - used - (peak - torch.cuda.memory_allocated(device))
+    else:
+        # Other ranks load concurrently, so device-wide usage is a moving target: count only our own
+        # peak plus a CUDA-context allowance against an even share.
+        budget = total * mem_fraction_static / ranks_on_device - peak - CUDA_CONTEXT_BYTES
+    blocks = int(budget // block_bytes)
+    if blocks < 1:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use "
+            f"after loading the model; raise --mem-fraction-static ({mem_fraction_static}), lower "
+            "--max-num-batched-tokens, or use more GPUs (--tp-size)"
+        )
+    return blocks
+
+
+def cpu_kv_blocks(block_bytes: int) -> int:
+    return max(1, CPU_KV_BUDGET_BYTES // block_bytes)
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig, tp_size: int, num_blocks: int, block_size: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads_local, head_dim], zeroed
+    (masked-out lanes of attention kernels may still read stale slots: they must not hold NaN)."""
+    shape = (num_blocks, block_size, num_kv_heads_local(model_config, tp_size), model_config.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=model_config.dtype, device=device),
+            torch.zeros(shape, dtype=model_config.dtype, device=device),
+        )
+        for _ in range(model_config.num_layers)
+    ]

@@ -1,0 +1,184 @@
+"""ModelRunner: one rank's model, KV cache and forward pass; rank 0 also samples.
+
+Every rank runs `execute(packed)` on the same packed step (step_inputs.py), so tensor-parallel ranks
+stay in lock step without any per-sequence state of their own. Rank 0 builds the packed step from a
+scheduler Batch (`pack`) and samples from the logits (`sample`). On CUDA the packed step reaches the
+device in one copy from a pinned buffer, and decode steps replay CUDA graphs (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpfuse.comm.communicator import Communicator, SingleRankCommunicator
+from tpfuse.config import EngineConfig
+from tpfuse.engine import kv_cache
+from tpfuse.engine.cuda_graphs import DecodeGraphs
+from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.step_inputs import StepInputs, pack_step, read_header, unpack_step
+from tpfuse.kernels import sample
+from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.layers import ParallelContext
+from tpfuse.model.loader import load_model
+
+
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    """--max-model-len, or the model's max_position_embeddings; raises ValueError when the flag exceeds it."""
+    if config.max_model_len is None:
+        return max_position_embeddings
+    if not 1 < config.max_model_len <= max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} must lie in [2, {max_position_embeddings}], the "
+            "model's max_position_embeddings"
+        )
+    return config.max_model_len
+
+
+class ModelRunner:
+    """Loads this rank's shard of the model and owns its KV cache.
+
+    config: the engine settings; rank/comm: this process's tensor-parallel rank and communicator
+    (SingleRankCommunicator for TP=1); device: where to run (default config.resolved_device());
+    agree_num_blocks: for TP, a function turning this rank's KV capacity into the group's (the minimum).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        comm: Communicator | None = None,
+        device: torch.device | str | None = None,
+        agree_num_blocks=None,
+        ranks_on_device: int = 1,
+    ):
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(device or config.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        parallel = ParallelContext(rank, config.tp_size, comm or SingleRankCommunicator())
+        self.model, self.model_config = load_model(config, parallel, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
+        block_bytes = kv_cache.bytes_per_block(self.model_config, config.tp_size, self.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            self._warm_up_at_peak_load()
+            num_blocks = kv_cache.cuda_kv_blocks(
+                self.device, block_bytes, config.mem_fraction_static, ranks_on_device
+            )
+        else:
+            num_blocks = kv_cache.cpu_kv_blocks(block_bytes)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
+        self.kv_caches = kv_cache.allocate_kv_caches(
+            self.model_config, config.tp_size, num_blocks, self.block_size, self.device
+        )
+        self._staging: torch.Tensor | None = None
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                max_bs,
+                -(-self.max_model_len // self.block_size),
+                self.max_model_len,
+                self.model_config.vocab_size,
+            )
+            self.graphs.capture()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def _warm_up_at_peak_load(self) -> None:
+        """A forward over max_num_batched_tokens tokens (and sampling of the largest batch) so the
+        activation peak is known before the KV cache takes the rest. K/V are not stored (slot -1)."""
+        mc, cfg = self.model_config, self.config
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_running_requests * self.max_model_len)
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        heads = kv_cache.num_kv_heads_local(mc, cfg.tp_size)
+        shape = (1, self.block_size, heads, mc.head_dim)
+        dev = dict(device=self.device)
+        caches = [
+            (torch.zeros(shape, dtype=mc.dtype, **dev), torch.zeros(shape, dtype=mc.dtype, **dev))
+            for _ in range(mc.num_layers)
+        ]
+        starts = torch.tensor([0, *lens], **dev).cumsum(0).to(torch.int32)
+        attn = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
+            block_tables=torch.zeros(len(lens), -(-seq_len // self.block_size), dtype=torch.int32, **dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, **dev),
+            query_start_loc=starts,
+            max_query_len=seq_len,
+            max_seq_len=seq_len,
+            is_decode=False,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
+        positions = torch.cat([torch.arange(n, **dev) for n in lens])
+        hidden, _ = self.model(ids, positions, attn, caches)
+        rows = min(num_tokens, cfg.max_running_requests)
+        logits = self.model.compute_logits(hidden[:rows])
+        ones = torch.ones(rows, **dev)
+        sample(logits, ones, torch.full((rows,), 50, **dev), ones * 0.9, torch.arange(rows, **dev))
+        del hidden, logits, caches
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def pack(self, batch: Batch, engine_seed: int, banned_token_ids) -> torch.Tensor:
+        """Rank 0: the CPU packed step of batch, padded to its CUDA-graph bucket when it is a decode."""
+        pad_to = None
+        if self.graphs is not None and batch.is_decode:
+            pad_to = self.graphs.bucket(len(batch.seqs))
+        return pack_step(batch, self.block_size, engine_seed, banned_token_ids, pad_to)
+
+    def _to_device(self, packed: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return packed
+        if self._staging is None or self._staging.numel() < packed.numel():
+            self._staging = torch.empty(max(packed.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer
+        staging = self._staging[: packed.numel()]
+        staging.copy_(packed)
+        out = staging.to(self.device, non_blocking=True)
+        self._copy_done.record()
+        return out
+
+    @torch.inference_mode()
+    def execute(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None]:
+        """Every rank: runs the forward of a packed step. Returns the step's device views and the
+        logits [N, vocab] float32 of its sampled rows (None when no row samples)."""
+        header = read_header(packed)
+        step = unpack_step(header, self._to_device(packed))
+        if self.graphs is not None and header.is_decode and header.num_seqs in self.graphs.graphs:
+            logits = self.graphs.run(step)
+            return step, logits.index_select(0, step.sample_indices) if header.num_samples else None
+        hidden, _ = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
+        if not header.num_samples:
+            return step, None
+        return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices))
+
+    @torch.inference_mode()
+    def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:
+        """Rank 0: the next token of each sampled row, as Python ints."""
+        if step.header.num_banned:
+            logits[step.banned_rows, step.banned_ids] = float("-inf")
+        if step.header.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
+        return tokens.tolist()
+
+    def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[int | None]:
+        """Single-process step: pack, forward, sample. Returns one entry per batch sequence: the
+        sampled token, or None for a prefill chunk that did not reach the sequence's end."""
+        step, logits = self.execute(self.pack(batch, engine_seed, banned_token_ids))
+        tokens = iter(self.sample(step, logits) if logits is not None else [])
+        return [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]

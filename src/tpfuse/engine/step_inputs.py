@@ -1,0 +1,187 @@
+"""A step's inputs as one flat int64 tensor: built on the host by rank 0, copied to the device once,
+and sent unchanged to the other tensor-parallel ranks.
+
+Layout: a header of HEADER_LEN ints, then the arrays in the order of `_FIELDS` (floats travel as the
+bits of float64). Decode batches may be padded up to a CUDA-graph bucket: padding rows have token 0,
+position 0, slot -1 (nothing stored), context length 1 and a block-table row of zeros (a dummy read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpfuse.engine.scheduler import Batch
+from tpfuse.model.attention import AttentionMetadata
+
+HEADER_LEN = 9
+_MASK63 = (1 << 63) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def row_seed(request_seed: int | None, engine_seed: int, seq_id: int, output_index: int) -> int:
+    """Sampling seed of one token: a seeded request depends only on (seed, output_index), so it is
+    reproducible whatever the batch; an unseeded one mixes the engine seed with the sequence id."""
+    base = (
+        _splitmix64(request_seed) if request_seed is not None else _splitmix64(engine_seed ^ (seq_id << 20))
+    )
+    return _splitmix64(base ^ output_index) & _MASK63
+
+
+@dataclass
+class StepHeader:
+    num_seqs: int  # B, padding rows included
+    num_tokens: int  # T
+    num_samples: int  # N rows of logits to sample
+    max_blocks: int  # M, block-table width
+    is_decode: int
+    max_query_len: int
+    max_seq_len: int
+    num_banned: int  # K (row, token) pairs masked to -inf before sampling
+    all_greedy: int  # every sampled row has temperature 0: argmax, no sampler
+
+    def sizes(self) -> list[tuple[str, int]]:
+        b, t, n, k = self.num_seqs, self.num_tokens, self.num_samples, self.num_banned
+        return [
+            ("input_ids", t),
+            ("positions", t),
+            ("slot_mapping", t),
+            ("seq_lens", b),
+            ("query_start_loc", b + 1),
+            ("block_tables", b * self.max_blocks),
+            ("sample_indices", n),
+            ("top_ks", n),
+            ("seeds", n),
+            ("temperatures", n),
+            ("top_ps", n),
+            ("banned_rows", k),
+            ("banned_ids", k),
+        ]
+
+
+@dataclass
+class StepInputs:
+    """Device views of a packed step, all int64 except the float32 sampling fields."""
+
+    header: StepHeader
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    seq_lens: torch.Tensor  # [B]
+    query_start_loc: torch.Tensor  # [B + 1]
+    block_tables: torch.Tensor  # [B, M]
+    sample_indices: torch.Tensor  # [N] rows of the forward's output to sample
+    top_ks: torch.Tensor  # [N]
+    seeds: torch.Tensor  # [N]
+    temperatures: torch.Tensor  # [N] float32 (float64 when header.all_greedy: unused)
+    top_ps: torch.Tensor  # [N] float32 (float64 when header.all_greedy: unused)
+    banned_rows: torch.Tensor  # [K]
+    banned_ids: torch.Tensor  # [K]
+
+    def attention_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables.to(torch.int32),
+            seq_lens=self.seq_lens.to(torch.int32),
+            query_start_loc=self.query_start_loc.to(torch.int32),
+            max_query_len=self.header.max_query_len,
+            max_seq_len=self.header.max_seq_len,
+            is_decode=bool(self.header.is_decode),
+        )
+
+
+def pack_step(
+    batch: Batch,
+    block_size: int,
+    engine_seed: int,
+    banned_token_ids,
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """Packs batch into a CPU int64 tensor. banned_token_ids(seq) -> list[int] (min_tokens rule).
+    pad_to: pad a decode batch to this many rows (a CUDA-graph bucket)."""
+    input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+    sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
+    max_blocks = max(len(s.block_table) for s in batch.seqs)
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        table = seq.block_table
+        input_ids += seq.token_ids[begin:end]
+        positions += range(begin, end)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        seq_lens.append(end)
+        starts.append(starts[-1] + n)
+        tables += table + [0] * (max_blocks - len(table))
+        if end == len(seq):
+            row = len(sample_idx)
+            sample_idx.append(starts[-1] - 1)
+            p = seq.params
+            temps.append(p.temperature)
+            top_ps.append(p.top_p)
+            top_ks.append(p.top_k)
+            seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, seq.num_output_tokens))
+            for token in banned_token_ids(seq):
+                banned_rows.append(row)
+                banned_ids.append(token)
+    num_real = len(batch.seqs)
+    if pad_to is not None and pad_to > num_real:
+        pad = pad_to - num_real
+        input_ids += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
+        seq_lens += [1] * pad
+        starts += range(starts[-1] + 1, starts[-1] + 1 + pad)
+        tables += [0] * (pad * max_blocks)
+    header = StepHeader(
+        num_seqs=len(seq_lens),
+        num_tokens=len(input_ids),
+        num_samples=len(sample_idx),
+        max_blocks=max_blocks,
+        is_decode=int(batch.is_decode),
+        max_query_len=max(batch.num_new_tokens),
+        max_seq_len=max(seq_lens),
+        num_banned=len(banned_rows),
+        all_greedy=int(all(t == 0.0 for t in temps)),
+    )
+    ints = torch.tensor(
+        list(vars(header).values())
+        + input_ids
+        + positions
+        + slots
+        + seq_lens
+        + starts
+        + tables
+        + sample_idx
+        + top_ks
+        + seeds,
+        dtype=torch.int64,
+    )
+    floats = torch.tensor(temps + top_ps, dtype=torch.float64).view(torch.int64)
+    banned = torch.tensor(banned_rows + banned_ids, dtype=torch.int64)
+    return torch.cat([ints, floats, banned])
+
+
+def read_header(packed: torch.Tensor) -> StepHeader:
+    """The header of a packed step (packed: the CPU tensor)."""
+    return StepHeader(*packed[:HEADER_LEN].tolist())
+
+
+def unpack_step(header: StepHeader, packed_device: torch.Tensor) -> StepInputs:
+    """Views of the device copy of a packed step (the float fields are converted to float32)."""
+    views = {}
+    offset = HEADER_LEN
+    for name, size in header.sizes():
+        views[name] = packed_device[offset : offset + size]
+        offset += size
+    views["block_tables"] = views["block_tables"].view(header.num_seqs, header.max_blocks)
+    for name in ("temperatures", "top_ps"):
+        views[name] = views[name].view(torch.float64)
+        if not header.all_greedy:  # greedy steps never read them: skip the conversion kernels
+            views[name] = views[name].float()
+    return StepInputs(header=header, **views)
