@@ -79,9 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
         llm.shutdown()
     elapsed = time.perf_counter() - loaded
     generated = sum(len(o.token_ids) for o in outputs)
-    _log(
-        f"generated {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: {generated / elapsed:.1f} tok/s"
-    )
+    rate = generated / elapsed if elapsed > 0 else 0.0
+    _log(f"generated {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: {rate:.1f} tok/s")
     for out in outputs:
         if args.json:
             record = {

@@ -29,10 +29,9 @@ def _splitmix64(x: int) -> int:
 def row_seed(request_seed: int | None, engine_seed: int, seq_id: int, output_index: int) -> int:
     """Sampling seed of one token: a seeded request depends only on (seed, output_index), so it is
     reproducible whatever the batch; an unseeded one mixes the engine seed with the sequence id."""
-    base = (
-        _splitmix64(request_seed) if request_seed is not None else _splitmix64(engine_seed ^ (seq_id << 20))
-    )
-    return _splitmix64(base ^ output_index) & _MASK63
+    if request_seed is None:
+        request_seed = engine_seed ^ (seq_id << 20) ^ (1 << 62)
+    return _splitmix64(_splitmix64(request_seed & 0xFFFFFFFFFFFFFFFF) ^ output_index) & _MASK63
 
 
 @dataclass
@@ -109,7 +108,7 @@ def pack_step(
     input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
     max_blocks = max(len(s.block_table) for s in batch.seqs)
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         table = seq.block_table
         input_ids += seq.token_ids[begin:end]
