@@ -1,0 +1,100 @@
+"""Triton sampling: exact greedy, seeded determinism, top-k / top-p support, and the distribution."""
+
+import pytest
+import torch
+
+from tpfuse.kernels.sampling import sample_ref, sample_triton
+
+# Chi-square critical value for 5 degrees of freedom at p = 0.001.
+CHI2_CRITICAL_DF5 = 20.52
+
+
+def _params(batch, temperature, top_k=0, top_p=1.0, first_seed=0):
+    return (
+        torch.full((batch,), float(temperature)),
+        torch.full((batch,), top_k, dtype=torch.int64),
+        torch.full((batch,), float(top_p)),
+        torch.arange(first_seed, first_seed + batch, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_rows_are_exactly_argmax_with_ties_to_the_lowest_index(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5000, generator=gen).to(dtype)
+    logits[0, [7, 9]] = 20.0  # tie inside one chunk
+    logits[1, [100, 4500]] = 20.0  # tie across chunks of the vocabulary
+    logits[2, 4999] = 20.0  # the last token
+    temperatures, top_ks, top_ps, seeds = _params(4, 0.0)
+    temperatures[3] = 1.0  # a sampled row in the same batch changes nothing for the greedy rows
+    tokens = sample_triton(logits, temperatures, top_ks, top_ps, seeds)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens[:3], logits[:3].float().argmax(-1))
+    assert tokens[:3].tolist() == [7, 100, 4999]
+
+
+def test_greedy_matches_the_reference_on_random_logits():
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(1))
+    args = _params(16, 0.0)
+    assert torch.equal(sample_triton(logits, *args), sample_ref(logits, *args))
+
+
+def test_same_seed_gives_the_same_tokens():
+    logits = torch.randn(12, 64, generator=torch.Generator().manual_seed(2))
+    args = _params(12, 1.0, top_k=20, top_p=0.9)
+    assert torch.equal(sample_triton(logits, *args), sample_triton(logits, *args))
+
+
+def test_a_row_samples_the_same_token_whatever_else_is_in_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 64, generator=gen)
+    temperatures, top_ks, top_ps, seeds = _params(8, 1.0, first_seed=1000)
+    top_ks[::2] = 10
+    batch_tokens = sample_triton(logits, temperatures, top_ks, top_ps, seeds)
+    for row in (1, 4, 7):
+        alone = sample_triton(logits[row : row + 1], temperatures[row : row + 1], top_ks[row : row + 1],
+                              top_ps[row : row + 1], seeds[row : row + 1])  # fmt: skip
+        assert int(alone) == int(batch_tokens[row])
+
+
+def test_different_seeds_give_different_tokens():
+    logits = torch.zeros(40, 64)  # uniform
+    tokens = sample_triton(logits, *_params(40, 1.0))
+    assert len(set(tokens.tolist())) > 15
+
+
+def test_top_k_never_returns_a_token_outside_the_top_k():
+    row = torch.randn(50, generator=torch.Generator().manual_seed(4))
+    logits = row.expand(150, 50).contiguous()
+    tokens = sample_triton(logits, *_params(150, 1.5, top_k=5))
+    allowed = set(row.topk(5).indices.tolist())
+    assert set(tokens.tolist()) <= allowed
+    assert len(set(tokens.tolist())) > 1
+
+
+def test_top_p_never_returns_a_token_outside_the_nucleus():
+    row = torch.randn(40, generator=torch.Generator().manual_seed(5))
+    temperature, top_p = 1.0, 0.6
+    logits = row.expand(150, 40).contiguous()
+    tokens = sample_triton(logits, *_params(150, temperature, top_p=top_p))
+    probs, order = (row / temperature).softmax(-1).sort(descending=True)
+    mass_before = probs.cumsum(0) - probs
+    nucleus = set(order[mass_before < top_p].tolist())
+    assert 1 < len(nucleus) < 40
+    assert set(tokens.tolist()) <= nucleus
+    assert len(set(tokens.tolist())) > 1
+
+
+def _chi_square(tokens, probs):
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_temperature_sampling_follows_the_softmax_and_a_wrong_distribution_is_rejected():
+    row = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
+    temperature, samples = 0.7, 600
+    tokens = sample_triton(row.expand(samples, 6).contiguous(), *_params(samples, temperature, first_seed=77))
+    assert _chi_square(tokens, (row / temperature).softmax(-1)) < CHI2_CRITICAL_DF5
+    # Control: the same samples against the untempered softmax must fail the test.
+    assert _chi_square(tokens, row.softmax(-1)) > CHI2_CRITICAL_DF5
