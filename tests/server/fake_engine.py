@@ -118,5 +118,10 @@ def make_fake_engine(config):
     return FakeEngine(config)
 
 
+def make_slow_engine(config):
+    time.sleep(2.0)
+    return FakeEngine(config)
+
+
 def make_failing_engine(config):
     raise ValueError("no such model: checkpoint missing (this engine always fails to start)")

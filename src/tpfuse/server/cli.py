@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -89,11 +90,19 @@ def run_server(
             if on_ready is not None:
                 on_ready(url)
 
+    def stop(signum, frame) -> None:
+        # uvicorn handles the signal while it serves and re-raises it on exit; this handler takes
+        # that re-raise (and any signal outside uvicorn's window) so both processes stop cleanly.
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=announce, name="tpfuse-announce", daemon=True).start()
     try:
         server.run()
     finally:
         client.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if failed.is_set() or not server.started else 0
 
 

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -72,7 +73,9 @@ def _vocab_size(engine) -> int | None:
 
 
 def run_engine_loop(conn, config: EngineConfig, engine_factory: Callable = make_llm_engine) -> None:
-    """Process target: builds the engine, reports ready, then serves the pipe until shutdown or EOF."""
+    """Process target: builds the engine, reports ready, then serves the pipe until shutdown or EOF.
+    Ctrl-C reaches the whole process group; only the HTTP process acts on it (it sends "shutdown")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = engine_factory(config)
         info = EngineInfo(_max_model_len(engine), engine.tokenizer, _vocab_size(engine))

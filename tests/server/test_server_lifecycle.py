@@ -1,0 +1,80 @@
+"""Process lifecycle and auth, on the fake engine (fast to start): readiness, failed start, signals,
+API key."""
+
+import contextlib
+import signal
+import time
+
+import httpx
+import pytest
+from tests.server.server_process import ServerProcess, start_server
+
+FAKE = "tests.server.serve_fake"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = start_server(FAKE, ["--api-key", "sekret", "--device", "cpu"])
+    yield server
+    server.stop()
+
+
+def _complete(url, headers=None):
+    return httpx.post(
+        url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers, timeout=10
+    )
+
+
+def test_missing_api_key_is_401_with_an_openai_error_body(keyed_server):
+    response = _complete(keyed_server.url)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_wrong_api_key_is_401(keyed_server):
+    assert _complete(keyed_server.url, {"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(keyed_server.url + "/v1/models", timeout=10).status_code == 401
+
+
+def test_right_api_key_is_served_after_refusals(keyed_server):
+    _complete(keyed_server.url)
+    response = _complete(keyed_server.url, {"Authorization": "Bearer sekret"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_health_needs_no_key(keyed_server):
+    assert httpx.get(keyed_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_health_is_503_until_the_engine_is_ready_then_200():
+    server = ServerProcess(FAKE, ["--slow-start", "--device", "cpu"])
+    try:
+        codes = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and 200 not in codes:
+            with contextlib.suppress(httpx.HTTPError):
+                codes.append(httpx.get(server.url + "/health", timeout=2).status_code)
+            time.sleep(0.05)
+        assert 503 in codes and codes[-1] == 200
+        assert "ready at " + server.url in server.output()
+    finally:
+        server.stop()
+
+
+def test_engine_that_fails_to_start_ends_the_server_with_its_reason():
+    server = ServerProcess(FAKE, ["--fail-at-start", "--device", "cpu"])
+    try:
+        code = server.proc.wait(60)
+        assert code == 1
+        assert "checkpoint missing" in server.output()
+        assert server.wait_group_gone(10), "the engine process outlived the server"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_server_and_engine(sig):
+    server = start_server(FAKE, ["--device", "cpu"])
+    code = server.stop(sig, timeout=20)
+    assert code == 0, server.output()
+    assert not server.group_alive()
