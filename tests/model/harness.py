@@ -73,10 +73,9 @@ def hf_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
         return [hf_model(torch.tensor([s])).logits[0].float() for s in sequences]
 
 
-def load_for_test(path, tp_rank: int = 0, tp_size: int = 1, comm=None, **engine_kwargs):
-    engine_config = EngineConfig(
-        model=str(path), dtype="float32", tp_size=tp_size, device="cpu", **engine_kwargs
-    )
+def load_for_test(path, tp_rank: int = 0, tp_size: int = 1, comm=None, dtype="float32", **engine_kwargs):
+    """load_model on CPU for one rank (TP=1 with a SingleRankCommunicator by default)."""
+    engine_config = EngineConfig(model=str(path), dtype=dtype, tp_size=tp_size, device="cpu", **engine_kwargs)
     parallel = ParallelContext(tp_rank, tp_size, comm or SingleRankCommunicator())
     return load_model(engine_config, parallel, "cpu")
 

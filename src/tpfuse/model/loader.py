@@ -150,7 +150,13 @@ def load_safetensors(model: LlamaForCausalLM, slots: dict[str, ShardSlot], direc
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
             for name in names:
+                if name not in present:
+                    raise CheckpointError(
+                        f"{path} is missing tensor {name}, which {INDEX_FILE} places there; "
+                        "re-download that shard"
+                    )
                 _copy_slice(f.get_slice(name), slots[name], name, path)
 
 
