@@ -1,0 +1,157 @@
+"""AdaptivePolicy on synthetic step costs and acceptance: it speculates only when that pays."""
+
+import random
+
+import pytest
+
+from tpfuse.spec.adaptive import AdaptivePolicy
+
+K = 4
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class SyntheticServer:
+    """Step cost = weights read once + per-token compute * bucket * (k + 1) + draft cost * k, with
+    multiplicative noise; draft i is accepted with probability rate given the earlier ones were."""
+
+    def __init__(self, rate, weights=4e-3, per_token=2e-5, draft=4e-4, noise=0.0, seed=0):
+        self.rate, self.weights, self.per_token, self.draft, self.noise = (
+            rate,
+            weights,
+            per_token,
+            draft,
+            noise,
+        )
+        self.rng = random.Random(seed)
+
+    def cost(self, bucket, k):
+        return self.weights + self.per_token * bucket * (k + 1) + self.draft * k
+
+    def best_k(self, batch, bucket):
+        def tokens_per_second(k):
+            return (1 + sum(self.rate**j for j in range(1, k + 1))) * batch / self.cost(bucket, k)
+
+        return max(range(K + 1), key=tokens_per_second)
+
+    def step(self, policy, batch):
+        k = policy.choose(batch)
+        bucket = policy.bucket_of(batch)
+        seconds = self.cost(bucket, k) * (1 + self.rng.uniform(-self.noise, self.noise))
+        policy.record_step(batch, k, seconds)
+        if k > 0:
+            accepted = []
+            for _ in range(batch):
+                n = 0
+                while n < k and self.rng.random() < self.rate:
+                    n += 1
+                accepted.append(n)
+            policy.record_acceptance(k, accepted)
+        return k
+
+
+def run(server, policy, batch, steps):
+    return [server.step(policy, batch) for _ in range(steps)]
+
+
+def test_every_k_is_explored_in_a_bucket_before_it_commits():
+    policy = AdaptivePolicy(K, BUCKETS, min_cost_samples=2)
+    first = run(SyntheticServer(rate=0.8), policy, batch=1, steps=2 * (K + 1))
+    assert sorted(first) == sorted(list(range(K + 1)) * 2)
+
+
+def test_picks_zero_when_drafting_cannot_pay():
+    server = SyntheticServer(rate=0.1, draft=3e-3)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    choices = run(server, policy, batch=4, steps=300)
+    assert server.best_k(4, 4) == 0
+    assert set(choices[-100:]) == {0}
+
+
+def test_picks_the_best_positive_k_when_drafting_pays():
+    server = SyntheticServer(rate=0.8)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    choices = run(server, policy, batch=1, steps=400)
+    expected = server.best_k(1, 1)
+    assert expected > 0
+    assert set(choices[-100:]) == {expected}
+
+
+def test_large_batches_stop_speculating_while_small_ones_keep_it():
+    server = SyntheticServer(rate=0.7, per_token=2e-4)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    for _ in range(300):
+        server.step(policy, 1)
+        server.step(policy, 64)
+    assert server.best_k(1, 1) > 0 and server.best_k(64, 64) == 0
+    assert policy.choose(1) == server.best_k(1, 1)
+    assert policy.choose(64) == 0
+
+
+def test_noisy_costs_of_nearly_equal_choices_do_not_make_it_oscillate():
+    # k = 1 and k = 2 are within 3% of each other in expected throughput; costs carry 20% noise and
+    # batch-1 acceptance is a coin flip per step.
+    server = SyntheticServer(rate=0.5, weights=4e-3, per_token=0.0, draft=1.0e-3, noise=0.2, seed=3)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    choices = run(server, policy, batch=1, steps=2000)[2 * (K + 1) :]
+    switch_steps = [i for i, (a, b) in enumerate(zip(choices, choices[1:], strict=False)) if a != b]
+    assert len(switch_steps) <= 5
+    gaps = [b - a for a, b in zip(switch_steps, switch_steps[1:], strict=False)]
+    assert min(gaps, default=policy.switch_patience) >= policy.switch_patience
+
+
+def test_returns_from_zero_when_acceptance_improves():
+    server = SyntheticServer(rate=0.05, draft=3e-3)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=16)
+    run(server, policy, batch=32, steps=300)
+    assert policy.choose(32) == 0
+    server.rate = 0.9
+    run(server, policy, batch=32, steps=400)
+    final = policy.choose(32)
+    assert final > 0
+
+    def true_tokens_per_second(k):
+        return (1 + sum(server.rate**j for j in range(1, k + 1))) / server.cost(32, k)
+
+    assert true_tokens_per_second(final) >= 0.95 * true_tokens_per_second(server.best_k(32, 32))
+
+
+def test_probes_while_at_zero_draft_the_maximum_k_once_per_interval():
+    server = SyntheticServer(rate=0.0, draft=5e-3)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=20)
+    choices = run(server, policy, batch=1, steps=400)[100:]
+    assert choices.count(K) == pytest.approx(len(choices) / 20, abs=2)
+    assert set(choices) == {0, K}
+
+
+def test_costs_seeded_from_a_profile_need_no_exploration():
+    server = SyntheticServer(rate=0.8)
+    policy = AdaptivePolicy(K, BUCKETS)
+    for k in range(K + 1):
+        policy.set_cost(1, k, server.cost(1, k))
+    assert policy.choose(1) == server.best_k(1, 1)
+
+
+def test_acceptance_estimates_track_per_position_rates():
+    policy = AdaptivePolicy(3, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
+    policy.record_acceptance(3, [0, 1, 1, 3])  # position 1: 3 of 4; position 2: 1 of 3; 3: 1 of 1
+    assert policy.acceptance_rates == pytest.approx([0.75, 1 / 3, 1.0])
+    assert policy.acceptance_length == pytest.approx(1 + 5 / 4)
+    assert policy.expected_accepted(2) == pytest.approx(0.75 + 0.75 / 3)
+
+
+def test_rows_with_fewer_drafts_only_count_for_the_positions_they_drafted():
+    policy = AdaptivePolicy(3, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
+    policy.record_acceptance([1, 3], [1, 2])  # row 0 drafted one token: positions 2, 3 are row 1's
+    assert policy.acceptance_rates == pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_batches_are_mapped_to_the_smallest_bucket_that_holds_them():
+    policy = AdaptivePolicy(K, BUCKETS)
+    assert [policy.bucket_of(b) for b in (1, 3, 8, 9, 200)] == [1, 4, 8, 16, 64]
+
+
+def test_invalid_settings_raise_errors_that_name_the_setting():
+    with pytest.raises(ValueError, match="max_num_draft_tokens"):
+        AdaptivePolicy(0, BUCKETS)
+    with pytest.raises(ValueError, match="batch_buckets"):
+        AdaptivePolicy(K, [])
