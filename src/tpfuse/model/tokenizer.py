@@ -15,6 +15,7 @@ import re
 from tpfuse.model.presets import BYTE_SPECIAL_TOKENS, is_preset
 
 _PLACEHOLDER_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _plain_chat_template(messages: list[dict], role_prefix: dict[str, str], end: str, reply: str) -> str:
@@ -73,13 +74,16 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+            raise ValueError(
+                f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}; copy them from the "
+                "original checkpoint"
+            )
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(
-                f"could not load a tokenizer from {path} ({e}); the directory needs tokenizer.json or "
-                "tokenizer_config.json with its vocabulary files"
-            ) from e
+            reason = " ".join(str(e).split())
+            raise ValueError(f"could not load the tokenizer in {path}: {reason}") from e
         self.bos_token_id = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
         eos = {self._tok.eos_token_id} if self._tok.eos_token_id is not None else set()
