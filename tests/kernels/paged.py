@@ -33,18 +33,22 @@ def random_paged_kv(
     blocks_per_seq = [(n + block_size - 1) // block_size for n in context_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen)
     width = max(blocks_per_seq, default=0) + spare_columns
     block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    holds_a_key = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    used = 0
     for b, (n, count) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
-        physical = [order.pop() for _ in range(count)]
-        block_tables[b, :count] = torch.tensor(physical, dtype=torch.int32)
-        for i in range(n):
-            block, slot = physical[i // block_size], i % block_size
-            kv = torch.randn(2, num_kv_heads, head_dim, generator=gen)
-            k_cache[block, slot] = kv[0].to(dtype)
-            v_cache[block, slot] = kv[1].to(dtype)
+        physical = order[used : used + count]
+        used += count
+        block_tables[b, :count] = physical.to(torch.int32)
+        holds_a_key[physical] = True
+        if n % block_size:
+            holds_a_key[physical[-1], n % block_size :] = False
+    holds_a_key = holds_a_key.to(device)
+    k_cache[~holds_a_key] = float("nan")
+    v_cache[~holds_a_key] = float("nan")
     seq_lens = torch.tensor(context_lens, dtype=torch.int32)
     return k_cache, v_cache, block_tables.to(device), seq_lens.to(device)
