@@ -30,10 +30,13 @@ def fused_add_rmsnorm_ref(
 
 
 @triton.jit
-def _rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
+def rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
+    """The norm of one float32 row (masked lanes must hold 0) times the weight, in float32.
+
+    Shared with the fused all-reduce epilogue (tpfuse.comm) so that TP and TP=1 give the same bits."""
     var = tl.sum(row_f32 * row_f32, axis=0) / hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return row_f32 * (1.0 / tl.sqrt(var + eps)) * w
+    return row_f32 * tl.rsqrt(var + eps) * w
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BL
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _rmsnorm_row(x, w_ptr, cols, mask, hidden, eps)
+    y = rmsnorm_row(x, w_ptr, cols, mask, hidden, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -68,7 +71,7 @@ def _fused_add_rmsnorm_kernel(
     # The rounded sum is the new residual; the norm is taken from the rounded value, not the fp32 sum.
     s = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
-    y = _rmsnorm_row(s.to(tl.float32), w_ptr, cols, mask, hidden, eps)
+    y = rmsnorm_row(s.to(tl.float32), w_ptr, cols, mask, hidden, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -60,8 +60,8 @@ def sample_ref(
 def _row_argmax(values_ptr, vocab, temperature, seed, ADD_NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Index of the largest value of one row (ties: the lowest index); with ADD_NOISE, of
     values / temperature + Gumbel(seed, token index)."""
-    best_value = float("-inf")
-    best_index = 0
+    best_value = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int32)
     for chunk_start in range(0, vocab, BLOCK_V):
         tokens = chunk_start + tl.arange(0, BLOCK_V)
         values = tl.load(values_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
