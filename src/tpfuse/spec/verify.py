@@ -119,8 +119,10 @@ def target_probs(
     return filtered.softmax(dim=-1).reshape(batch, positions, vocab)
 
 
-def _sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """weights: [B, V] >= 0, not all zero; u: [B] in [0, 1). Returns [B] int64 ids with P(i) ∝ weights[i]."""
+def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draws one id per row by inverting the cumulative weights.
+
+    weights: [B, V] >= 0, not all zero; u: [B] uniform in [0, 1). Returns [B] int64 ids, P(i) ∝ weights[i]."""
     cdf = weights.double().cumsum(dim=-1)
     threshold = (u.double() * cdf[:, -1])[:, None].contiguous()
     # The first index whose cdf exceeds the threshold: zero-weight ids are never chosen.
@@ -186,7 +188,7 @@ def rejection_sample_verify(
         usable = rejected & (residual.sum(dim=-1) > 0)
         p_next = torch.where(usable[:, None], residual, p_next)
     u_sample = uniform(seeds.to(device), _STREAM_SAMPLE, torch.arange(k + 1, device=device))
-    last = _sample_inverse_cdf(p_next, u_sample[rows, num_accepted])
+    last = sample_inverse_cdf(p_next, u_sample[rows, num_accepted])
     sampled = VerifyResult(num_accepted, emitted_tokens(draft_token_ids, num_accepted, last))
 
     greedy_rows = temperatures.to(device) <= 0
