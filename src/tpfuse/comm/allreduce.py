@@ -1,0 +1,178 @@
+"""Triton all-reduce over peer memory: one-shot, two-shot, and the fused residual add + RMSNorm (+FP8).
+
+Rows are split over a persistent grid (program p handles rows p, p + G, ...); program p of every rank
+handles the same rows and synchronises only with program p of the other ranks (sync.py has the flag
+protocol). Sums run in rank order in float32, so every rank computes bit-identical results.
+
+- one-shot: every rank pushes its rows into slot [rank] of every rank's data region, waits for all
+  flags, and reduces the world_size slots of its own buffer, then runs the epilogue.
+- two-shot: the hidden dimension is cut into world_size chunks; rank j owns chunk j. Every rank pushes
+  chunk j of its rows to rank j (scatter); the owner reduces it (+ residual for the fused op), rounds it
+  to the activation dtype, pushes it into every rank's gather region; every rank then runs the epilogue
+  on whole rows. Each rank moves 2 (world-1)/world rows per row instead of world - 1.
+
+Epilogue numerics (as tpfuse.kernels.rmsnorm): s = round(sum_fp32 + residual) is the new residual;
+normed = round(s * rsqrt(mean(s^2) + eps) * weight) in float32; FP8: normed_fp32 / scale rounded to the
+nearest-even float8_e4m3fn value and clamped to +-448 (saturating).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tpfuse.comm.sync import (
+    FLAG_GATHER,
+    FLAG_PUSH,
+    PHASE_FINISH,
+    PHASE_PUSH,
+    PHASE_REDUCE,
+    finish_launch,
+    load_epoch,
+    signal_peers,
+    wait_for_peers,
+)
+
+EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
+EPILOGUE_NORM = tl.constexpr(1)  # + residual, RMSNorm
+EPILOGUE_NORM_FP8 = tl.constexpr(2)  # + residual, RMSNorm, FP8 e4m3 with a per-tensor scale
+EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: copy every rank's rows out (one-shot only)
+FP8_E4M3_MAX = tl.constexpr(448.0)
+E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float32 to a multiple of 2^-9
+
+
+@triton.jit
+def _region(peer_table, peer, byte_offset, DTYPE: tl.constexpr):
+    """Typed pointer to byte_offset inside rank `peer`'s buffer (regions are 256-byte aligned)."""
+    return tl.multiple_of((tl.load(peer_table + peer) + byte_offset).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round float32 to the nearest-even float8_e4m3fn value (still float32), so the final conversion is
+    exact. Done by hand because the Triton interpreter's float8 conversion loses the mantissa carry."""
+    bits = y.to(tl.uint32, bitcast=True)
+    keep3 = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = (y + E4M3_SUBNORMAL_ROUNDER) - E4M3_SUBNORMAL_ROUNDER  # multiples of 2^-9
+    return tl.where(tl.abs(y) < E4M3_MIN_NORMAL, subnormal, keep3)
+
+
+@triton.jit
+def _norm_store(s, row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, eps, EPILOGUE: tl.constexpr):
+    """s: the new residual row (float32 of rounded values); writes the normed row to out_ptr."""
+    variance = tl.sum(s * s, 0) / hidden
+    w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    y = s * tl.rsqrt(variance + eps) * w
+    if EPILOGUE == EPILOGUE_NORM_FP8:
+        y = tl.clamp(_round_to_e4m3(y / tl.load(scale_ptr)), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+                    peer_table, buffer_ptr, rank, num_rows, hidden, eps, timeout,
+                    flag_off, data_off, slot_bytes, max_programs,
+                    WS: tl.constexpr, WS_P2: tl.constexpr, BLOCK: tl.constexpr, EPILOGUE: tl.constexpr,
+                    PHASES: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """x: [num_rows, hidden] contiguous; see one_shot() for the outputs."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = load_epoch(buffer_ptr)
+    parity = (epoch & 1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    if PHASE_PUSH & PHASES:
+        own_slot = data_off + (parity * WS + rank) * slot_bytes
+        for row in range(pid, num_rows, nprog):
+            v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
+            for j in tl.static_range(WS):
+                tl.store(_region(peer_table, j, own_slot, DT) + row * hidden + cols, v, mask=in_row)
+        signal_peers(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, WS, WS_P2, INTERPRET)
+    if PHASE_FINISH & PHASES:
+        wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
+                       WS, WS_P2, INTERPRET)  # fmt: skip
+        for row in range(pid, num_rows, nprog):
+            if EPILOGUE == EPILOGUE_GATHER:
+                for s in tl.static_range(WS):
+                    src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+                    v = tl.load(src + row * hidden + cols, mask=in_row, volatile=True)
+                    tl.store(out_ptr + (s * num_rows + row) * hidden + cols, v, mask=in_row)
+            else:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for s in tl.static_range(WS):
+                    src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+                    acc += tl.load(src + row * hidden + cols, mask=in_row, other=0.0, volatile=True).to(
+                        tl.float32
+                    )
+                if EPILOGUE == EPILOGUE_SUM:
+                    tl.store(out_ptr + row * hidden + cols, acc.to(DT), mask=in_row)
+                else:
+                    acc += tl.load(residual_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+                    s_row = acc.to(DT)
+                    tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
+                    _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr,
+                                scale_ptr, eps, EPILOGUE)  # fmt: skip
+        finish_launch(buffer_ptr, epoch)
+
+
+@triton.jit
+def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+                    peer_table, buffer_ptr, rank, num_rows, hidden, chunk, eps, timeout,
+                    flag_off, data_off, gather_off, slot_bytes, max_programs,
+                    WS: tl.constexpr, WS_P2: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+                    EPILOGUE: tl.constexpr, PHASES: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """x: [num_rows, hidden] contiguous; rank j owns columns [j * chunk, (j + 1) * chunk)."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = load_epoch(buffer_ptr)
+    parity = (epoch & 1).to(tl.int64)
+    chunk_cols = tl.arange(0, CHUNK_BLOCK)
+    if PHASE_PUSH & PHASES:
+        own_slot = data_off + (parity * WS + rank) * slot_bytes
+        for row in range(pid, num_rows, nprog):
+            for j in tl.static_range(WS):
+                cols = j * chunk + chunk_cols
+                m = (chunk_cols < chunk) & (cols < hidden)
+                v = tl.load(x_ptr + row * hidden + cols, mask=m)
+                tl.store(_region(peer_table, j, own_slot, DT) + row * hidden + cols, v, mask=m)
+        signal_peers(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, WS, WS_P2, INTERPRET)
+    if PHASE_REDUCE & PHASES:
+        wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
+                       WS, WS_P2, INTERPRET)  # fmt: skip
+        cols = rank * chunk + chunk_cols
+        m = (chunk_cols < chunk) & (cols < hidden)
+        gather = gather_off + parity * slot_bytes
+        for row in range(pid, num_rows, nprog):
+            acc = tl.zeros([CHUNK_BLOCK], dtype=tl.float32)
+            for s in tl.static_range(WS):
+                src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+                acc += tl.load(src + row * hidden + cols, mask=m, other=0.0, volatile=True).to(tl.float32)
+            if EPILOGUE != EPILOGUE_SUM:
+                acc += tl.load(residual_ptr + row * hidden + cols, mask=m, other=0.0).to(tl.float32)
+            reduced = acc.to(DT)
+            for j in tl.static_range(WS):
+                tl.store(_region(peer_table, j, gather, DT) + row * hidden + cols, reduced, mask=m)
+        signal_peers(peer_table, rank, epoch, FLAG_GATHER, flag_off, max_programs, WS, WS_P2, INTERPRET)
+    if PHASE_FINISH & PHASES:
+        wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_GATHER, flag_off, max_programs, timeout,
+                       WS, WS_P2, INTERPRET)  # fmt: skip
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < hidden
+        src = _region(peer_table, rank, gather_off + parity * slot_bytes, DT)
+        for row in range(pid, num_rows, nprog):
+            s_row = tl.load(src + row * hidden + cols, mask=in_row, other=0.0, volatile=True)
+            if EPILOGUE == EPILOGUE_SUM:
+                tl.store(out_ptr + row * hidden + cols, s_row, mask=in_row)
+            else:
+                tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
+                _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr,
+                            eps, EPILOGUE)  # fmt: skip
+        finish_launch(buffer_ptr, epoch)
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per program for a row of `block` elements: about 8 elements per thread, 1..16 warps."""
+    return max(1, min(16, triton.next_power_of_2(block) // 256))

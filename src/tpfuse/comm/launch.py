@@ -1,0 +1,154 @@
+"""Host side of the peer-memory kernels: shapes, checks, grid, and the launch.
+
+Every function here is one rank's part of a collective: all ranks of the workspace must call the same
+function with the same shapes, in the same order (that is what keeps the device epochs in step).
+`phases` exists for the Triton interpreter, which cannot run ranks concurrently: tests call each phase
+for every rank in turn (push on all ranks, then reduce, then finish). On the GPU leave it at ALL_PHASES.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tpfuse.comm import allreduce as k
+from tpfuse.comm.sync import ALL_PHASES, interpreting
+from tpfuse.comm.workspace import RankWorkspace
+
+ALGORITHMS = ("one_shot", "two_shot")
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0:
+        x = x.reshape(1)
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _check_fits(ws: RankWorkspace, rows: torch.Tensor, what: str) -> None:
+    nbytes = rows.numel() * rows.element_size()
+    if nbytes > ws.layout.slot_bytes:
+        raise ValueError(
+            f"{what} of {tuple(rows.shape)} {rows.dtype} ({nbytes} bytes) exceeds the peer workspace slot of "
+            f"{ws.layout.slot_bytes} bytes; build the workspace for more tokens or use the fallback"
+        )
+    if rows.device != ws.device:
+        raise ValueError(f"{what}: tensor on {rows.device} but the workspace is on {ws.device}")
+
+
+def _common(ws: RankWorkspace, num_rows: int) -> tuple[tuple[int], dict]:
+    interpret = interpreting()
+    grid = (min(num_rows, ws.layout.max_programs),)
+    meta = dict(WS=ws.world_size, WS_P2=triton.next_power_of_2(ws.world_size), INTERPRET=interpret)
+    return grid, meta
+
+
+def fits(ws: RankWorkspace, x: torch.Tensor) -> bool:
+    """Whether x (any shape) fits one slot of the workspace."""
+    return x.numel() * x.element_size() <= ws.layout.slot_bytes
+
+
+def _launch(ws, algorithm, rows, residual, weight, out, residual_out, scale, eps, epilogue, phases):
+    num_rows, hidden = rows.shape
+    if num_rows == 0 or hidden == 0:
+        return
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    grid, meta = _common(ws, num_rows)
+    lay = ws.layout
+    timeout = ws.timeout_for_kernel(meta["INTERPRET"])
+    block = triton.next_power_of_2(hidden)
+    tensors = (rows, residual, weight, out, residual_out, scale, ws.peer_table, ws.words)
+    if algorithm == "one_shot":
+        k.one_shot_kernel[grid](
+            *tensors, ws.rank, num_rows, hidden, eps, timeout, lay.flag_off, lay.data_off, lay.slot_bytes,
+            lay.max_programs, BLOCK=block, EPILOGUE=epilogue, PHASES=phases, num_warps=k.num_warps_for(block),
+            **meta,
+        )  # fmt: skip
+    else:
+        chunk = (hidden + ws.world_size - 1) // ws.world_size
+        chunk = (chunk + 7) // 8 * 8  # 16-byte aligned chunks where the hidden size allows
+        k.two_shot_kernel[grid](
+            *tensors, ws.rank, num_rows, hidden, chunk, eps, timeout, lay.flag_off, lay.data_off,
+            lay.gather_off, lay.slot_bytes, lay.max_programs, BLOCK=block,
+            CHUNK_BLOCK=triton.next_power_of_2(chunk), EPILOGUE=epilogue, PHASES=phases,
+            num_warps=k.num_warps_for(block), **meta,
+        )  # fmt: skip
+
+
+def all_reduce(
+    ws: RankWorkspace,
+    x: torch.Tensor,
+    algorithm: str = "one_shot",
+    out: torch.Tensor | None = None,
+    phases: int = ALL_PHASES,
+) -> torch.Tensor:
+    """Sum of x over the workspace's ranks. x: any shape, bf16/fp16/fp32, on the workspace's device,
+    unchanged. Returns `out` (new unless given), same shape and dtype. Raises ValueError if x does not
+    fit a slot."""
+    rows = _as_rows(x)
+    _check_fits(ws, rows, "all_reduce input")
+    out = torch.empty_like(rows) if out is None else out
+    _launch(ws, algorithm, rows, rows, rows, out, out, rows, 0.0, k.EPILOGUE_SUM.value, phases)
+    return out.view(x.shape)
+
+
+def fused_add_rmsnorm(
+    ws: RankWorkspace,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    algorithm: str = "one_shot",
+    fp8_scale: torch.Tensor | None = None,
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    phases: int = ALL_PHASES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = round(all_reduce(x) + residual); returns (normed, s), both new [T, H] tensors unless
+    `outputs` gives them. x, residual: [T, H] of one dtype, residual identical on every rank (as in
+    tensor parallelism; two-shot adds the owner's copy); weight: [H]. normed has x's dtype, or
+    float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given.
+    Bit-identical on every rank. Raises ValueError on shape or size problems."""
+    rows = _as_rows(x)
+    _check_fits(ws, rows, "fused all-reduce input")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+        )
+    if weight.shape != (rows.shape[1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({rows.shape[1]},)")
+    res_rows = _as_rows(residual)
+    if outputs is None:
+        out_dtype = torch.float8_e4m3fn if fp8_scale is not None else rows.dtype
+        outputs = (torch.empty(rows.shape, dtype=out_dtype, device=rows.device), torch.empty_like(rows))
+    normed, res_out = outputs
+    if fp8_scale is None:
+        scale, epilogue = weight, k.EPILOGUE_NORM.value
+    else:
+        scale, epilogue = fp8_scale.to(torch.float32).reshape(1), k.EPILOGUE_NORM_FP8.value
+    _launch(ws, algorithm, rows, res_rows, weight, normed, res_out, scale, eps, epilogue, phases)
+    return normed.view(x.shape), res_out.view(x.shape)
+
+
+def all_gather(
+    ws: RankWorkspace, x: torch.Tensor, out: torch.Tensor | None = None, phases: int = ALL_PHASES
+) -> torch.Tensor:
+    """Every rank's x stacked in rank order: returns [world_size, *x.shape] (new unless given)."""
+    rows = _as_rows(x)
+    _check_fits(ws, rows, "all_gather input")
+    out = (
+        torch.empty((ws.world_size, *rows.shape), dtype=rows.dtype, device=rows.device)
+        if out is None
+        else out
+    )
+    num_rows, hidden = rows.shape
+    if rows.numel():
+        grid, meta = _common(ws, num_rows)
+        lay = ws.layout
+        block = triton.next_power_of_2(hidden)
+        k.one_shot_kernel[grid](
+            rows, rows, rows, out, out, rows, ws.peer_table, ws.words, ws.rank, num_rows, hidden, 0.0,
+            ws.timeout_for_kernel(meta["INTERPRET"]), lay.flag_off, lay.data_off, lay.slot_bytes,
+            lay.max_programs, BLOCK=block, EPILOGUE=k.EPILOGUE_GATHER.value, PHASES=phases,
+            num_warps=k.num_warps_for(block), **meta,
+        )  # fmt: skip
+    return out.view(ws.world_size, *x.shape)

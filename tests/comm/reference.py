@@ -1,0 +1,47 @@
+"""Float64 references and the sequential phase runner for interpreted (CPU) kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from tpfuse.comm.sync import PHASE_FINISH, PHASE_PUSH, PHASE_REDUCE
+
+PHASES_IN_ORDER = (PHASE_PUSH.value, PHASE_REDUCE.value, PHASE_FINISH.value)
+FP8_MAX = 448.0
+
+
+def sum64(inputs: list[torch.Tensor]) -> torch.Tensor:
+    return sum(x.double() for x in inputs)
+
+
+def fused64(inputs, residual, weight, eps):
+    """(normed, new_residual) in float64, no rounding anywhere."""
+    s = sum64(inputs) + residual.double()
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return normed, s
+
+
+def assert_close_to(actual: torch.Tensor, expected64: torch.Tensor, ulps: float = 2.0):
+    """|actual - expected| within `ulps` units of actual's dtype precision, relative to each value plus a
+    floor of a quarter of the largest value (float32 sums lose digits to cancellation)."""
+    eps = torch.finfo(actual.dtype).eps
+    err = (actual.double() - expected64).abs()
+    bound = ulps * eps * (expected64.abs() + 0.25 * expected64.abs().max())
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"max error {err.max().item():.3g} exceeds {ulps} ulp of {actual.dtype}"
+    assert torch.isfinite(actual.float()).all(), "non-finite values (poisoned output not overwritten?)"
+
+
+def poisoned(shape, dtype):
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return torch.full(shape, float("nan")).to(dtype)
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def run_ranks_in_phases(call, world_size: int, phases=PHASES_IN_ORDER, ranks=None):
+    """Interpreter stand-in for concurrent ranks: each phase runs on every rank before the next phase.
+    call(rank, phases) launches one rank's kernel restricted to `phases`."""
+    ranks = range(world_size) if ranks is None else ranks
+    for phase in phases:
+        for rank in ranks:
+            call(rank, phase)

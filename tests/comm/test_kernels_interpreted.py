@@ -1,0 +1,165 @@
+"""The peer-memory kernels' reduction and epilogue math, run by the Triton interpreter on CPU.
+
+Ranks are virtual (one process, CPU buffers). The interpreter runs programs one after another, so the
+ranks cannot wait for each other: every phase (push, reduce, finish) runs on all ranks before the
+next phase starts. Concurrency, spinning and timeouts against live peers are covered by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.comm.reference import (
+    FP8_MAX,
+    assert_close_to,
+    fused64,
+    poisoned,
+    run_ranks_in_phases,
+    sum64,
+)
+from tpfuse.comm import launch
+from tpfuse.comm.sync import PHASE_FINISH, PHASE_PUSH
+from tpfuse.comm.workspace import create_virtual_workspaces
+
+EPS = 1e-5
+
+
+def _workspaces(world_size, rows, hidden, dtype=torch.float32, max_programs=4):
+    return create_virtual_workspaces(
+        world_size, "cpu", rows * hidden * torch.finfo(dtype).bits // 8, max_programs
+    )
+
+
+def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
+    dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
+    outs = [(poisoned(xs[0].shape, dtype), poisoned(xs[0].shape, xs[0].dtype)) for _ in wss]
+    run_ranks_in_phases(
+        lambda r, ph: launch.fused_add_rmsnorm(
+            wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph
+        ),
+        len(wss),
+    )
+    return outs
+
+
+def _all_reduce(wss, xs, algorithm):
+    outs = [poisoned(xs[0].shape, xs[0].dtype) for _ in wss]
+    run_ranks_in_phases(
+        lambda r, ph: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r], phases=ph), len(wss)
+    )
+    return outs
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize(
+    ("world_size", "rows", "hidden", "dtype"),
+    [(2, 3, 37, torch.float32), (3, 5, 24, torch.bfloat16), (4, 1, 70, torch.float16)],
+)
+def test_all_reduce_matches_float64_reference_at_odd_sizes(algorithm, world_size, rows, hidden, dtype):
+    wss = _workspaces(world_size, rows, hidden, dtype)
+    xs = [torch.randn(rows, hidden).to(dtype) for _ in range(world_size)]
+    for out in _all_reduce(wss, xs, algorithm):
+        assert_close_to(out, sum64(xs))
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize(
+    ("world_size", "rows", "hidden", "dtype"),
+    [(2, 5, 33, torch.float32), (3, 2, 48, torch.bfloat16), (4, 3, 19, torch.float16)],
+)
+def test_fused_add_rmsnorm_matches_float64_reference_at_odd_sizes(algorithm, world_size, rows, hidden, dtype):
+    wss = _workspaces(world_size, rows, hidden, dtype)
+    xs = [torch.randn(rows, hidden).to(dtype) for _ in range(world_size)]
+    residual, weight = torch.randn(rows, hidden).to(dtype), torch.randn(hidden).to(dtype)
+    normed64, residual64 = fused64(xs, residual, weight, EPS)
+    for normed, new_residual in _fused(wss, xs, residual, weight, algorithm):
+        assert_close_to(new_residual, residual64)
+        assert_close_to(normed, normed64, ulps=3)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_every_rank_gets_bit_identical_outputs(algorithm):
+    wss = _workspaces(4, 3, 40, torch.bfloat16)
+    xs = [torch.randn(3, 40).bfloat16() for _ in range(4)]
+    residual, weight = torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16()
+    outs = _fused(wss, xs, residual, weight, algorithm)
+    for normed, new_residual in outs[1:]:
+        assert torch.equal(normed, outs[0][0]) and torch.equal(new_residual, outs[0][1])
+
+
+def test_one_shot_and_two_shot_fused_outputs_are_bit_identical():
+    wss = _workspaces(3, 2, 45, torch.bfloat16)
+    xs = [torch.randn(2, 45).bfloat16() for _ in range(3)]
+    residual, weight = torch.randn(2, 45).bfloat16(), torch.randn(45).bfloat16()
+    one = _fused(wss, xs, residual, weight, "one_shot")[0]
+    two = _fused(wss, xs, residual, weight, "two_shot")[0]
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
+    wss = _workspaces(2, 3, 40, torch.bfloat16)
+    xs = [torch.randn(3, 40).bfloat16() for _ in range(2)]
+    residual, weight = torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16()
+    weight[0], weight[1] = 1e3, 1e-4  # column 0 saturates at +-448, column 1 lands in e4m3 subnormals
+    scale = torch.tensor([0.01])
+    normed64, residual64 = fused64(xs, residual, weight, EPS)
+    expected = (normed64 / 0.01).clamp(-FP8_MAX, FP8_MAX)
+    for q, new_residual in _fused(wss, xs, residual, weight, algorithm, fp8_scale=scale):
+        assert q.dtype == torch.float8_e4m3fn
+        assert_close_to(new_residual, residual64)
+        # e4m3 keeps 3 mantissa bits: round-to-nearest is within 1/16 of the value (the bf16 residual
+        # rounding adds a little); subnormals are multiples of 2^-9
+        assert ((q.double() - expected).abs() <= 0.07 * expected.abs() + 2.0**-9).all()
+        assert (q[:, 0].double().abs() == FP8_MAX).all()
+
+
+def test_rows_beyond_the_program_count_are_each_reduced_once():
+    wss = _workspaces(2, 7, 16, torch.float32, max_programs=3)
+    xs = [torch.randn(7, 16) for _ in range(2)]
+    for out in _all_reduce(wss, xs, "one_shot"):
+        assert_close_to(out, sum64(xs))
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_back_to_back_calls_alternate_buffers_and_stay_correct(algorithm):
+    wss = _workspaces(2, 2, 24)
+    for call in range(3):
+        xs = [torch.randn(2, 24) for _ in range(2)]
+        for out in _all_reduce(wss, xs, algorithm):
+            assert_close_to(out, sum64(xs))
+        assert [int(ws.words[0]) for ws in wss] == [call + 1] * 2, "the epoch advances once per launch"
+
+
+def test_all_gather_stacks_every_rank_in_rank_order():
+    wss = _workspaces(3, 2, 13)
+    xs = [torch.randn(2, 13) for _ in range(3)]
+    outs = [poisoned((3, 2, 13), torch.float32) for _ in range(3)]
+    run_ranks_in_phases(lambda r, ph: launch.all_gather(wss[r], xs[r], out=outs[r], phases=ph), 3)
+    for out in outs:
+        assert torch.equal(out, torch.stack(xs))
+
+
+def test_a_peer_that_never_pushes_is_named_in_the_error_word_and_check_raises():
+    wss = _workspaces(3, 2, 16)
+    xs = [torch.randn(2, 16) for _ in range(3)]
+    for rank in (0, 1):  # rank 2 has "crashed": it never pushes
+        launch.all_reduce(wss[rank], xs[rank], "one_shot", phases=PHASE_PUSH.value)
+    launch.all_reduce(wss[0], xs[0], "one_shot", phases=PHASE_FINISH.value)
+    assert wss[0].error_mask() == 1 << 2
+    with pytest.raises(RuntimeError, match="rank 2 never arrived"):
+        wss[0].check()
+
+
+def test_check_passes_after_a_complete_call():
+    wss = _workspaces(2, 1, 8)
+    _all_reduce(wss, [torch.randn(1, 8) for _ in range(2)], "two_shot")
+    for ws in wss:
+        ws.check()
+
+
+def test_a_message_larger_than_the_workspace_slot_is_refused():
+    wss = _workspaces(2, 2, 8)
+    with pytest.raises(ValueError, match="exceeds the peer workspace slot"):
+        launch.all_reduce(wss[0], torch.randn(64, 64), "one_shot")
