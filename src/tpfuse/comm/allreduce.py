@@ -32,6 +32,7 @@ from tpfuse.comm.sync import (
     signal_peers,
     wait_for_peers,
 )
+from tpfuse.kernels.rmsnorm import rmsnorm_row
 
 EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
 EPILOGUE_NORM = tl.constexpr(1)  # + residual, RMSNorm
@@ -61,9 +62,7 @@ def _round_to_e4m3(y):
 @triton.jit
 def _norm_store(s, row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, eps, EPILOGUE: tl.constexpr):
     """s: the new residual row (float32 of rounded values); writes the normed row to out_ptr."""
-    variance = tl.sum(s * s, 0) / hidden
-    w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    y = s * tl.rsqrt(variance + eps) * w
+    y = rmsnorm_row(s, weight_ptr, cols, in_row, hidden, eps)
     if EPILOGUE == EPILOGUE_NORM_FP8:
         y = tl.clamp(_round_to_e4m3(y / tl.load(scale_ptr)), -FP8_E4M3_MAX, FP8_E4M3_MAX)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
