@@ -1,0 +1,72 @@
+"""Packing a step: per-row seeds, layout round trip, CUDA-graph padding."""
+
+import torch
+
+from tpfuse.engine.block_manager import BlockManager
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.sequence import Sequence
+from tpfuse.engine.step_inputs import pack_step, read_header, row_seed, unpack_step
+
+BLOCK = 4
+
+
+def test_seeded_row_seed_depends_only_on_seed_and_output_index():
+    assert row_seed(5, engine_seed=0, seq_id=1, output_index=3) == row_seed(5, 99, 42, 3)
+    assert row_seed(5, 0, 1, 3) != row_seed(5, 0, 1, 4)
+    assert row_seed(5, 0, 1, 3) != row_seed(6, 0, 1, 3)
+
+
+def test_unseeded_row_seed_differs_per_sequence_and_engine_seed():
+    assert row_seed(None, 0, 1, 0) != row_seed(None, 0, 2, 0)
+    assert row_seed(None, 0, 1, 0) != row_seed(None, 1, 1, 0)
+    assert 0 <= row_seed(None, 0, 1, 0) < 2**63
+
+
+def _batch():
+    bm = BlockManager(32, BLOCK)
+    sampled = SamplingParams(temperature=0.5, top_p=0.8, top_k=3, seed=1)
+    decode = Sequence("d", list(range(1, 7)), sampled, BLOCK)
+    chunk = Sequence("c", list(range(10, 21)), SamplingParams(temperature=0.0), BLOCK)
+    for s in (decode, chunk):
+        bm.allocate(s)
+    decode.num_computed_tokens = 5
+    chunk.num_computed_tokens = 4
+    return Batch([decode, chunk], [1, 3])
+
+
+def test_pack_then_unpack_gives_positions_slots_and_sampling_rows():
+    batch = _batch()
+    banned = lambda s: [7] if s.request_id == "d" else []
+    packed = pack_step(batch, BLOCK, engine_seed=0, banned_token_ids=banned)
+    step = unpack_step(read_header(packed), packed)
+    decode, chunk = batch.seqs
+    assert step.input_ids.tolist() == [6, 14, 15, 16]
+    assert step.positions.tolist() == [5, 4, 5, 6]
+    expected_slots = [decode.block_table[1] * BLOCK + 1]
+    expected_slots += [chunk.block_table[1] * BLOCK + i for i in range(3)]
+    assert step.slot_mapping.tolist() == expected_slots
+    assert step.seq_lens.tolist() == [6, 7]
+    assert step.query_start_loc.tolist() == [0, 1, 4]
+    assert step.block_tables[0, :2].tolist() == decode.block_table
+    assert step.sample_indices.tolist() == [0]  # the chunk does not reach its last token
+    assert step.temperatures.tolist() == [0.5] and step.top_ks.tolist() == [3]
+    assert torch.allclose(step.top_ps, torch.tensor([0.8]))
+    assert step.banned_rows.tolist() == [0] and step.banned_ids.tolist() == [7]
+    assert step.header.all_greedy == 0 and step.header.is_decode == 0
+
+
+def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
+    bm = BlockManager(32, BLOCK)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0), BLOCK) for i in range(3)]
+    for s in seqs:
+        bm.allocate(s)
+        s.num_computed_tokens = 2
+    packed = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, 0, lambda s: [], pad_to=8)
+    step = unpack_step(read_header(packed), packed)
+    assert step.header.num_seqs == 8 and step.header.num_samples == 3
+    assert step.slot_mapping[3:].tolist() == [-1] * 5
+    assert step.seq_lens[3:].tolist() == [1] * 5
+    assert step.query_start_loc.tolist() == list(range(9))
+    assert step.block_tables[3:].abs().sum() == 0
+    assert step.header.all_greedy == 1 and step.header.is_decode == 1
