@@ -73,11 +73,13 @@ def hf_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
         return [hf_model(torch.tensor([s])).logits[0].float() for s in sequences]
 
 
-def load_for_test(path, tp_rank: int = 0, tp_size: int = 1, comm=None, dtype="float32", **engine_kwargs):
-    """load_model on CPU for one rank (TP=1 with a SingleRankCommunicator by default)."""
-    engine_config = EngineConfig(model=str(path), dtype=dtype, tp_size=tp_size, device="cpu", **engine_kwargs)
+def load_for_test(
+    path, tp_rank: int = 0, tp_size: int = 1, comm=None, dtype="float32", device="cpu", **engine_kwargs
+):
+    """load_model for one rank (TP=1 with a SingleRankCommunicator by default)."""
+    engine_config = EngineConfig(model=str(path), dtype=dtype, tp_size=tp_size, **engine_kwargs)
     parallel = ParallelContext(tp_rank, tp_size, comm or SingleRankCommunicator())
-    return load_model(engine_config, parallel, "cpu")
+    return load_model(engine_config, parallel, device)
 
 
 class PagedSequences:
@@ -87,13 +89,14 @@ class PagedSequences:
     def __init__(self, model, num_sequences: int, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        dtype = model.config.dtype
+        dtype, device = model.config.dtype, model.cos_sin_cache.device
         self.model = model
+        self.device = device
         self.block_size = block_size
-        self.kv_caches = [
-            (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
-            for _ in model.layers
-        ]
+        poison = dict(
+            fill_value=float("nan"), dtype=dtype, device=device
+        )  # unwritten slots must never be read
+        self.kv_caches = [(torch.full(shape, **poison), torch.full(shape, **poison)) for _ in model.layers]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: list[list[int]] = [[] for _ in range(num_sequences)]
@@ -116,21 +119,24 @@ class PagedSequences:
         starts = [0]
         for n in new_lengths:
             starts.append(starts[-1] + n)
+        on_device = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            seq_lens=torch.tensor(self.lengths, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            slot_mapping=on_device(slots, torch.int64),
+            block_tables=on_device(tables, torch.int32),
+            seq_lens=on_device(self.lengths, torch.int32),
+            query_start_loc=on_device(starts, torch.int32),
             max_query_len=max(new_lengths),
             max_seq_len=max(self.lengths),
             is_decode=is_decode,
         )
-        return attn, torch.tensor(positions, dtype=torch.int64)
+        return attn, on_device(positions, torch.int64)
 
     def step(self, new_tokens: list[list[int]], is_decode: bool = False):
         """new_tokens: per sequence the tokens of this pass. Returns (logits [T, vocab] float32, aux)."""
         attn, positions = self.metadata([len(t) for t in new_tokens], is_decode)
-        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
+        input_ids = torch.tensor(
+            [t for toks in new_tokens for t in toks], dtype=torch.int64, device=self.device
+        )
         with torch.no_grad():
             hidden, aux = self.model(input_ids, positions, attn, self.kv_caches)
             return self.model.compute_logits(hidden), aux

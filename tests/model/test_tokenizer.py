@@ -139,3 +139,11 @@ def test_hf_eos_ids_include_tokenizer_and_generation_config_ids(hf_dir):
 def test_directory_without_tokenizer_files_says_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"no tokenizer files \(tokenizer\.json, .*\) in "):
         load_tokenizer(str(tmp_path))
+
+
+def test_both_tokenizers_survive_pickling_for_the_server_process(hf_dir):
+    import pickle
+
+    for tok in (ByteTokenizer(), load_tokenizer(str(hf_dir))):
+        clone = pickle.loads(pickle.dumps(tok))
+        assert clone.encode("hello ✓") == tok.encode("hello ✓")
