@@ -54,7 +54,10 @@ def rope_ref(
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_t, stride_h, num_heads, token, cos, sin, HALF, BLOCK_HEADS, BLOCK_HALF):
+def _rotate_heads(
+    ptr, stride_t, stride_h, num_heads, token, cos, sin,
+    HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
     heads = tl.arange(0, BLOCK_HEADS)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]

@@ -1,0 +1,120 @@
+"""Compiles every tpfuse Triton kernel for an NVIDIA target without a GPU (ttir -> ptx -> cubin).
+
+The interpreter that CPU tests use accepts code the real compiler rejects (non-constexpr block
+sizes, loop-carried type changes, dot shapes), so this runs the real compiler ahead of time.
+Usage: python tests/kernels/compile_for_gpu.py [capability, default 90] [dtypes, default bf16,fp16]
+with TRITON_INTERPRET unset.
+Prints one line per kernel variant and exits non-zero if any fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+
+
+def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        elif name in scalars:
+            signature[name] = scalars[name]
+        elif name.startswith("stride") or name in ("hidden", "inter", "vocab", "num_heads", "head_dim"):
+            signature[name] = "i32"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers["*"]
+        else:
+            raise KeyError(f"no type for argument {name} of {kernel.fn.__name__}")
+    return signature
+
+
+def _variants(dtype: str):
+    p = "*" + dtype
+    attention = dict(scale_log2e="fp32")
+    decode_common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, DOT_PRECISION="tf32")
+    yield rmsnorm._rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
+    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
+    yield (
+        rope._rope_kernel,
+        {"*": p, "positions_ptr": "*i64", "cache_ptr": "*fp32"},
+        {"num_q_heads": "i32", "num_k_heads": "i32"},
+        dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8),
+    )
+    yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024)
+    yield (
+        kv_store._store_kv_kernel,
+        {"*": p, "slot_ptr": "*i64"},
+        {},
+        dict(BLOCK_SIZE=16, BLOCK_HEADS=8, BLOCK_D=128),
+    )
+    kv = {"*": p, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    for splits in (1, 8):
+        parts = {"part_out_ptr": p if splits == 1 else "*fp32", "part_lse_ptr": p if splits == 1 else "*fp32"}
+        for block_n in (32, 64):
+            yield (
+                decode_attention._decode_split_kernel,
+                {**kv, **parts},
+                attention,
+                dict(decode_common, NUM_SPLITS=splits, BLOCK_N=block_n),
+            )
+    yield (
+        decode_attention._decode_merge_kernel,
+        {"*": p, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+        {},
+        dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
+    )
+    yield (
+        prefill_attention._prefill_kernel,
+        {**kv, "query_start_loc_ptr": "*i32"},
+        attention,
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"),
+    )
+    for filtered in (False, True):
+        yield (
+            sampling._sample_kernel,
+            {
+                "*": "*fp32",
+                "logits_ptr": p,
+                "temperatures_ptr": "*fp32",
+                "seeds_ptr": "*i64",
+                "out_ptr": "*i64",
+            },
+            {},
+            dict(FILTERED=filtered, BLOCK_V=4096),
+        )
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles the kernels for real")
+        return 2
+    capability = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    target = GPUTarget("cuda", capability, 32)
+    failures = 0
+    dtypes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["bf16", "fp16"]
+    for dtype in dtypes:
+        for kernel, pointers, scalars, constexprs in _variants(dtype):
+            name = f"{kernel.fn.__name__}[{dtype} {constexprs}]"
+            try:
+                signature = _signature(kernel, pointers, scalars, constexprs)
+                triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target)
+                print(f"ok   {name}")
+            except Exception:  # report every kernel, then fail
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc()}")
+    print(f"triton {triton.__version__} sm_{capability}: {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
