@@ -1,5 +1,5 @@
-"""Process lifecycle and auth, on the fake engine (fast to start): readiness, failed start, signals,
-API key."""
+"""Process lifecycle, auth and stop strings, on the fake engine (fast to start, emits letters):
+readiness, failed start, signals, API key."""
 
 import contextlib
 import signal
@@ -7,16 +7,10 @@ import time
 
 import httpx
 import pytest
+from tests.server.conftest import API_KEY
 from tests.server.server_process import ServerProcess, start_server
 
 FAKE = "tests.server.serve_fake"
-
-
-@pytest.fixture(scope="module")
-def keyed_server():
-    server = start_server(FAKE, ["--api-key", "sekret", "--device", "cpu"])
-    yield server
-    server.stop()
 
 
 def _complete(url, headers=None):
@@ -25,25 +19,36 @@ def _complete(url, headers=None):
     )
 
 
-def test_missing_api_key_is_401_with_an_openai_error_body(keyed_server):
-    response = _complete(keyed_server.url)
+def test_missing_api_key_is_401_with_an_openai_error_body(fake_server):
+    response = _complete(fake_server.url)
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_wrong_api_key_is_401(keyed_server):
-    assert _complete(keyed_server.url, {"Authorization": "Bearer nope"}).status_code == 401
-    assert httpx.get(keyed_server.url + "/v1/models", timeout=10).status_code == 401
+def test_wrong_api_key_is_401(fake_server):
+    assert _complete(fake_server.url, {"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(fake_server.url + "/v1/models", timeout=10).status_code == 401
 
 
-def test_right_api_key_is_served_after_refusals(keyed_server):
-    _complete(keyed_server.url)
-    response = _complete(keyed_server.url, {"Authorization": "Bearer sekret"})
+def test_stop_string_cuts_the_text_before_it_and_finishes_with_stop(fake_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "Find a stop string in", "max_tokens": 40, "temperature": 0}
+    url = fake_server.url + "/v1/completions"
+    text = httpx.post(url, json=body, headers=headers, timeout=10).json()["choices"][0]["text"]
+    stop = text[20:23]
+    result = httpx.post(url, json={**body, "stop": ["zzzz", stop]}, headers=headers, timeout=10).json()
+    assert result["choices"][0]["text"] == text[: text.index(stop)]
+    assert result["choices"][0]["finish_reason"] == "stop"
+
+
+def test_right_api_key_is_served_after_refusals(fake_server):
+    _complete(fake_server.url)
+    response = _complete(fake_server.url, {"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
 
 
-def test_health_needs_no_key(keyed_server):
-    assert httpx.get(keyed_server.url + "/health", timeout=10).status_code == 200
+def test_health_needs_no_key(fake_server):
+    assert httpx.get(fake_server.url + "/health", timeout=10).status_code == 200
 
 
 def test_health_is_503_until_the_engine_is_ready_then_200():
