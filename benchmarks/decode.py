@@ -184,10 +184,14 @@ def main() -> None:
     print(f"copy bandwidth         {bandwidth / 1e12:8.2f} TB/s (read + write)")
     print(f"bytes per decode step  {step_bytes / 1e9:8.2f} GB ({weights / 1e9:.2f} GB weights)")
     print(f"roofline               {roofline:8.1f} tok/s")
-    print(f"tpfuse batch 1         {batch1:8.1f} tok/s  {batch1 / roofline:6.1%} of roofline  (runs: "
-          + ", ".join(f"{r:.1f}" for r in runs) + ")")
+    print(
+        f"tpfuse batch 1         {batch1:8.1f} tok/s  {batch1 / roofline:6.1%} of roofline  (runs: "
+        + ", ".join(f"{r:.1f}" for r in runs)
+        + ")"
+    )
     if hf is not None:
-        print(f"transformers eager     {hf:8.1f} tok/s  ({args.hf_tokens} tokens)  tpfuse is {batch1 / hf:.1f}x")
+        speedup = batch1 / hf
+        print(f"transformers eager     {hf:8.1f} tok/s  ({args.hf_tokens} tokens)  tpfuse is {speedup:.1f}x")
     print("\nbatch  step ms  tok/s   vs batch 1")
     base = step_times[batch_sizes[0]]
     for b, ms in step_times.items():
