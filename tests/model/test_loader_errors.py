@@ -162,3 +162,10 @@ def test_parameter_without_a_checkpoint_tensor_is_caught(good_checkpoint):
     slots.pop("model.layers.0.self_attn.v_proj.weight")
     with pytest.raises(RuntimeError, match=r"layers\.0\.self_attn\.qkv_proj\.weight .* never be written"):
         check_all_parameters_written(model, slots)
+
+
+def test_mistral_consolidated_file_beside_hf_weights_is_not_read(good_checkpoint, tmp_path):
+    copy_checkpoint(good_checkpoint, tmp_path)
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    model, _ = load_for_test(tmp_path)
+    assert model.config.num_layers == 2

@@ -98,3 +98,25 @@ def test_llama_3_1_8b_preset_runs_prefill_and_decode_with_finite_distinct_logits
     assert prefill.shape == (sum(map(len, PROMPTS)), config.vocab_size)
     assert torch.isfinite(prefill).all() and all(torch.isfinite(d).all() for d in decodes)
     assert not torch.equal(decodes[0][0], decodes[0][1])
+
+
+def _gpu_tp_logits(rank: int, world_size: int, directory: str) -> list:
+    from tpfuse.comm.communicator import GlooCpuCopyCommunicator
+
+    torch.cuda.set_device(0)
+    comm = GlooCpuCopyCommunicator()
+    model, _ = load_for_test(directory, tp_rank=rank, tp_size=world_size, comm=comm, device="cuda")
+    prefill, decodes = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    return [t.cpu().numpy() for t in (prefill, *decodes)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_ranks_sharing_one_gpu_give_single_rank_logits(kind, tmp_path):
+    from tests.helpers.dist import run_distributed
+
+    build_hf_checkpoint(tmp_path, kind)  # llama: 1 kv head for 2 ranks; vocab 253 is odd
+    model, _ = load_for_test(tmp_path, device="cuda")
+    prefill, decodes = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    ranks = run_distributed(_gpu_tp_logits, 2, str(tmp_path), timeout=300)
+    for want, got in zip((prefill, *decodes), ranks[0], strict=True):
+        assert relative_error(torch.from_numpy(got), want.cpu()) <= 1e-3

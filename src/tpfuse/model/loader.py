@@ -108,6 +108,9 @@ def checkpoint_files(directory: str) -> dict[str, str]:
                 )
         return files
     paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    # Mistral repositories ship consolidated.safetensors (native names) beside the Hugging Face files.
+    hf_paths = [p for p in paths if not os.path.basename(p).startswith("consolidated")]
+    paths = hf_paths or paths
     if not paths:
         raise CheckpointError(
             f"no *.safetensors weight files in {directory}; add the checkpoint's weights "
