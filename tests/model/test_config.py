@@ -107,3 +107,9 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected():
         ValueError, match=r"num_attention_heads \(4\) must be a multiple of num_key_value_heads"
     ):
         ModelConfig.from_hf_dict(dict(BASE, architectures=["LlamaForCausalLM"], num_key_value_heads=3))
+
+
+@pytest.mark.parametrize("flag", ["attention_bias", "mlp_bias"])
+def test_llama_biases_beyond_qwen2_qkv_are_rejected_by_name(flag):
+    with pytest.raises(ValueError, match=rf"sets {flag}: true, which tpfuse does not implement"):
+        ModelConfig.from_hf_dict(dict(BASE, architectures=["LlamaForCausalLM"], **{flag: True}))

@@ -100,6 +100,12 @@ class ModelConfig:
         Raises ValueError naming the field and the fix for an unsupported architecture, dtype or shape.
         """
         architecture = _architecture(hf, source)
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag) and architecture != "Qwen2ForCausalLM":
+                raise ValueError(
+                    f"{source} sets {flag}: true, which tpfuse does not implement for {architecture} "
+                    "(only Qwen2's q/k/v biases are supported)"
+                )
         num_heads = _required(hf, "num_attention_heads", source)
         hidden = _required(hf, "hidden_size", source)
         rope_params = dict(hf.get("rope_parameters") or {})
@@ -129,7 +135,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM",
             qk_norm=architecture == "Qwen3ForCausalLM",
             dtype=resolve_dtype(hf.get("torch_dtype") or hf.get("dtype"), dtype, source),
             bos_token_id=hf.get("bos_token_id"),
