@@ -11,6 +11,7 @@ def tiny_server():
     server = start_server("tpfuse.server", ["--device", "cpu", "--model", "tiny"])
     yield server
     server.stop()
+    server.remove_log()
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +20,4 @@ def fake_server():
     server = start_server("tests.server.serve_fake", ["--device", "cpu", "--api-key", API_KEY])
     yield server
     server.stop()
+    server.remove_log()

@@ -8,7 +8,9 @@ import time
 import httpx
 import pytest
 from tests.server.conftest import API_KEY
-from tests.server.server_process import ServerProcess, start_server
+from tests.server.server_process import start_server
+
+from tpfuse.server.launcher import ServerSubprocess
 
 FAKE = "tests.server.serve_fake"
 
@@ -52,7 +54,7 @@ def test_health_needs_no_key(fake_server):
 
 
 def test_health_is_503_until_the_engine_is_ready_then_200():
-    server = ServerProcess(FAKE, ["--slow-start", "--device", "cpu"])
+    server = ServerSubprocess(["--slow-start", "--device", "cpu"], module=FAKE)
     try:
         codes = []
         deadline = time.monotonic() + 60
@@ -64,10 +66,11 @@ def test_health_is_503_until_the_engine_is_ready_then_200():
         assert "ready at " + server.url in server.output()
     finally:
         server.stop()
+        server.remove_log()
 
 
 def test_engine_that_fails_to_start_ends_the_server_with_its_reason():
-    server = ServerProcess(FAKE, ["--fail-at-start", "--device", "cpu"])
+    server = ServerSubprocess(["--fail-at-start", "--device", "cpu"], module=FAKE)
     try:
         code = server.proc.wait(60)
         assert code == 1
@@ -75,11 +78,15 @@ def test_engine_that_fails_to_start_ends_the_server_with_its_reason():
         assert server.wait_group_gone(10), "the engine process outlived the server"
     finally:
         server.stop()
+        server.remove_log()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_server_and_engine(sig):
     server = start_server(FAKE, ["--device", "cpu"])
     code = server.stop(sig, timeout=20)
-    assert code == 0, server.output()
-    assert not server.group_alive()
+    try:
+        assert code == 0, server.output()
+        assert not server.group_alive()
+    finally:
+        server.remove_log()
