@@ -3,36 +3,23 @@
 import pytest
 import torch
 
-from tpfuse.comm.communicator import SingleRankCommunicator
-from tpfuse.model.layers import ParallelContext
-from tpfuse.model.llama import LlamaForCausalLM
 from tpfuse.spec.draft_model import DraftModelDrafter
 from tpfuse.spec.drafter import DraftInputs
 from tpfuse.spec.paged import metadata_for_positions
 
 from .eagle3_reference import PagedSequences
+from .fixtures import model_kv_caches, random_model
 
 K = 3
 
 
 @pytest.fixture
 def draft_model(target_config):
-    model = LlamaForCausalLM(target_config, ParallelContext(0, 1, SingleRankCommunicator()))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(
-                torch.ones_like(param)
-                if name.endswith("norm.weight")
-                else torch.randn(param.shape, generator=gen) * 0.3
-            )
-    return model.eval()
+    return random_model(target_config, seed=0)
 
 
 def kv_caches(model, paged):
-    c = model.config
-    shape = (paged.num_blocks, paged.block_size, c.num_kv_heads, c.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+    return model_kv_caches(model, paged.num_blocks, paged.block_size)
 
 
 @torch.inference_mode()
