@@ -26,6 +26,7 @@ def _logits_on_rank(rank: int, world_size: int, sources: dict[str, str]) -> dict
     vanishes when the rank exits)."""
     from tpfuse.comm.communicator import TorchDistributedCommunicator
 
+    torch.set_num_threads(1)  # up to 4 ranks share CI's 2 cores
     comm = TorchDistributedCommunicator()
     results = {}
     for name, source in sources.items():
