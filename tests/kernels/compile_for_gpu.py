@@ -18,6 +18,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+from tpfuse.kernels.prefill_attention import prefill_tile_config
+
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
+
+SHARED_MEMORY_LIMIT = 227 * 1024  # per block on H100 / H200
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
@@ -39,6 +44,7 @@ def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], conste
 
 
 def _variants(dtype: str):
+    """(kernel, pointer types, scalar types, constexprs[, compile options]) per launch variant."""
     p = "*" + dtype
     attention = dict(scale_log2e="fp32")
     decode_common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, DOT_PRECISION="tf32")
@@ -73,12 +79,22 @@ def _variants(dtype: str):
         {},
         dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
     )
-    yield (
-        prefill_attention._prefill_kernel,
-        {**kv, "query_start_loc_ptr": "*i32"},
-        attention,
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"),
-    )
+    for block_m, block_n, num_warps, num_stages in {prefill_tile_config(q, 128) for q in (5, 64, 4096)}:
+        yield (
+            prefill_attention._prefill_kernel,
+            {**kv, "query_start_loc_ptr": "*i32"},
+            attention,
+            dict(
+                GROUP=4,
+                HEAD_DIM=128,
+                BLOCK_SIZE=16,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_D=128,
+                DOT_PRECISION="tf32",
+            ),
+            {"num_warps": num_warps, "num_stages": num_stages},
+        )
     for filtered in (False, True):
         yield (
             sampling._sample_kernel,
@@ -103,12 +119,20 @@ def main() -> int:
     failures = 0
     dtypes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["bf16", "fp16"]
     for dtype in dtypes:
-        for kernel, pointers, scalars, constexprs in _variants(dtype):
-            name = f"{kernel.fn.__name__}[{dtype} {constexprs}]"
+        for kernel, pointers, scalars, constexprs, *options in _variants(dtype):
+            options = options[0] if options else {}
+            name = f"{kernel.fn.__name__}[{dtype} {constexprs} {options}]"
             try:
                 signature = _signature(kernel, pointers, scalars, constexprs)
-                triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target)
-                print(f"ok   {name}")
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constexprs=constexprs), target=target, options=options
+                )
+                shared = compiled.metadata.shared
+                if shared > SHARED_MEMORY_LIMIT:
+                    raise RuntimeError(
+                        f"needs {shared} bytes of shared memory; sm_90 has {SHARED_MEMORY_LIMIT}"
+                    )
+                print(f"ok   {name} shared={shared}")
             except Exception:  # report every kernel, then fail
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc()}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tpfuse.kernels.sampling import sample_ref, sample_triton
+from tpfuse.kernels.sampling import apply_top_k_top_p, filter_top_k_top_p, sample_ref, sample_triton
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
 CHI2_CRITICAL_DF5 = 20.52
@@ -98,3 +98,22 @@ def test_temperature_sampling_follows_the_softmax_and_a_wrong_distribution_is_re
     assert _chi_square(tokens, (row / temperature).softmax(-1)) < CHI2_CRITICAL_DF5
     # Control: the same samples against the untempered softmax must fail the test.
     assert _chi_square(tokens, row.softmax(-1)) > CHI2_CRITICAL_DF5
+
+
+def test_top_k_selection_shortcut_filters_exactly_like_the_full_sort():
+    gen = torch.Generator().manual_seed(6)
+    scaled = torch.randn(9, 300, generator=gen) * 3
+    top_ks = torch.randint(1, 40, (9,), generator=gen)
+    top_ps = torch.rand(9, generator=gen) * 0.9 + 0.1
+    top_ps[0] = 1.0
+    shortcut = filter_top_k_top_p(scaled, top_ks, top_ps, k_bound=int(top_ks.max()))
+    assert torch.equal(shortcut, apply_top_k_top_p(scaled, top_ks, top_ps))
+
+
+def test_top_k_and_top_p_together_keep_tokens_in_both_sets():
+    row = torch.randn(30, generator=torch.Generator().manual_seed(8))
+    logits = row.expand(120, 30).contiguous()
+    tokens = sample_triton(logits, *_params(120, 1.0, top_k=6, top_p=0.5))
+    probs, order = row[row.topk(6).indices].softmax(-1), row.topk(6).indices
+    allowed = set(order[(probs.cumsum(0) - probs) < 0.5].tolist())
+    assert set(tokens.tolist()) <= allowed

@@ -136,6 +136,15 @@ def _prefill_kernel(
     )
 
 
+def prefill_tile_config(max_query_len: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) from launch bounds only: query tiles no taller than
+    the longest query (a verify of a few tokens does not pay for 128 rows), 128 rows for long ones."""
+    block_m = min(max(triton.next_power_of_2(max(max_query_len, 1)), 16), 128 if head_dim <= 128 else 64)
+    if block_m == 128:
+        return 128, 64, 8, 3
+    return block_m, 64, 4, 2
+
+
 def prefill_attention_launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
     block_m=64, block_n=64, num_warps=4, num_stages=2,
@@ -184,6 +193,8 @@ def prefill_attention_triton(
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
     head_dim is strided."""
+    block_m, block_n, num_warps, num_stages = prefill_tile_config(max_query_len, q.shape[-1])
     return prefill_attention_launch(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+        block_m, block_n, num_warps, num_stages,
+    )  # fmt: skip

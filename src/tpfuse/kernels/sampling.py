@@ -4,10 +4,11 @@ Each row carries its own seed (the engine derives it from the request's seed and
 so a seeded request gives the same tokens whatever else is in the batch. Sampling is Gumbel-max:
 argmax(logits / T + Gumbel noise) over the tokens that survive top-k and top-p.
 
-The Triton version filters top-k/top-p in torch (one sort, only when some sampled row asks for it)
-and runs the final noise + argmax in one kernel, one program per row streaming the vocabulary. Its
-noise comes from Philox (tl.rand) keyed by the row's seed and the token index: deterministic per seed,
-independent of the other rows, but not the same stream as the torch reference's generator.
+The Triton version filters top-k/top-p in torch, only when some sampled row asks for it (torch.topk
+when every row has a small top_k, else one sort of the vocabulary), and runs the final noise +
+argmax in one kernel, one program per row streaming the vocabulary. Its noise comes from Philox
+(tl.rand) keyed by the row's seed and the token index: deterministic per seed, independent of the
+other rows, but not the same stream as the torch reference's generator.
 """
 
 from __future__ import annotations
@@ -105,10 +106,31 @@ def _sample_kernel(
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def _needs_filter(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> bool:
+TOP_K_SELECT_MAX = 1024  # above this a full sort is about as cheap as torch.topk
+
+
+def _filter_plan(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> tuple[bool, int]:
+    """(whether any sampled row filters, k bound for top-k selection or 0 for a full sort); one host sync."""
     if temperatures.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True  # no host sync while capturing; filtering is then unconditional
-    return bool(((temperatures > 0) & ((top_ks > 0) | (top_ps < 1))).any())
+        return True, 0  # no host sync while capturing: filter unconditionally, by sorting
+    sampled = temperatures > 0
+    filters = sampled & ((top_ks > 0) | (top_ps < 1))
+    ks = torch.where(sampled, top_ks.long(), 1)  # greedy rows never read the filtered logits
+    any_filter, k_min, k_max = torch.stack([filters.any().long(), ks.min(), ks.max()]).tolist()
+    return bool(any_filter), (k_max if k_min > 0 and k_max <= TOP_K_SELECT_MAX else 0)
+
+
+def filter_top_k_top_p(
+    scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, k_bound: int
+) -> torch.Tensor:
+    """apply_top_k_top_p with a shortcut: when every row's 0 < top_k <= k_bound, only the k_bound
+    largest logits (torch.topk) are ranked instead of sorting the whole vocabulary. k_bound 0: sort.
+    scaled: [B, V] float32, divided by temperature. Returns a new [B, V] tensor."""
+    if k_bound <= 0 or k_bound >= scaled.shape[-1]:
+        return apply_top_k_top_p(scaled, top_ks, top_ps)
+    values, indices = scaled.topk(k_bound, dim=-1)  # sorted, so ranks and the nucleus are unchanged
+    kept = apply_top_k_top_p(values, top_ks, top_ps)
+    return torch.full_like(scaled, float("-inf")).scatter_(-1, indices, kept)
 
 
 def sample_triton(
@@ -127,10 +149,10 @@ def sample_triton(
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     filtered = logits
-    use_filter = _needs_filter(temperatures, top_ks, top_ps)
+    use_filter, k_bound = _filter_plan(temperatures, top_ks, top_ps)
     if use_filter:
         temps = temperatures.float().clamp(min=1e-6)[:, None]
-        filtered = apply_top_k_top_p(logits.float() / temps, top_ks, top_ps.float())
+        filtered = filter_top_k_top_p(logits.float() / temps, top_ks, top_ps.float(), k_bound)
     _sample_kernel[(batch,)](
         logits,
         filtered,
