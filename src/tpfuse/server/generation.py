@@ -68,7 +68,9 @@ class Generation:
             raise
 
     async def _next(self):
-        item = await self._queue.get()
+        return self._check(await self._queue.get())
+
+    def _check(self, item):
         if isinstance(item, EngineDied):
             raise item
         if isinstance(item, ValueError):
@@ -104,26 +106,36 @@ class Generation:
         self.metrics.cached_prompt_tokens.inc(self.num_cached_tokens)
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
+    def _consume(self, output) -> tuple[str, str | None]:
+        """Takes one engine output; returns (new text, finish_reason or None)."""
+        self._record_tokens(output)
+        self.num_cached_tokens = getattr(output, "num_cached_tokens", 0) or 0
+        text = self.detokenizer.add(output.new_token_ids)
+        if self.detokenizer.stopped:
+            self.client.abort(self.request_id)  # frees its KV now; later outputs are dropped
+            self._finish("stop")
+            return text, "stop"
+        if output.finished:
+            self.client.release(self.request_id)
+            self._finish(output.finish_reason or "stop")
+            return text + self.detokenizer.flush(), self.finish_reason
+        return text, None
+
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Text pieces as they become final; the last one carries finish_reason."""
+        """Text pieces as they become final; the last one carries finish_reason. Outputs that queued
+        up while the consumer was busy are merged into one piece, so a slow client or a busy HTTP
+        process costs fewer, larger chunks rather than a growing backlog."""
         try:
-            output = self._first
+            text, reason = self._consume(self._first)
             while True:
-                self._record_tokens(output)
-                self.num_cached_tokens = getattr(output, "num_cached_tokens", 0) or 0
-                text = self.detokenizer.add(output.new_token_ids)
-                if self.detokenizer.stopped:
-                    self.client.abort(self.request_id)  # frees its KV now; later outputs are dropped
-                    self._finish("stop")
-                    yield Piece(text, "stop")
-                    return
-                if output.finished:
-                    self.client.release(self.request_id)
-                    self._finish(output.finish_reason or "stop")
-                    yield Piece(text + self.detokenizer.flush(), self.finish_reason)
+                while reason is None and not self._queue.empty():
+                    more, reason = self._consume(self._check(self._queue.get_nowait()))
+                    text += more
+                if reason is not None:
+                    yield Piece(text, reason)
                     return
                 if text:
                     yield Piece(text, None)
-                output = await self._next()
+                text, reason = self._consume(await self._next())
         finally:
             self._abort()  # no-op once finished
