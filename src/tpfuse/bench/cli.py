@@ -42,7 +42,11 @@ def _add_common(p: argparse.ArgumentParser, url_required: bool = True) -> None:
     d.add_argument("--input-len", type=int, default=128, help="random: prompt length in tokens")
     d.add_argument("--dataset-path", default=None, help="sharegpt: a local ShareGPT-format JSON file")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--tokenizer", default=None, help="client tokenizer (local HF dir or tpfuse preset)")
+    d.add_argument(
+        "--tokenizer",
+        default=None,
+        help="client tokenizer: local HF dir, tpfuse preset, or none (default: the served model's name)",
+    )
     o = p.add_argument_group("measurement and output")
     o.add_argument("--gpu-telemetry", choices=("auto", "on", "off"), default="auto")
     o.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices for telemetry, e.g. 0,1")
@@ -189,7 +193,12 @@ def _handle_sweep(args) -> int:
     console, out = Console(), _output_dir(args, "sweep")
     try:
         with SweepProgress() as progress:
-            result = run_sweep(options, config, progress, on_point=lambda partial: write_sweep(partial, out))
+            result = run_sweep(
+                options,
+                config,
+                progress,
+                on_point=lambda partial: write_sweep(partial, out, with_plots=False),
+            )
     except (ServerUnreachable, ServerRejected) as e:
         _error("sweep", str(e))
         return 1
@@ -239,9 +248,9 @@ def _handle_compare(args) -> int:
         _error("compare", str(e))
         return 2
 
-    def save(a, b) -> None:
-        write_sweep(a, f"{out}/a")
-        write_sweep(b, f"{out}/b")
+    def save(a, b, with_plots: bool = False) -> None:
+        write_sweep(a, f"{out}/a", with_plots)
+        write_sweep(b, f"{out}/b", with_plots)
 
     try:
         with SweepProgress() as progress:
@@ -251,7 +260,7 @@ def _handle_compare(args) -> int:
         return 1
     print_sweep(a, console)
     print_sweep(b, console)
-    save(a, b)
+    save(a, b, with_plots=True)
     crossover = find_crossover(
         throughputs_from_points(a.points), throughputs_from_points(b.points), args.confidence
     )

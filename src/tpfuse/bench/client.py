@@ -255,13 +255,15 @@ def _take_event(event: dict, now: float, record: RequestRecord, chunks: list) ->
         record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
         record.completion_tokens = usage.get("completion_tokens", record.completion_tokens)
     text = ""
-    for choice in event.get("choices") or []:
+    choices = event.get("choices") or []
+    for choice in choices:
         delta = choice.get("delta") or {}
         text += choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
         record.finish_reason = choice.get("finish_reason") or record.finish_reason
     cumulative = usage.get("completion_tokens") if usage else None
     previous = next((c[2] for c in reversed(chunks) if c[2] is not None), 0)
-    if text or (cumulative is not None and cumulative > previous):
+    # A usage-only event (no choices) closes the stream; it carries totals, not new tokens.
+    if text or (choices and cumulative is not None and cumulative > previous):
         chunks.append((now, text, cumulative))
         record.text += text
         if record.first_token_s is None:

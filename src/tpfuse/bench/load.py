@@ -24,7 +24,8 @@ async def run_closed_loop(
 ) -> list[RequestRecord]:
     """Send every prompt once with at most `concurrency` in flight; records in prompt order.
 
-    Garbage collection is frozen for the window so a collection pause does not land in a latency.
+    Objects alive at the start are frozen out of garbage collection for the window, so a full
+    collection (long with torch loaded) does not land in a latency.
     Raises ValueError for concurrency < 1.
     """
     import asyncio
@@ -33,7 +34,6 @@ async def run_closed_loop(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     records: list[RequestRecord | None] = [None] * len(prompts)
     next_index = 0
-    gc.collect()
     gc.freeze()
     origin = time.perf_counter()
 

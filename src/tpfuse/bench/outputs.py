@@ -104,10 +104,11 @@ def sweep_rows(result) -> list[dict]:
     return rows
 
 
-def write_sweep(result, out_dir: str | Path) -> list[Path]:
+def write_sweep(result, out_dir: str | Path, with_plots: bool = True) -> list[Path]:
     """Write a SweepResult's files into `out_dir` (created); returns the paths written.
 
-    Safe to call after every point: each call rewrites the files with the points so far.
+    Safe to call after every point: each call rewrites the files with the points so far
+    (with_plots=False skips the slower PNGs for such partial saves).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,9 +117,11 @@ def write_sweep(result, out_dir: str | Path) -> list[Path]:
         write_json(out / "summary.json", summary),
         write_jsonl(out / "requests.jsonl", result.records),
         write_csv(out / "sweep.csv", sweep_rows(result)),
-        plots.plot_throughput({result.label: result.points}, out / "throughput.png"),
-        plots.plot_latency({result.label: result.points}, out / "latency.png"),
     ]
+    if not with_plots:
+        return paths
+    paths.append(plots.plot_throughput({result.label: result.points}, out / "throughput.png"))
+    paths.append(plots.plot_latency({result.label: result.points}, out / "latency.png"))
     if result.samples:
         paths.append(plots.plot_power(result.samples, out / "power.png"))
     return paths

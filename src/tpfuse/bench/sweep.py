@@ -37,7 +37,7 @@ class SweepConfig:
     def __post_init__(self):
         self.concurrencies = tuple(self.concurrencies)
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
-            raise ValueError(f"--concurrency levels must all be >= 1, got {list(self.concurrencies)}")
+            raise ValueError(f"--concurrency levels must be >= 1, got {list(self.concurrencies)}")
         self.concurrencies = tuple(sorted(set(self.concurrencies)))
         if self.requests_per_level is not None and self.requests_per_level < 1:
             raise ValueError(f"--requests-per-level must be >= 1, got {self.requests_per_level}")
@@ -151,7 +151,7 @@ def _prepare_side(options: BenchOptions, default_label: str) -> _Side:
     notes += asyncio.run(connect(options.client, probe, options.ready_timeout_s))
     tokenizer, tokenizer_note = load_tokenizer_for(options)
     notes.append(tokenizer_note)
-    return _Side(options, options.label or default_label, tokenizer, notes)
+    return _Side(options, options.label or options.client.model or default_label, tokenizer, notes)
 
 
 def _level_prompts(side: _Side, concurrency: int, count: int) -> list:
@@ -275,7 +275,7 @@ def run_sweep(
     options = BenchOptions(ClientConfig(url=options)) if isinstance(options, str) else options
     config = config or SweepConfig()
     telemetry, note = make_telemetry(options)
-    side = _prepare_side(options, options.client.model or "server")
+    side = _prepare_side(options, "server")
 
     def after_level() -> None:
         if on_point is not None:

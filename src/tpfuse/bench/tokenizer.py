@@ -24,12 +24,14 @@ class ClientTokenizer:
 def load_client_tokenizer(name_or_path: str | None) -> tuple[ClientTokenizer | None, str]:
     """A tokenizer for `name_or_path` and a note saying where it came from or why there is none.
 
-    Tries a local Hugging Face directory (transformers, local files only), then tpfuse's own
-    tokenizers (the embedded model's byte-level one, presets). Never raises: without a tokenizer the
-    bench still runs on the server's usage counts.
+    "none" turns it off. Tries a local Hugging Face directory (transformers, local files only), then
+    tpfuse's own tokenizers (the embedded model's byte-level one, presets). Never raises: without a
+    tokenizer the bench still runs on the server's usage counts.
     """
     if not name_or_path:
         return None, "no client tokenizer (pass --tokenizer): client token counts skipped"
+    if name_or_path == "none":
+        return None, "client tokenizer off (--tokenizer none): client token counts skipped"
     errors = []
     if Path(name_or_path).is_dir():
         try:
