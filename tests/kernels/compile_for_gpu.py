@@ -66,7 +66,7 @@ def _variants(dtype: str):
     kv = {"*": p, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
     for splits in (1, 8):
         parts = {"part_out_ptr": p if splits == 1 else "*fp32", "part_lse_ptr": p if splits == 1 else "*fp32"}
-        for block_n in (32, 64):
+        for block_n in (decode_attention.DECODE_BLOCK_N,):
             yield (
                 decode_attention._decode_split_kernel,
                 {**kv, **parts},
