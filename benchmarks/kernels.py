@@ -25,7 +25,11 @@ from tpfuse.kernels.decode_attention import (
     decode_attention_triton,
 )
 from tpfuse.kernels.kv_store import store_kv_triton
-from tpfuse.kernels.prefill_attention import prefill_attention_triton
+from tpfuse.kernels.prefill_attention import (
+    prefill_attention_launch,
+    prefill_attention_triton,
+    prefill_tile_config,
+)
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton, rmsnorm_triton
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_triton
 from tpfuse.kernels.sampling import sample_triton
@@ -187,6 +191,32 @@ def bench_prefill_attention():
             )
 
 
+def bench_prefill_tiles():
+    """Prefill tile configs at 4 x 2048, to check prefill_tile_config."""
+    num_seqs, length = 4, 2048
+    kc, vc, tables, lens = _paged_cache(num_seqs, length)
+    q = torch.randn(num_seqs * length, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    starts = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * length
+    flops = 4 * num_seqs * HEADS * HEAD_DIM * length * length / 2
+    chosen = prefill_tile_config(length, HEAD_DIM)
+    for config in [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 64, 4, 3),
+        (128, 128, 8, 2),
+        (128, 32, 4, 3),
+    ]:
+        try:
+            ms = _ms(prefill_attention_launch, q, kc, vc, tables, lens, starts, length, SCALE, *config)
+        except Exception as error:  # a config that does not fit the GPU is reported, not fatal
+            print(f"prefill tiles {config}: {type(error).__name__}: {error}")
+            continue
+        record(
+            "prefill tile sweep", f"{num_seqs}x{length} {config}", ms, flops=flops, chosen=config == chosen
+        )
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU")
@@ -199,6 +229,7 @@ def main() -> int:
     bench_decode_attention()
     bench_prefill_attention()
     bench_decode_splits()
+    bench_prefill_tiles()
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
