@@ -20,9 +20,9 @@ print(subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=Tru
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -n "$kexpr" ]; then
-    timeout 900 python3 -m pytest -q -m gpu tests -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout 900 python3 -m pytest -q -m gpu ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   else
-    timeout 900 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout 900 python3 -m pytest -q -m gpu ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

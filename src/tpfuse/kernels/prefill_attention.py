@@ -44,8 +44,8 @@ def prefill_attention_ref(
         k = _gather_kv(k_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
         v = _gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
         qb = q[start:end].float()
-        q_pos = torch.arange(n - (end - start), n)
-        mask = torch.arange(n)[None, :] <= q_pos[:, None]  # [q_len, n]
+        q_pos = torch.arange(n - (end - start), n, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
         scores = torch.einsum("qhd,nhd->hqn", qb, k) * scale
         scores = scores.masked_fill(~mask[None], float("-inf"))
         out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(q.dtype)
