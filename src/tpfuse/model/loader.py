@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import zlib
 
@@ -79,18 +80,26 @@ def load_model(
     return model.eval(), model_config
 
 
+CPU_DRAW_MAX_ELEMENTS = 1 << 22
+
+
 def fill_dummy_weights(slots: dict[str, ShardSlot], seed: int) -> None:
     """Each tensor is drawn whole from a generator seeded by (seed, name) and then sliced, so every
-    rank of every tp size holds the same weights as a TP=1 run with that seed."""
+    rank of every tp size holds the same weights as a TP=1 run with that seed. Tensors of up to
+    CPU_DRAW_MAX_ELEMENTS are drawn on the CPU, so small models (the embedded default) get the same
+    weights on every device; larger ones are drawn on their device, for speed (CPU and CUDA random
+    streams differ)."""
     for name, slot in slots.items():
         dest = slot.destination()
         if name.endswith("norm.weight"):
             dest.fill_(1.0)
             continue
-        generator = torch.Generator(dest.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(slot.full_shape, dtype=torch.float32, device=dest.device)
+        numel = math.prod(slot.full_shape)
+        draw_on = torch.device("cpu") if numel <= CPU_DRAW_MAX_ELEMENTS else dest.device
+        generator = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(slot.full_shape, dtype=torch.float32, device=draw_on)
         full.normal_(0.0, 0.02, generator=generator)
-        dest.copy_(full[slot.source_index()])
+        dest.copy_(full[slot.source_index()].to(dest.device))
 
 
 def checkpoint_files(directory: str) -> dict[str, str]:
