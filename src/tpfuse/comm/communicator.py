@@ -36,6 +36,37 @@ class Communicator(abc.ABC):
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenation of every rank's x along dim, in rank order."""
 
+    def fused_add_rmsnorm_all_reduce_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As fused_add_rmsnorm_all_reduce, but normed is float8_e4m3fn: the float32 norm divided by
+        scale (a float32 tensor of one element), rounded to nearest and saturated at +-448."""
+        new_residual = (self.all_reduce(x).float() + residual.float()).to(x.dtype)
+        return quantize_fp8(rmsnorm_fp32(new_residual, weight, eps), scale), new_residual
+
+    def check(self) -> None:
+        """Raises RuntimeError if a peer never arrived in an earlier call (custom kernels only). Call it at
+        a point that synchronises anyway; it waits for the device."""
+        return None
+
+    def describe(self) -> str:
+        """Which path carries which message sizes, and why (for logs and `tpfuse doctor`)."""
+        return f"{type(self).__name__}: rank {self.rank} of {self.world_size}"
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of s times weight, in float32, not rounded."""
+    sf = s.float()
+    return sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def quantize_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn of y / scale, saturated at +-448 (the per-tensor static-scale convention)."""
+    return (y.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
 
 class SingleRankCommunicator(Communicator):
     """World size 1: all-reduce is the identity."""
@@ -59,13 +90,14 @@ class TorchDistributedCommunicator(Communicator):
     The fallback every other path is measured against, and the CPU path of tensor parallelism.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, notes: list[str] | None = None):
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.notes = list(notes or [])  # why this path (doctor and logs print them)
 
     def all_reduce(self, x):
         out = x.clone()
@@ -79,3 +111,36 @@ class TorchDistributedCommunicator(Communicator):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self._dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def describe(self):
+        backend = self._dist.get_backend(self.group)
+        lines = [f"torch.distributed {backend} for every message, rank {self.rank} of {self.world_size}"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+class GlooCpuCopyCommunicator(TorchDistributedCommunicator):
+    """GPU tensors through a gloo group by way of CPU copies, summed in float32.
+
+    The fallback when ranks share one GPU (NCCL refuses that). Slow, and it cannot be captured in a
+    CUDA graph, so the custom kernels carry every message that fits their workspace there."""
+
+    def all_reduce(self, x):
+        host = x.detach().float().cpu()
+        self._dist.all_reduce(host, group=self.group)
+        return host.to(device=x.device, dtype=x.dtype)
+
+    def all_gather(self, x, dim=-1):
+        host = x.detach().cpu().contiguous()
+        parts = [torch.empty_like(host) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, host, group=self.group)
+        return torch.cat(parts, dim=dim).to(x.device)
+
+    def describe(self):
+        return super().describe().replace("torch.distributed gloo", "gloo through CPU copies", 1)
+
+
+def create_communicator(*args, **kwargs) -> Communicator:
+    """Builds the communicator of one rank; see tpfuse.comm.factory.create_communicator."""
+    from tpfuse.comm.factory import create_communicator as create
+
+    return create(*args, **kwargs)

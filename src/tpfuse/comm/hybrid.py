@@ -1,0 +1,145 @@
+"""CustomCommunicator: tpfuse's peer-memory kernels per size bucket, a fallback communicator for the rest.
+
+Built by create_communicator (one process per rank) or create_virtual_communicators (N ranks on N
+streams of one process; no fallback there, every message must fit the workspace).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tpfuse.comm import launch
+from tpfuse.comm.communicator import Communicator
+from tpfuse.comm.plan import FALLBACK, Plan, unmeasured_plan
+from tpfuse.comm.workspace import RankWorkspace, create_virtual_workspaces
+
+CHECK_ENV = "TPFUSE_COMM_CHECK"  # "1": synchronise and check the error word after every call
+
+
+class CustomCommunicator(Communicator):
+    """One rank of a group whose small messages go through tpfuse's kernels over `workspace`.
+
+    fallback: the communicator for messages the plan (or the workspace size) sends elsewhere; None
+    means there is none (virtual ranks), and such a message raises ValueError.
+    """
+
+    def __init__(
+        self,
+        workspace: RankWorkspace,
+        plan: Plan,
+        fallback: Communicator | None = None,
+        checked: bool | None = None,
+    ):
+        self.workspace = workspace
+        self.plan = plan
+        self.fallback = fallback
+        self.rank = workspace.rank
+        self.world_size = workspace.world_size
+        self.checked = os.environ.get(CHECK_ENV) == "1" if checked is None else checked
+
+    @property
+    def fallback_name(self) -> str:
+        return self.plan.fallback_name
+
+    def _algorithm(self, op: str, x: torch.Tensor) -> str:
+        if x.device != self.workspace.device or not launch.fits(self.workspace, x):
+            return FALLBACK
+        return self.plan.choose(op, x.numel() * x.element_size())
+
+    def _fallback(self, what: str, x: torch.Tensor) -> Communicator:
+        if self.fallback is None:
+            raise ValueError(
+                f"{what} of {tuple(x.shape)} {x.dtype} does not fit the peer workspace "
+                f"({self.workspace.layout.slot_bytes} bytes per slot) and this communicator has no fallback; "
+                "create it for more tokens"
+            )
+        return self.fallback
+
+    def _done(self, result):
+        if self.checked:
+            if self.workspace.device.type == "cuda":
+                torch.cuda.synchronize(self.workspace.device)
+            self.workspace.check()
+        return result
+
+    def all_reduce(self, x):
+        algorithm = self._algorithm("all_reduce", x)
+        if algorithm == FALLBACK:
+            return self._fallback("all_reduce", x).all_reduce(x)
+        return self._done(launch.all_reduce(self.workspace, x, algorithm))
+
+    def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
+        algorithm = self._algorithm("fused", x)
+        if algorithm == FALLBACK:
+            return self._fallback("fused all-reduce", x).fused_add_rmsnorm_all_reduce(
+                x, residual, weight, eps
+            )
+        return self._done(launch.fused_add_rmsnorm(self.workspace, x, residual, weight, eps, algorithm))
+
+    def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
+        algorithm = self._algorithm("fused", x)
+        if algorithm == FALLBACK:
+            fallback = self._fallback("fused all-reduce", x)
+            return fallback.fused_add_rmsnorm_all_reduce_fp8(x, residual, weight, eps, scale)
+        result = launch.fused_add_rmsnorm(
+            self.workspace, x, residual, weight, eps, algorithm, fp8_scale=scale
+        )
+        return self._done(result)
+
+    def all_gather(self, x, dim=-1):
+        if self._algorithm("all_gather", x) == FALLBACK and self.fallback is not None:
+            return self.fallback.all_gather(x, dim)
+        if not launch.fits(self.workspace, x):
+            self._fallback("all_gather", x)
+        stacked = self._done(launch.all_gather(self.workspace, x))
+        return torch.cat(stacked.unbind(0), dim=dim)
+
+    def check(self) -> None:
+        self.workspace.check()
+
+    def describe(self) -> str:
+        ws = self.workspace
+        head = (
+            f"tpfuse custom all-reduce, rank {self.rank}/{self.world_size}, workspace {ws.backend} "
+            f"({ws.layout.slot_bytes} bytes per slot, spin timeout {ws.timeout_s:g}s)"
+        )
+        notes = "".join(f"\nnote: {n}" for n in ws.notes)
+        return f"{head}\n{self.plan.describe()}{notes}"
+
+
+def create_virtual_communicators(
+    world_size: int,
+    device: torch.device | str,
+    max_tokens: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    timeout_s: float = 30.0,
+    max_programs: int | None = None,
+    checked: bool | None = None,
+) -> list[CustomCommunicator]:
+    """world_size communicators of one process sharing one workspace (for tests and comm-bench on one
+    GPU). Call rank r's operations on its own CUDA stream; all ranks must make the same calls. Messages
+    up to max_tokens x hidden_size of dtype fit; there is no fallback."""
+    device = torch.device(device)
+    row_bytes = hidden_size * torch.tensor([], dtype=dtype).element_size()
+    if max_programs is None:
+        max_programs = _programs_per_rank(device, world_size)
+    workspaces = create_virtual_workspaces(
+        world_size, device, max_tokens * row_bytes, max_programs, timeout_s
+    )
+    plan = unmeasured_plan(
+        "none", world_size, row_bytes, max_tokens, "virtual ranks: default rule, not measured",
+        notes=["virtual ranks share one GPU: kernel latency, not a link measurement"],
+    )  # fmt: skip
+    return [CustomCommunicator(ws, plan, None, checked) for ws in workspaces]
+
+
+def _programs_per_rank(device: torch.device, ranks_on_device: int) -> int:
+    """Enough programs for the largest decode batches, few enough that every rank's grid is resident
+    at once on a shared GPU (a spinning program must never wait for a program that cannot start)."""
+    if device.type != "cuda":
+        return 8
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(64, sms // max(1, ranks_on_device)))
