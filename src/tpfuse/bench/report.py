@@ -47,7 +47,7 @@ def print_single(result, console: Console | None = None, show_notes: bool = True
             f"{run.seconds:.2f}",
             f"{run.tok_s:.1f}",
             _fmt(run.ttft_s, 1e3),
-            f"{run.decode_tok_s:.1f}",
+            _fmt(run.decode_tok_s),
             _fmt(run.energy.get("j_per_token"), digits=3),
         )
     console.print(table)
@@ -66,23 +66,25 @@ def print_sweep(result, console: Console | None = None) -> None:
     """One row per concurrency level of a SweepResult: throughput, achieved concurrency, latencies."""
     console = console or Console()
     table = Table(title=f"sweep: {result.label}" + (" (interrupted)" if result.interrupted else ""))
-    columns = ("C", "got C", "req/s", "tok/s ±CI", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-               "ITL p50/p99 ms", "E2E p50/p99 s", "J/tok", "valid")  # fmt: skip
+    with_energy = any(p.energy.get("j_per_token") is not None for p in result.points)
+    columns = ("C", "got C", "req/s", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+               "ITL p50/p99 ms", "E2E p50/p99 s", *(["J/tok"] if with_energy else []), "valid")  # fmt: skip
     for name in columns:
         table.add_column(name, justify="right")
     for p in result.points:
         pooled, tput = p.pooled, p.tput
-        half = (tput.ci_high - tput.ci_low) / 2 if tput.n > 1 else math.nan
+        half = f" ±{_fmt((tput.ci_high - tput.ci_low) / 2)}" if tput.n > 1 else ""
+        energy = (_fmt(p.energy.get("j_per_token"), digits=3),) if with_energy else ()
         table.add_row(
             str(p.concurrency),
             _fmt(pooled.achieved_concurrency),
             _fmt(pooled.requests_per_s, digits=2),
-            f"{_fmt(tput.mean)} ±{_fmt(half)}",
+            f"{_fmt(tput.mean)}{half}",
             "/".join(_fmt(pooled.ttft_s.get(f"p{q}"), 1e3) for q in (50, 99)),
             "/".join(_fmt(pooled.tpot_s.get(f"p{q}"), 1e3, 2) for q in (50, 99)),
             "/".join(_fmt(pooled.itl_s.get(f"p{q}"), 1e3, 2) for q in (50, 99)),
             "/".join(_fmt(pooled.e2e_s.get(f"p{q}"), 1.0, 2) for q in (50, 99)),
-            _fmt(p.energy.get("j_per_token"), digits=3),
+            *energy,
             "yes" if p.valid else f"[red]no ({p.pooled.num_failed} failed)[/red]",
         )
     console.print(table)

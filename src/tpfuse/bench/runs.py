@@ -4,6 +4,7 @@ per-run tok/s, then mean, stdev, coefficient of variation and a t-based confiden
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,7 @@ class SingleConfig:
 @dataclass(slots=True)
 class RunResult:
     """One measured run. tok_s = output tokens / end-to-end seconds (TTFT included);
-    decode_tok_s excludes the first token's wait."""
+    decode_tok_s excludes the first token's wait (NaN when all tokens came in one chunk)."""
 
     index: int  # 1-based
     output_tokens: float
@@ -97,7 +98,9 @@ def run_result(index: int, record: RequestRecord, energy: dict) -> RunResult:
     if m is None:
         return RunResult(index, 0, 0.0, 0.0, 0.0, 0.0, energy, record.error or "no token received")
     decode_s = m.e2e_s - m.ttft_s
-    decode = (m.output_tokens - 1) / decode_s if decode_s > 0 and m.output_tokens > 1 else 0.0
+    # One chunk holding every token says nothing about decode speed.
+    timed = len(record.chunk_times_s) > 1 and decode_s > 0 and m.output_tokens > 1
+    decode = (m.output_tokens - 1) / decode_s if timed else math.nan
     return RunResult(index, m.output_tokens, m.e2e_s, m.output_tokens / m.e2e_s, m.ttft_s, decode, energy)
 
 
