@@ -88,6 +88,27 @@ def step_bytes(model, batch_size: int, context: int) -> int:
     return weights + batch_size * context * kv_per_token
 
 
+def print_kernel_profile(replay, batch_size: int, steps: int = 20) -> None:
+    """Per-kernel GPU time of one replayed decode step (mean over steps), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:70], [0.0, 0])
+            entry[0] += getattr(event, "device_time_total", 0.0)
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    step_us = sum(us for us, _ in totals.values()) / steps
+    print(f"kernel profile, batch {batch_size}: {step_us:.1f} us of kernels per step")
+    for name, (us, count) in rows[:25]:
+        print(f"  {us / steps:8.1f} us  x{count // steps:<4d} {name}")
+
+
 def bench_batch(model, batch_size: int, args) -> dict:
     ids, positions, attn, caches = decode_inputs(
         model, batch_size, args.context, args.block_size, args.device
@@ -113,6 +134,8 @@ def bench_batch(model, batch_size: int, args) -> dict:
             for _ in range(5):
                 graph.replay()
             graph_s = timed(graph.replay, args.device, args.iters)
+            if args.profile:
+                print_kernel_profile(graph.replay, batch_size)
     best = graph_s or eager_s
     return {
         "batch_size": batch_size,
@@ -136,6 +159,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--eager", action="store_true", help="no CUDA graph")
+    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
     parser.add_argument(
         "--json", default=os.path.join(os.environ.get("OUT", "."), "model_decode_roofline.json")
     )
