@@ -1,0 +1,226 @@
+"""Virtual ranks on one GPU: N ranks on N streams of one process, running concurrently with real spins.
+
+Against float64 references on fresh random inputs with poisoned outputs; bit-identical across ranks;
+10,000 back-to-back calls; a CUDA graph replayed 1,000 times; a crashed peer times out with its name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.comm.reference import FP8_MAX, assert_close_to, fused64, poisoned, sum64
+from tpfuse.comm import launch
+from tpfuse.comm.hybrid import create_virtual_communicators
+from tpfuse.comm.workspace import create_virtual_workspaces
+
+pytestmark = pytest.mark.gpu
+EPS = 1e-5
+DEVICE = "cuda"
+
+
+def _workspaces(world_size, max_tokens, hidden, timeout_s=10.0):
+    return create_virtual_workspaces(world_size, DEVICE, max_tokens * hidden * 4, 32, timeout_s)
+
+
+def on_streams(world_size, fn):
+    """fn(rank) on rank's own stream, all ranks in flight together; returns the results in rank order."""
+    main = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in range(world_size)]
+    results = []
+    for rank, stream in enumerate(streams):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            results.append(fn(rank))
+    for stream in streams:
+        main.wait_stream(stream)
+    torch.cuda.synchronize()
+    return results
+
+
+def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
+    dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
+    outputs = [(poisoned(xs[0].shape, dtype).cuda(), poisoned(xs[0].shape, xs[0].dtype).cuda()) for _ in wss]
+    return on_streams(
+        len(wss),
+        lambda r: launch.fused_add_rmsnorm(
+            wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outputs[r]
+        ),
+    )
+
+
+def _randn(*shape, dtype):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def _check_fused(outs, xs, residual, weight):
+    normed64, residual64 = fused64(xs, residual, weight, EPS)
+    for normed, new_residual in outs:
+        assert_close_to(new_residual, residual64)
+        assert_close_to(normed, normed64, ulps=3)
+        assert torch.equal(normed, outs[0][0]) and torch.equal(new_residual, outs[0][1]), "ranks disagree"
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_matches_float64_and_is_bit_identical_for_1_to_max_tokens(world_size, dtype, algorithm):
+    hidden, max_tokens = 4096, 256
+    wss = _workspaces(world_size, max_tokens, hidden)
+    weight = _randn(hidden, dtype=dtype)
+    for tokens in (1, 2, 3, 8, 31, 64, 255, 256):
+        xs = [_randn(tokens, hidden, dtype=dtype) for _ in range(world_size)]
+        residual = _randn(tokens, hidden, dtype=dtype)
+        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+    for ws in wss:
+        ws.check()
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("hidden", [127, 4097, 5120, 7168, 8192])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_is_correct_at_odd_and_model_hidden_sizes(world_size, hidden, algorithm):
+    wss = _workspaces(world_size, 64, hidden)
+    weight = _randn(hidden, dtype=torch.bfloat16)
+    for tokens in (1, 5, 64):
+        xs = [_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
+        residual = _randn(tokens, hidden, dtype=torch.bfloat16)
+        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_all_reduce_matches_float64_reference(world_size, algorithm):
+    wss = _workspaces(world_size, 128, 4096)
+    for tokens in (1, 7, 128):
+        xs = [_randn(tokens, 4096, dtype=torch.bfloat16) for _ in range(world_size)]
+        outs = [poisoned(xs[0].shape, torch.bfloat16).cuda() for _ in wss]
+        on_streams(world_size, lambda r: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r]))  # noqa: B023
+        for out in outs:
+            assert_close_to(out, sum64(xs))
+            assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
+    wss = _workspaces(2, 16, 4096)
+    xs = [_randn(16, 4096, dtype=torch.bfloat16) for _ in range(2)]
+    residual, weight = _randn(16, 4096, dtype=torch.bfloat16), _randn(4096, dtype=torch.bfloat16)
+    scale = torch.tensor([0.02], device=DEVICE)
+    normed64, residual64 = fused64(xs, residual, weight, EPS)
+    expected = (normed64 / 0.02).clamp(-FP8_MAX, FP8_MAX)
+    for q, new_residual in _fused(wss, xs, residual, weight, algorithm, fp8_scale=scale):
+        assert q.dtype == torch.float8_e4m3fn
+        assert_close_to(new_residual, residual64)
+        assert ((q.double() - expected).abs() <= 0.07 * expected.abs() + 2.0**-9).all()
+
+
+def test_all_gather_through_the_communicator_concatenates_in_rank_order():
+    comms = create_virtual_communicators(4, DEVICE, 8, 1000, torch.float32)
+    xs = [torch.randn(3, 250, device=DEVICE) for _ in range(4)]
+    outs = on_streams(4, lambda r: comms[r].all_gather(xs[r], dim=-1))
+    for out in outs:
+        assert torch.equal(out, torch.cat(xs, dim=-1))
+
+
+def _mismatches(outs, expected):
+    """Number of elements (a device tensor) where (normed, new_residual) differ from expected."""
+    return (outs[0] != expected[0]).sum() + (outs[1] != expected[1]).sum()
+
+
+def _expected_sets(comms, sets, residual, weight):
+    """Each input set's outputs, checked against float64 once; later calls must reproduce them exactly."""
+    expected = []
+    for xs in sets:
+        outs = on_streams(
+            len(comms), lambda r, xs=xs: comms[r].fused_add_rmsnorm_all_reduce(xs[r], residual, weight, EPS)
+        )
+        _check_fused(outs, xs, residual, weight)
+        expected.append(outs[0])
+    return expected
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ten_thousand_back_to_back_calls_stay_exact(world_size):
+    tokens, hidden = 4, 4096
+    comms = create_virtual_communicators(world_size, DEVICE, 64, hidden, torch.bfloat16)
+    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    expected = _expected_sets(comms, sets, residual, weight)
+    mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
+    # all ranks' launches interleave call by call so that no rank's queue runs far ahead
+    main = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in range(world_size)]
+    for s in streams:
+        s.wait_stream(main)
+    for i in range(10_000):
+        for r in range(world_size):
+            with torch.cuda.stream(streams[r]):
+                normed, new_residual = comms[r].fused_add_rmsnorm_all_reduce(
+                    sets[i % 4][r], residual, weight, EPS
+                )
+                mismatches[r : r + 1] += (normed != expected[i % 4][0]).sum() + (
+                    new_residual != expected[i % 4][1]
+                ).sum()
+    torch.cuda.synchronize()
+    for comm in comms:
+        comm.check()
+    assert mismatches.tolist() == [0] * world_size
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_captured_graph_replayed_a_thousand_times_stays_exact(world_size, algorithm):
+    tokens, hidden = 8, 4096
+    wss = _workspaces(world_size, 64, hidden)
+    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    expected = []
+    for xs in sets:
+        outs = _fused(wss, xs, residual, weight, algorithm)
+        _check_fused(outs, xs, residual, weight)
+        expected.append(outs[0])
+    static_x = [sets[0][r].clone() for r in range(world_size)]
+    streams = [torch.cuda.Stream() for _ in range(world_size)]
+    graphs, graph_outs = [], []
+    torch.cuda.synchronize()
+    for r in range(world_size):  # capture launches nothing, so ranks are captured one after another
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams[r]):
+            graph_outs.append(launch.fused_add_rmsnorm(wss[r], static_x[r], residual, weight, EPS, algorithm))
+        graphs.append(graph)
+    epoch_before = [int(ws.words[0]) for ws in wss]
+    mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
+    for i in range(1000):
+        for r in range(world_size):
+            with torch.cuda.stream(streams[r]):
+                static_x[r].copy_(sets[i % 4][r])
+                graphs[r].replay()
+                normed, new_residual = graph_outs[r]
+                mismatches[r : r + 1] += (normed != expected[i % 4][0]).sum() + (
+                    new_residual != expected[i % 4][1]
+                ).sum()
+    torch.cuda.synchronize()
+    for ws in wss:
+        ws.check()
+    assert mismatches.tolist() == [0] * world_size
+    assert [int(ws.words[0]) - e for ws, e in zip(wss, epoch_before, strict=True)] == [1000] * world_size, (
+        "every replay advances the device epoch once"
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_a_peer_that_never_arrives_times_out_and_is_named(algorithm):
+    wss = _workspaces(3, 4, 256, timeout_s=0.5)
+    x = torch.randn(4, 256, device=DEVICE)
+    started = time.monotonic()
+    for rank in (0, 1):  # rank 2 has crashed
+        with torch.cuda.stream(torch.cuda.Stream()):
+            launch.all_reduce(wss[rank], x, algorithm)
+    torch.cuda.synchronize()
+    assert time.monotonic() - started < 20, "the spin must be bounded"
+    for ws in wss[:2]:
+        with pytest.raises(RuntimeError, match="rank 2 never arrived"):
+            ws.check()
