@@ -37,6 +37,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         vocab_size: int,
+        graph_logits: bool = True,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -50,7 +51,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
+        self.graph_logits = graph_logits
+        self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device) if graph_logits else None
+        self.hidden: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def bucket(self, batch_size: int) -> int | None:
@@ -61,6 +64,7 @@ class DecodeGraphs:
         return None
 
     def _forward(self, batch_size: int) -> torch.Tensor:
+        """Logits [batch_size, vocab] (hidden [batch_size, H] when logits are computed after replay)."""
         attn = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch_size],
             block_tables=self.block_tables[:batch_size],
@@ -71,25 +75,28 @@ class DecodeGraphs:
             is_decode=True,
         )
         hidden, _ = self.model(self.input_ids[:batch_size], self.positions[:batch_size], attn, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.graph_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every bucket, largest first (so the shared pool is sized by the first capture)."""
         pool = None
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: autotuning and lazy allocations happen outside capture
+            out = self._forward(size)  # warm-up: autotuning and lazy allocations happen outside capture
+            if not self.graph_logits and self.hidden is None:
+                self.hidden = torch.empty(self.sizes[-1], out.shape[-1], dtype=out.dtype, device=out.device)
+            target = self.logits if self.graph_logits else self.hidden
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[:size].copy_(self._forward(size))
+                target[:size].copy_(self._forward(size))
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        """Replays the graph of step's (already padded) batch size; returns logits [B, vocab], a view
-        of the shared buffer valid until the next replay."""
+        """Replays the graph of step's (already padded) batch size; returns logits [B, vocab] (hidden
+        [B, H] without graph_logits), a view of a shared buffer valid until the next replay."""
         size = step.header.num_seqs
         width = step.header.max_blocks
         self.input_ids[:size].copy_(step.input_ids)
@@ -98,4 +105,4 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(step.seq_lens)
         self.block_tables[:size, :width].copy_(step.block_tables)
         self.graphs[size].replay()
-        return self.logits[:size]
+        return self.logits[:size] if self.graph_logits else self.hidden[:size]

@@ -39,7 +39,9 @@ class ModelRunner:
 
     config: the engine settings; rank/comm: this process's tensor-parallel rank and communicator
     (SingleRankCommunicator for TP=1); device: where to run (default config.resolved_device());
-    agree_num_blocks: for TP, a function turning this rank's KV capacity into the group's (the minimum).
+    agree_num_blocks: for TP, a function turning this rank's KV capacity into the group's (the minimum);
+    ranks_on_device: ranks sharing this GPU (they split its memory); graph_logits: capture
+    compute_logits in the decode graphs (off when its all-gather cannot be captured).
     """
 
     def __init__(
@@ -50,11 +52,14 @@ class ModelRunner:
         device: torch.device | str | None = None,
         agree_num_blocks=None,
         ranks_on_device: int = 1,
+        graph_logits: bool = True,
     ):
         self.config = config
         self.rank = rank
         self.device = torch.device(device or config.resolved_device())
         if self.device.type == "cuda":
+            if self.device.index is None:  # torch 2.11 refuses set_device on a bare "cuda"
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         parallel = ParallelContext(rank, config.tp_size, comm or SingleRankCommunicator())
         self.model, self.model_config = load_model(config, parallel, self.device)
@@ -89,6 +94,7 @@ class ModelRunner:
                 -(-self.max_model_len // self.block_size),
                 self.max_model_len,
                 self.model_config.vocab_size,
+                graph_logits,
             )
             self.graphs.capture()
 
@@ -158,8 +164,11 @@ class ModelRunner:
         header = read_header(packed)
         step = unpack_step(header, self._to_device(packed))
         if self.graphs is not None and header.is_decode and header.num_seqs in self.graphs.graphs:
-            logits = self.graphs.run(step)
-            return step, logits.index_select(0, step.sample_indices) if header.num_samples else None
+            out = self.graphs.run(step)
+            if not header.num_samples:
+                return step, None
+            rows = out.index_select(0, step.sample_indices)
+            return step, rows if self.graphs.graph_logits else self.model.compute_logits(rows)
         hidden, _ = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if not header.num_samples:
             return step, None
@@ -179,6 +188,10 @@ class ModelRunner:
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[int | None]:
         """Single-process step: pack, forward, sample. Returns one entry per batch sequence: the
         sampled token, or None for a prefill chunk that did not reach the sequence's end."""
-        step, logits = self.execute(self.pack(batch, engine_seed, banned_token_ids))
+        return self.run_packed(batch, self.pack(batch, engine_seed, banned_token_ids))
+
+    def run_packed(self, batch: Batch, packed: torch.Tensor) -> list[int | None]:
+        """Rank 0: forward and sample an already packed step of batch (see run)."""
+        step, logits = self.execute(packed)
         tokens = iter(self.sample(step, logits) if logits is not None else [])
         return [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]

@@ -1,0 +1,268 @@
+"""Tensor parallelism, one process per rank: the engine process is rank 0, ranks 1..N-1 are workers.
+
+Rank 0 schedules, packs each step (step_inputs.py), publishes it on a StepChannel, runs its own share
+of the forward and samples; workers take each step from the channel and run the same forward, so the
+all-reduces inside the model pair up. Workers hold no sequence state and need no sampled tokens (the
+next step carries its input ids).
+
+Failure handling: every worker watches its parent and exits within a second when the engine process
+is gone; rank 0 watches its workers, and when one dies it raises on the next step, or, when it is
+stuck inside a collective with the dead rank, prints the reason and exits after GRACE_S.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from tpfuse.config import EngineConfig
+
+GRACE_S = 10.0
+WATCH_INTERVAL_S = 0.5
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def rank_devices(config: EngineConfig) -> list[torch.device]:
+    """The device of every rank. Raises ValueError when --devices names a missing GPU or there are
+    fewer GPUs than ranks without --devices."""
+    if config.resolved_device() == "cpu":
+        return [torch.device("cpu")] * config.tp_size
+    count = torch.cuda.device_count()
+    indices = config.devices if config.devices is not None else list(range(config.tp_size))
+    if config.devices is None and config.tp_size > count:
+        raise ValueError(
+            f"--tp-size {config.tp_size} needs {config.tp_size} GPUs but {count} are visible; "
+            f"let ranks share GPUs with --devices (e.g. --devices {','.join(['0'] * config.tp_size)})"
+        )
+    for index in indices:
+        if not 0 <= index < count:
+            raise ValueError(f"--devices names GPU {index} but only GPUs 0..{count - 1} are visible")
+    return [torch.device("cuda", i) for i in indices]
+
+
+def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
+    """Upper bound of a packed step's length (int64 values), with room for min_tokens bans."""
+    tokens, seqs = config.max_num_batched_tokens, max(config.max_running_requests, config.cuda_graph_max_bs)
+    max_blocks = -(-max_model_len // config.block_size)
+    return 64 + 3 * tokens + seqs * (max_blocks + 2) + 1 + 7 * seqs + (1 << 20)
+
+
+def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device]):
+    """Joins the process group and builds this rank's ModelRunner (every rank runs this in step)."""
+    import torch.distributed as dist
+
+    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.engine.runner import ModelRunner
+    from tpfuse.model.loader import load_model_config
+
+    device = devices[rank]
+    sharing = devices.count(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif rank > 0:  # CPU ranks share the cores; more threads than cores makes every collective wait
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+    backend = "nccl" if device.type == "cuda" and len(set(devices)) == len(devices) else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.tp_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+
+    def agree_num_blocks(num_blocks: int) -> int:
+        value = torch.tensor([num_blocks], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group)
+        return int(value.item())
+
+    model_config = load_model_config(config)
+    comm = create_communicator(
+        group=None,
+        device=device,
+        mode=config.allreduce,
+        max_tokens=min(config.cuda_graph_max_bs, config.max_running_requests),
+        hidden_size=model_config.hidden_size,
+        dtype=model_config.dtype,
+    )
+    return ModelRunner(
+        config,
+        rank=rank,
+        comm=comm,
+        device=device,
+        agree_num_blocks=agree_num_blocks,
+        ranks_on_device=sharing,
+        graph_logits=sharing == 1,
+    )
+
+
+def _watch_parent(rank: int, parent_pid: int) -> None:
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        if os.getppid() != parent_pid:
+            print(
+                f"tpfuse worker rank {rank}: the engine process {parent_pid} is gone; exiting",
+                file=sys.stderr,
+            )
+            os._exit(1)
+
+
+def worker_main(
+    rank: int, config: EngineConfig, port: int, devices, channel, parent_pid: int, errors
+) -> None:
+    """Process target of ranks 1..N-1."""
+    threading.Thread(target=_watch_parent, args=(rank, parent_pid), daemon=True).start()
+    try:
+        runner = build_rank(rank, config, port, devices)
+        last = 0
+        while True:
+            last, packed = channel.receive(rank, last)
+            if packed is None:
+                break
+            runner.execute(packed)
+        if devices[rank].type == "cuda":
+            torch.cuda.synchronize()
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        errors.put((rank, message))
+        print(f"tpfuse worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        os._exit(1)
+    os._exit(0)  # skip interpreter teardown: the process group may still reference dead peers
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel group, plus the worker processes of ranks 1..N-1.
+
+    Same interface as ModelRunner for the engine: run(batch, engine_seed, banned_token_ids),
+    model_config, vocab_size, max_model_len, num_kv_blocks, shutdown(). Raises ValueError for bad
+    device settings and RuntimeError naming the rank when a worker fails.
+    """
+
+    def __init__(self, config: EngineConfig):
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from tpfuse.engine.runner import resolve_max_model_len
+        from tpfuse.engine.step_channel import StepChannel
+        from tpfuse.model.loader import load_model_config
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already holds a torch.distributed process group; shut down the other "
+                "tensor-parallel engine before starting one"
+            )
+        devices = rank_devices(config)
+        max_len = resolve_max_model_len(config, load_model_config(config).max_position_embeddings)
+        spin_s = 0.5 if devices[0].type == "cuda" else 0.0
+        self.channel = StepChannel(config.tp_size, channel_capacity(config, max_len), spin_s)
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.Queue()
+        port = _free_port()
+        self.workers = [
+            ctx.Process(
+                target=worker_main,
+                args=(rank, config, port, devices, self.channel, os.getpid(), self._errors),
+                daemon=True,
+                name=f"tpfuse-rank{rank}",
+            )
+            for rank in range(1, config.tp_size)
+        ]
+        for process in self.workers:
+            process.start()
+        self.failure: str | None = None
+        self._failed_at = 0.0
+        self._busy = True
+        self._closing = False
+        threading.Thread(target=self._watch_workers, daemon=True).start()
+        try:
+            self.runner = build_rank(0, config, port, devices)
+        except BaseException as exc:
+            self._busy = False
+            time.sleep(2 * WATCH_INTERVAL_S if self.failure is None else 0)
+            failure = self.failure
+            self.shutdown()
+            if failure is not None:
+                raise RuntimeError(failure) from exc
+            raise
+        finally:
+            self._busy = False
+        self.model_config = self.runner.model_config
+        self.vocab_size = self.runner.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.num_kv_blocks = self.runner.num_kv_blocks
+
+    def run(self, batch, engine_seed: int, banned_token_ids) -> list[int | None]:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        self._busy = True
+        try:
+            packed = self.runner.pack(batch, engine_seed, banned_token_ids)
+            self.channel.send(packed, is_alive=lambda: self.failure is None)
+            return self.runner.run_packed(batch, packed)
+        except Exception as exc:
+            # A collective with a dead rank fails fast; give the watchdog a moment to name the rank.
+            deadline = time.monotonic() + 3 * WATCH_INTERVAL_S
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.failure is not None:
+                raise RuntimeError(self.failure) from exc
+            raise
+        finally:
+            self._busy = False
+
+    def _watch_workers(self) -> None:
+        while not self._closing:
+            time.sleep(WATCH_INTERVAL_S)
+            if self.failure is None:
+                for rank, process in enumerate(self.workers, start=1):
+                    if process.exitcode is not None and not self._closing:
+                        self.failure = (
+                            f"tensor-parallel rank {rank} (pid {process.pid}) died: {self._reason(process)}"
+                        )
+                        self._failed_at = time.monotonic()
+                        break
+            elif self._busy and time.monotonic() - self._failed_at > GRACE_S:
+                print(f"tpfuse: {self.failure}; rank 0 is stuck waiting for it, exiting", file=sys.stderr)
+                for process in self.workers:
+                    if process.is_alive():
+                        process.kill()
+                os._exit(1)
+
+    def _reason(self, process) -> str:
+        try:
+            while True:
+                _, message = self._errors.get(timeout=1.0)
+                return message
+        except Exception:
+            return f"exit code {process.exitcode}"
+
+    def shutdown(self) -> None:
+        """Stops the workers (killing any that do not exit within 10 s) and leaves the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        if all(p.is_alive() for p in self.workers) and self.failure is None:
+            self.channel.send_shutdown()
+        for process in self.workers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
