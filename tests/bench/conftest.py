@@ -1,11 +1,11 @@
 import pytest
 
-from tests.bench.fake_server import FakeBehavior, FakeServer
-
 
 @pytest.fixture
 def fake_server():
     """A running fake OpenAI-compatible server; tests may change `server.behavior` before use."""
+    from tests.bench.fake_server import FakeBehavior, FakeServer  # fastapi only where it is used
+
     with FakeServer(FakeBehavior()) as server:
         yield server
 

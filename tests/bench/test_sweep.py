@@ -2,7 +2,6 @@
 
 import pytest
 
-from tests.bench.fake_server import FakeBehavior, FakeServer
 from tpfuse.bench.client import ClientConfig
 from tpfuse.bench.session import BenchOptions
 from tpfuse.bench.sweep import SweepConfig, run_paired_sweeps, run_sweep
@@ -58,6 +57,8 @@ def test_partial_results_are_handed_out_after_every_level(fake_server):
 
 
 def test_paired_sweeps_send_identical_prompts_to_both_servers():
+    from tests.bench.fake_server import FakeBehavior, FakeServer
+
     with (
         FakeServer(FakeBehavior(model="base")) as a,
         FakeServer(FakeBehavior(model="spec", tokens_per_chunk=3)) as b,

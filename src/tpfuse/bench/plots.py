@@ -23,6 +23,15 @@ def _num(value) -> float:
     return math.nan if value is None else float(value)
 
 
+def _concurrency_axis(ax, levels) -> None:
+    """Log-2 x axis labelled with the measured levels as plain numbers."""
+    ax.set_xscale("log", base=2)
+    levels = sorted(set(levels))
+    if levels:
+        ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrency")
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -33,9 +42,11 @@ def _save(fig, path: Path) -> Path:
 def plot_throughput(points_by_label: dict, path: Path) -> Path:
     """Output tok/s (mean with CI bars) against concurrency, one line per configuration."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    levels = []
     for label, points in points_by_label.items():
         rows = sorted((_as_dict(p) for p in points), key=lambda p: p["concurrency"])
         c = [p["concurrency"] for p in rows]
+        levels += c
         mean = [_num(p["output_tok_s"]["mean"]) for p in rows]
         low = [m - _num(p["output_tok_s"]["ci_low"]) for m, p in zip(mean, rows, strict=True)]
         high = [_num(p["output_tok_s"]["ci_high"]) - m for m, p in zip(mean, rows, strict=True)]
@@ -44,8 +55,7 @@ def plot_throughput(points_by_label: dict, path: Path) -> Path:
         for ci, m, p in zip(c, mean, rows, strict=True):
             if not p["valid"]:
                 ax.plot(ci, m, "rx", markersize=10)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
+    _concurrency_axis(ax, levels)
     ax.set_ylabel("output tok/s")
     ax.set_title("throughput vs concurrency (x: invalid point)")
     ax.grid(True, alpha=0.3)
@@ -57,14 +67,15 @@ def plot_latency(points_by_label: dict, path: Path) -> Path:
     """TTFT and TPOT p50 / p90 / p99 against concurrency."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, metric, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        levels = []
         for label, points in points_by_label.items():
             rows = sorted((_as_dict(p) for p in points), key=lambda p: p["concurrency"])
             c = [p["concurrency"] for p in rows]
+            levels += c
             for q, style in (("p50", "-o"), ("p90", "--s"), ("p99", ":^")):
                 values = [_num(p["pooled"][metric].get(q)) * 1e3 for p in rows]
                 ax.plot(c, values, style, label=f"{label} {q}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
+        _concurrency_axis(ax, levels)
         ax.set_ylabel(f"{title} (ms)")
         ax.set_title(f"{title} percentiles")
         ax.grid(True, alpha=0.3)
@@ -87,9 +98,7 @@ def plot_ratio(crossover, path: Path) -> Path:
             crossover.concurrency, color="red", linestyle=":", label=f"crossover C={crossover.concurrency}"
         )
         ax.legend()
-    if c:
-        ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
+    _concurrency_axis(ax, c)
     ax.set_ylabel("throughput ratio B / A")
     ax.set_title(f"B / A with {crossover.confidence:.0%} CI")
     ax.grid(True, alpha=0.3)
