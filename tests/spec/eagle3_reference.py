@@ -63,16 +63,18 @@ def dense_chain_draft(head, embedding, features, next_tokens, num_draft_tokens):
 class PagedSequences:
     """Block tables that scatter each sequence over non-contiguous blocks of one shared pool."""
 
-    def __init__(self, num_seqs, max_len, block_size=4, seed=0):
-        self.block_size = block_size
+    def __init__(self, num_seqs, max_len, block_size=4, seed=0, device="cpu", dtype=torch.float32):
+        self.block_size, self.device, self.dtype = block_size, device, dtype
         per_seq = -(-max_len // block_size)
         order = torch.randperm(num_seqs * per_seq, generator=torch.Generator().manual_seed(seed))
-        self.block_tables = order.view(num_seqs, per_seq).to(torch.int32)
+        self.block_tables = order.view(num_seqs, per_seq).to(device=device, dtype=torch.int32)
         self.num_blocks = num_seqs * per_seq
 
     def kv_cache(self, shape_fn):
         shape = shape_fn(self.num_blocks, self.block_size)
-        return torch.zeros(shape), torch.zeros(shape)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype), torch.zeros(
+            shape, device=self.device, dtype=self.dtype
+        )
 
     def inputs(self, starts, features, next_tokens, **extra):
         """DraftInputs for sequences whose verified positions are starts[b] .. starts[b]+len-1;
@@ -80,13 +82,14 @@ class PagedSequences:
         lengths = [len(t) for t in next_tokens]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
         loc = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        extra = {k: v.to(self.device) for k, v in extra.items()}
         return DraftInputs(
-            input_ids=torch.zeros_like(positions),
-            positions=positions,
-            next_token_ids=torch.cat(next_tokens),
-            query_start_loc=loc,
+            input_ids=torch.zeros_like(positions).to(self.device),
+            positions=positions.to(self.device),
+            next_token_ids=torch.cat(next_tokens).to(self.device),
+            query_start_loc=loc.to(self.device),
             block_tables=self.block_tables,
             block_size=self.block_size,
-            target_features=torch.cat(features),
+            target_features=torch.cat(features).to(self.device, self.dtype),
             **extra,
         )

@@ -39,6 +39,7 @@ def random_model(config: ModelConfig, seed: int, std: float = 0.3) -> LlamaForCa
 
 
 def model_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int):
-    c = model.config
+    c, param = model.config, next(model.parameters())
     shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+    kw = dict(device=param.device, dtype=param.dtype)
+    return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(c.num_layers)]

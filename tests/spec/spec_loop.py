@@ -19,10 +19,12 @@ from .eagle3_reference import PagedSequences
 class TinyTarget:
     def __init__(self, model, num_seqs, max_len):
         self.model = model
-        self.paged = PagedSequences(num_seqs, max_len, seed=11)
+        param = next(model.parameters())
+        self.device = param.device
+        self.paged = PagedSequences(num_seqs, max_len, seed=11, device=param.device, dtype=param.dtype)
         c = model.config
         shape = (self.paged.num_blocks, self.paged.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+        self.kv_caches = [self.paged.kv_cache(lambda *_: shape) for _ in range(c.num_layers)]
 
     @torch.inference_mode()
     def forward(self, token_rows, starts):
@@ -31,6 +33,7 @@ class TinyTarget:
         positions = torch.cat([torch.arange(s, s + len(r)) for s, r in zip(starts, token_rows, strict=True)])
         lengths = torch.tensor([len(r) for r in token_rows])
         loc = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+        ids, positions, loc = ids.to(self.device), positions.to(self.device), loc.to(self.device)
         attn = metadata_for_positions(self.paged.block_tables, self.paged.block_size, positions, loc)
         hidden, aux = self.model(ids, positions, attn, self.kv_caches)
         logits = self.model.compute_logits(hidden)
@@ -61,7 +64,7 @@ def speculative_greedy_decode(model, prompts, num_tokens, make_drafter, num_draf
     verified = [(0, p, p[1:] + o) for p, o in zip(prompts, outputs, strict=True)]
     accepted_total = 0
     while min(map(len, outputs)) < num_tokens:
-        inputs = _draft_inputs(target.paged, verified, aux, prompts, outputs)
+        inputs = _draft_inputs(target.paged, verified, aux, prompts, outputs, target.device)
         proposal = drafter.propose(inputs, num_draft_tokens)
         starts = [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)]
         rows = [[o[-1], *d] for o, d in zip(outputs, proposal.token_ids.tolist(), strict=True)]
@@ -79,14 +82,15 @@ def speculative_greedy_decode(model, prompts, num_tokens, make_drafter, num_draf
     return [o[:num_tokens] for o in outputs], accepted_total
 
 
-def _draft_inputs(paged, verified, aux, prompts, outputs):
+def _draft_inputs(paged, verified, aux, prompts, outputs, device):
     """verified[b] = (first position, tokens at the verified positions, the token after each)."""
     lengths = [len(v[1]) for v in verified]
+    loc = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return DraftInputs(
-        input_ids=torch.cat([torch.tensor(v[1]) for v in verified]),
-        positions=torch.cat([torch.arange(s, s + len(t)) for s, t, _ in verified]),
-        next_token_ids=torch.cat([torch.tensor(v[2]) for v in verified]),
-        query_start_loc=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        input_ids=torch.cat([torch.tensor(v[1]) for v in verified]).to(device),
+        positions=torch.cat([torch.arange(s, s + len(t)) for s, t, _ in verified]).to(device),
+        next_token_ids=torch.cat([torch.tensor(v[2]) for v in verified]).to(device),
+        query_start_loc=loc.to(device),
         block_tables=paged.block_tables,
         block_size=paged.block_size,
         target_features=torch.cat(aux) if aux is not None else None,

@@ -113,10 +113,12 @@ def target_probs(
     batch, positions, vocab = target_logits.shape
     temps = temperatures.float().clamp(min=1e-6).repeat_interleave(positions)[:, None]
     flat = target_logits.reshape(batch * positions, vocab).float() / temps
-    filtered = apply_top_k_top_p(
-        flat, top_ks.repeat_interleave(positions), top_ps.float().repeat_interleave(positions)
-    )
-    return filtered.softmax(dim=-1).reshape(batch, positions, vocab)
+    # The filters sort the vocabulary; skip them when no row asks for one (one host sync).
+    if bool(((top_ks > 0) & (top_ks < vocab)).any() | (top_ps < 1.0).any()):
+        flat = apply_top_k_top_p(
+            flat, top_ks.repeat_interleave(positions), top_ps.float().repeat_interleave(positions)
+        )
+    return flat.softmax(dim=-1).reshape(batch, positions, vocab)
 
 
 def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
