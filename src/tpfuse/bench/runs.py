@@ -82,6 +82,7 @@ class SingleResult:
             "valid": self.valid,
             "interrupted": self.interrupted,
             "config": self.config,
+            "seed": self.options["prompts"]["seed"],
             "options": self.options,
             "environment": self.environment,
             "notes": self.notes,

@@ -125,6 +125,7 @@ class SweepResult:
             "label": self.label,
             "interrupted": self.interrupted,
             "config": self.config,
+            "seed": self.options["prompts"]["seed"],
             "options": self.options,
             "environment": self.environment,
             "notes": self.notes,

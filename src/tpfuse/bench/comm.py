@@ -1,0 +1,253 @@
+"""`tpfuse comm-bench`: all-reduce latency of every path, side by side, median over CUDA-graph replays.
+
+Columns (microseconds per call): NCCL all_reduce; NCCL all_reduce + the separate fused add+RMSNorm
+kernel; torch symmetric-memory one_shot / two_shot (and one_shot + norm) where available; tpfuse
+one-shot, two-shot, fused one-shot, fused two-shot; and `chosen`, the path the Communicator's rule
+picks for the fused op (a custom kernel only where it beats NCCL + norm).
+
+Ranks are one process per GPU, N processes over the GPUs (several per GPU when N exceeds them), or N
+virtual ranks on N streams of one process. When ranks share a GPU the numbers are kernel latency
+under sharing, not a link measurement, and the output says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+METHODS = (
+    "nccl",
+    "nccl+norm",
+    "symm_one_shot",
+    "symm_two_shot",
+    "symm_one_shot+norm",
+    "tpfuse_one_shot",
+    "tpfuse_two_shot",
+    "tpfuse_fused_one_shot",
+    "tpfuse_fused_two_shot",
+)
+SHARED_WARNING = "ranks share one GPU: kernel latency, not a link measurement"
+EPS = 1e-6
+
+
+@dataclass
+class BenchConfig:
+    tokens: list[int]
+    hiddens: list[int]
+    dtype: str = "bfloat16"
+    iters: int = 50  # calls per captured graph
+    repeats: int = 10  # graph replays; the median is reported
+    nproc: int = 0  # processes (0: one per GPU)
+    virtual_ranks: int = 0  # > 0: this many ranks on streams of GPU 0, one process
+
+    @property
+    def max_bytes(self) -> int:
+        import torch
+
+        return (
+            max(self.tokens)
+            * max(self.hiddens)
+            * torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
+        )
+
+
+def chosen_method(timings: dict[str, float | None]) -> str | None:
+    """The column the Communicator's rule picks for the fused op: the faster tpfuse fused kernel,
+    unless NCCL + norm is at least as fast (or the only one measured)."""
+    from tpfuse.comm.plan import FALLBACK, decide
+
+    measured = {
+        "one_shot": timings.get("tpfuse_fused_one_shot"),
+        "two_shot": timings.get("tpfuse_fused_two_shot"),
+        FALLBACK: timings.get("nccl+norm"),
+    }
+    measured = {k: v for k, v in measured.items() if v is not None}
+    if not measured:
+        return None
+    algorithm, _ = decide(measured)
+    return "nccl+norm" if algorithm == FALLBACK else f"tpfuse_fused_{algorithm}"
+
+
+def _inputs(tokens, hidden, dtype, device, rank):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = (torch.randn(tokens, hidden, generator=g) * 0.1).to(dtype).to(device)
+    residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(99)).to(dtype).to(device)
+    return x, residual, torch.ones(hidden, dtype=dtype, device=device)
+
+
+def tpfuse_calls(ws, x, residual, weight) -> dict:
+    from tpfuse.comm import launch
+
+    return {
+        "tpfuse_one_shot": lambda: launch.all_reduce(ws, x, "one_shot"),
+        "tpfuse_two_shot": lambda: launch.all_reduce(ws, x, "two_shot"),
+        "tpfuse_fused_one_shot": lambda: launch.fused_add_rmsnorm(ws, x, residual, weight, EPS, "one_shot"),
+        "tpfuse_fused_two_shot": lambda: launch.fused_add_rmsnorm(ws, x, residual, weight, EPS, "two_shot"),
+    }
+
+
+def time_virtual(calls_per_rank: list, iters: int, repeats: int) -> float:
+    """All ranks' calls concurrently, each rank on its own stream and graph; microseconds per call."""
+    import torch
+
+    main = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in calls_per_rank]
+    for fn, stream in zip(calls_per_rank, streams, strict=True):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            fn()
+    torch.cuda.synchronize()
+    graphs = []
+    for fn, stream in zip(calls_per_rank, streams, strict=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(iters):
+                fn()
+        graphs.append(graph)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        for graph, stream in zip(graphs, streams, strict=True):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            main.wait_stream(stream)
+        end.record(main)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def bench_virtual(cfg: BenchConfig) -> dict:
+    import torch
+
+    from tpfuse.comm.workspace import create_virtual_workspaces
+
+    n = cfg.virtual_ranks
+    dtype = getattr(torch, cfg.dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wss = create_virtual_workspaces(n, "cuda:0", cfg.max_bytes, max(1, min(64, sms // n)), timeout_s=30.0)
+    rows = []
+    for hidden in cfg.hiddens:
+        for tokens in cfg.tokens:
+            inputs = [_inputs(tokens, hidden, dtype, "cuda:0", r) for r in range(n)]
+            calls = [tpfuse_calls(wss[r], *inputs[r]) for r in range(n)]
+            row = _row(n, tokens, hidden, dtype)
+            for name in calls[0]:
+                row[name] = round(time_virtual([c[name] for c in calls], cfg.iters, cfg.repeats), 2)
+            for ws in wss:
+                ws.check()
+            row["chosen"] = chosen_method(row)
+            rows.append(row)
+    unavailable = {m: "virtual ranks live in one process: no process group" for m in METHODS[:5]}
+    return {"environment": environment(n, "virtual ranks on streams of GPU 0", True), "rows": rows,
+            "unavailable": unavailable, "config": asdict(cfg)}  # fmt: skip
+
+
+def _row(tp, tokens, hidden, dtype) -> dict:
+    import torch
+
+    nbytes = tokens * hidden * torch.tensor([], dtype=dtype).element_size()
+    return {"tp": tp, "tokens": tokens, "hidden": hidden, "bytes": nbytes, **dict.fromkeys(METHODS)}
+
+
+def environment(world_size: int, layout: str, shared: bool) -> dict:
+    import torch
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    env = {
+        "gpu": p.name,
+        "compute_capability": f"{p.major}.{p.minor}",
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": world_size,
+        "layout": layout,
+        "ranks_share_a_gpu": shared,
+    }
+    if shared:
+        env["warning"] = SHARED_WARNING
+    return env
+
+
+def format_table(result: dict) -> str:
+    """The rows as a fixed-width table (us; '-' where a method is unavailable), warning first."""
+    env = result["environment"]
+    lines = []
+    if env.get("warning"):
+        lines += ["!" * 72, f"!! {env['warning'].upper()}", "!" * 72]
+    lines.append(f"{env['gpu']} x{env['gpus']}  {env['layout']}  world size {env['world_size']}  "
+                 f"torch {env['torch']}  triton {env['triton']}")  # fmt: skip
+    header = ["tp", "tokens", "hidden", "bytes", *METHODS, "chosen"]
+    widths = [max(len(h), 8) for h in header]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for row in result["rows"]:
+        cells = [("-" if row.get(h) is None else str(row[h])) for h in header]
+        lines.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    for method, why in result.get("unavailable", {}).items():
+        lines.append(f"{method}: {why}")
+    return "\n".join(lines)
+
+
+def bench_processes(cfg: BenchConfig, timeout_s: float = 3600.0) -> dict:
+    """One process per rank (cfg.nproc, default one per GPU); rank 0's result."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from tpfuse.comm.bench_ranks import rank_main
+
+    world_size = cfg.nproc or torch.cuda.device_count()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world_size, port, asdict(cfg), queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = queue.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(f"comm-bench rank failed: {payload}")
+    return payload
+
+
+def run(cfg: BenchConfig, as_json: bool) -> int:
+    """The comm-bench command: exit code 0, or 2 (with a message) when there is no GPU."""
+    import json
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tpfuse comm-bench needs CUDA GPUs and found none (run `tpfuse doctor`)", file=sys.stderr)
+        return 2
+    if cfg.virtual_ranks and cfg.nproc:
+        print("give either --virtual-ranks or --nproc/--ranks-per-gpu, not both", file=sys.stderr)
+        return 2
+    if not cfg.virtual_ranks and (cfg.nproc or torch.cuda.device_count()) < 2:
+        print(
+            "one GPU: run ranks on it with --virtual-ranks N (streams of one process) or --nproc N "
+            "(processes sharing it)",
+            file=sys.stderr,
+        )
+        return 2
+    result = bench_virtual(cfg) if cfg.virtual_ranks else bench_processes(cfg)
+    print(json.dumps(result, indent=1) if as_json else format_table(result))
+    return 0
