@@ -51,9 +51,12 @@ def test_openai_client_completion_has_text_and_usage(client):
 
 def test_openai_client_chat_has_an_assistant_message_and_usage(client):
     result = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=5, temperature=0,
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=5,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert result.object == "chat.completion"
     assert result.choices[0].message.role == "assistant" and result.choices[0].finish_reason == "length"
     assert result.usage.completion_tokens == 5
@@ -61,14 +64,34 @@ def test_openai_client_chat_has_an_assistant_message_and_usage(client):
 
 def test_openai_client_chat_stream_has_role_first_finish_last_and_a_usage_chunk(client):
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=5, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_continuous_usage_stats_puts_the_running_token_count_in_every_chunk(tiny_server):
+    body = {
+        "model": "tiny",
+        "prompt": "count",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    _, chunks = _streamed_text(tiny_server.url, "/v1/completions", body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(set(counts)) and counts[-1] == 6
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_openai_client_lists_the_model(client):

@@ -83,6 +83,7 @@ def test_top_k_zero_means_off():
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"stream": 1}, "stream"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
         ({"n": 2}, "n"),
         ({"logprobs": 3}, "logprobs"),
         ({"echo": True}, "echo"),

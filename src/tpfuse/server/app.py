@@ -183,16 +183,19 @@ async def _complete(request: Request, gen: Generation, req: GenerateRequest):
 
 async def _stream(gen: Generation, req: GenerateRequest):
     """SSE events: one chunk per text piece (the last carries finish_reason), the usage chunk when
-    asked for, then [DONE]. Leaving early (client gone) closes gen.pieces(), which aborts."""
+    asked for, then [DONE]. With continuous_usage_stats every engine output is a chunk (even when
+    its text is held back) carrying the cumulative usage, so clients can time each token.
+    Leaving early (client gone) closes gen.pieces(), which aborts."""
     created = protocol.now()
     first = True
     pieces = gen.pieces()
     try:
         async for piece in pieces:
-            if not piece.text and piece.finish_reason is None:
+            if not piece.text and piece.finish_reason is None and not req.continuous_usage:
                 continue
+            usage = _usage(gen) if req.continuous_usage else None
             chunk = protocol.chunk(
-                req.kind, gen.request_id, created, req.model, piece.text, piece.finish_reason, first=first
+                req.kind, gen.request_id, created, req.model, piece.text, piece.finish_reason, first, usage
             )
             first = False
             yield f"data: {_dumps(chunk)}\n\n"

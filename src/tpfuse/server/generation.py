@@ -122,7 +122,8 @@ class Generation:
         return text, None
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Text pieces as they become final; the last one carries finish_reason. Outputs that queued
+        """Text pieces, one per engine output, with the text that became final (maybe ""); the last
+        one carries finish_reason. Outputs that queued
         up while the consumer was busy are merged into one piece, so a slow client or a busy HTTP
         process costs fewer, larger chunks rather than a growing backlog."""
         try:
@@ -134,8 +135,7 @@ class Generation:
                 if reason is not None:
                     yield Piece(text, reason)
                     return
-                if text:
-                    yield Piece(text, None)
+                yield Piece(text, None)  # maybe "" (text held back): the tokens still arrived
                 text, reason = self._consume(await self._next())
         finally:
             self._abort()  # no-op once finished

@@ -52,6 +52,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _is_int(v) -> bool:
@@ -108,6 +109,10 @@ def _common_fields(body: dict, req: GenerateRequest) -> None:
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
     req.include_usage = include_usage and req.stream
+    continuous = options.get("continuous_usage_stats", False)
+    if not isinstance(continuous, bool):
+        raise RequestError("'stream_options.continuous_usage_stats' must be a boolean", "stream_options")
+    req.continuous_usage = continuous and req.stream
     if _get(body, "n", _is_int, "an integer", 1) != 1:
         raise RequestError("'n' must be 1: send one request per completion", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -280,8 +285,9 @@ def full_response(kind, response_id, created, model, text, finish_reason, usage_
     }
 
 
-def chunk(kind, response_id, created, model, text, finish_reason, first: bool = False) -> dict:
-    """One streamed chunk; the first chat chunk carries the role."""
+def chunk(kind, response_id, created, model, text, finish_reason, first: bool = False, usage_=None) -> dict:
+    """One streamed chunk; the first chat chunk carries the role; usage_ (cumulative) when asked
+    for with stream_options.continuous_usage_stats."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": 0, "delta": delta}
@@ -290,7 +296,10 @@ def chunk(kind, response_id, created, model, text, finish_reason, first: bool = 
         choice = {"index": 0, "text": text}
         obj = "text_completion"
     choice.update(logprobs=None, finish_reason=finish_reason)
-    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    body = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
 
 
 def usage_chunk(kind, response_id, created, model, usage_: dict) -> dict:

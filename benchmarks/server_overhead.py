@@ -1,0 +1,152 @@
+"""What the HTTP server costs: decode throughput through `tpfuse serve` vs the same engine in-process.
+
+For each concurrency c: c streamed requests (random prompt token ids, ignore_eos, max_tokens L) sent at
+once through the server, then the same workload on an LLMEngine in this process (after the server has
+stopped, so both get the whole GPU). Reports output tok/s of both, their ratio, and TTFT / inter-token
+latency seen by the HTTP client. The server's goal: ratio >= 0.95 at every concurrency (HTTP,
+tokenization and detokenization never stall the engine loop).
+
+GPU: python benchmarks/server_overhead.py --model llama-3.1-8b --load-format dummy
+CPU smoke: python benchmarks/server_overhead.py --device cpu --model tiny --concurrency 1,4 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(count)]
+
+
+async def _http_batch(url: str, model: str, prompts, max_tokens: int) -> dict:
+    import httpx
+
+    async def one(http, prompt):
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        start = time.perf_counter()
+        arrivals, tokens = [], 0  # arrival times of chunks that brought tokens
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                count = json.loads(line[6:])["usage"]["completion_tokens"]
+                if count > tokens:
+                    arrivals.append(time.perf_counter())
+                    tokens = count
+        ttft = arrivals[0] - start
+        itl = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)
+        return ttft, itl, tokens
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(http, p) for p in prompts))
+        wall = time.perf_counter() - start
+    tokens = sum(r[2] for r in results)
+    return {
+        "tok_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * statistics.median(r[0] for r in results),
+        "itl_p50_ms": 1e3 * statistics.median(r[1] for r in results),
+        "tokens": tokens,
+    }
+
+
+def _engine_batch(engine, prompts, max_tokens: int, tag: str) -> dict:
+    from tpfuse.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    wall = time.perf_counter() - start
+    return {"tok_s": tokens / wall, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", default="1,16,64,128")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--server-args", default="", help="extra serve flags, e.g. '--tp-size 2'")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engine_flags = ["--model", args.model, "--load-format", args.load_format, "--device", args.device]
+    engine_flags += args.server_args.split()
+
+    from tpfuse.server.launcher import ServerSubprocess
+
+    http = {}
+    with ServerSubprocess(engine_flags, start_timeout=900) as server:
+        asyncio.run(_http_batch(server.url, args.model, _prompts(2, args.prompt_len, 0), 8))  # warm-up
+        for c in levels:
+            http[c] = asyncio.run(
+                _http_batch(server.url, args.model, _prompts(c, args.prompt_len, c), args.max_tokens)
+            )
+            print(f"http c={c}: {http[c]}", flush=True)
+
+    from tpfuse.config import EngineConfig, add_engine_args, engine_config_from_args
+    from tpfuse.engine.engine import LLMEngine
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    config: EngineConfig = engine_config_from_args(p.parse_args(engine_flags))
+    engine = LLMEngine(config)
+    _engine_batch(engine, _prompts(2, args.prompt_len, 0), 8, "warmup")
+    rows = []
+    for c in levels:
+        local = _engine_batch(engine, _prompts(c, args.prompt_len, 1000 + c), args.max_tokens, f"c{c}")
+        rows.append(
+            {
+                "concurrency": c,
+                "http": http[c],
+                "in_process": local,
+                "ratio": http[c]["tok_s"] / local["tok_s"],
+            }
+        )
+    engine.shutdown()
+
+    print(
+        f"\nserver overhead: {args.model} ({args.load_format}) on {args.device}, prompt {args.prompt_len}, "
+        f"{args.max_tokens} tokens, ignore_eos, greedy"
+    )
+    print(
+        f"{'conc':>5} {'http tok/s':>11} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} "
+        f"{'ITL p50 ms':>11}"
+    )
+    for r in rows:
+        h = r["http"]
+        print(
+            f"{r['concurrency']:>5} {h['tok_s']:>11.1f} {r['in_process']['tok_s']:>13.1f} {r['ratio']:>6.3f} "
+            f"{h['ttft_p50_ms']:>12.1f} {h['itl_p50_ms']:>11.2f}"
+        )
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "server_overhead.json"), "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
