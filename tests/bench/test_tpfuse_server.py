@@ -32,6 +32,8 @@ def test_single_against_tpfuse_counts_tokens_from_usage_and_writes_files(tpfuse_
     assert [rec.completion_tokens for rec in result.records] == [8, 8]
     assert [run.output_tokens for run in result.runs] == [8, 8]
     assert all(rec.client_completion_tokens is not None for rec in result.records)  # tiny's tokenizer
+    # Per-chunk counts (for ITL per token) add up to usage, however the server grouped tokens.
+    assert all(sum(rec.chunk_tokens) == pytest.approx(rec.completion_tokens) for rec in result.records)
     assert result.window.output_tokens == sum(rec.completion_tokens for rec in result.records)
     write_single(result, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
