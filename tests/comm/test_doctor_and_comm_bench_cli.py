@@ -1,0 +1,55 @@
+"""`tpfuse doctor` and `tpfuse comm-bench` on a machine without a GPU, and comm-bench's output rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tpfuse.bench.comm import METHODS, SHARED_WARNING, chosen_method, format_table
+from tpfuse.cli import main
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_doctor_json_on_cpu_says_there_is_no_gpu_and_exits_zero(no_gpu, capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpus"] == [] and "no CUDA GPU" in report["message"]
+    assert report["versions"]["torch"] == torch.__version__
+    used = [p["path"] for p in report["paths"] if p["used"]]
+    assert used == ["gloo (CPU)"]
+
+
+def test_doctor_text_names_every_path_and_why(no_gpu, capsys):
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "no CUDA GPU" in text and "NCCL" in text and "tpfuse custom kernels" in text
+
+
+def test_comm_bench_without_a_gpu_exits_nonzero_with_a_clear_message(no_gpu, capsys):
+    assert main(["comm-bench", "--virtual-ranks", "2"]) != 0
+    assert "needs CUDA GPUs" in capsys.readouterr().err
+
+
+def test_chosen_path_is_the_custom_kernel_only_where_it_beats_nccl_plus_norm():
+    row = {"tpfuse_fused_one_shot": 6.0, "tpfuse_fused_two_shot": 9.0, "nccl+norm": 15.0}
+    assert chosen_method(row) == "tpfuse_fused_one_shot"
+    assert chosen_method({**row, "nccl+norm": 6.0}) == "nccl+norm"
+    assert chosen_method({"tpfuse_fused_one_shot": None, "nccl+norm": None}) is None
+
+
+def test_table_shows_the_shared_gpu_warning_first_and_one_column_per_method():
+    row = {"tp": 2, "tokens": 1, "hidden": 4096, "bytes": 8192, **dict.fromkeys(METHODS), "chosen": None}
+    row["tpfuse_fused_one_shot"] = 7.5
+    env = {"gpu": "G", "gpus": 1, "layout": "virtual", "world_size": 2, "torch": "t", "triton": "r"}
+    text = format_table({"environment": {**env, "warning": SHARED_WARNING}, "rows": [row]})
+    lines = text.splitlines()
+    assert SHARED_WARNING.upper() in lines[1]
+    header = next(line for line in lines if "tokens" in line).split()
+    assert header == ["tp", "tokens", "hidden", "bytes", *METHODS, "chosen"]
+    assert "7.5" in lines[-1]
