@@ -43,3 +43,13 @@ def model_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int):
     shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
     kw = dict(device=param.device, dtype=param.dtype)
     return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(c.num_layers)]
+
+
+def sharded_copy(full_model: LlamaForCausalLM, parallel: ParallelContext) -> LlamaForCausalLM:
+    """This rank's shard of a TP=1 model, through the model's own checkpoint slots."""
+    full = {name: slot.destination() for name, slot in full_model.checkpoint_slots().items()}
+    model = LlamaForCausalLM(full_model.config, parallel)
+    with torch.no_grad():
+        for name, slot in model.checkpoint_slots().items():
+            slot.destination().copy_(full[name][slot.source_index()])
+    return model.eval()

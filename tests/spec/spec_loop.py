@@ -55,17 +55,18 @@ def greedy_decode(model, prompts, num_tokens):
 
 
 def speculative_greedy_decode(model, prompts, num_tokens, make_drafter, num_draft_tokens):
-    """Greedy speculative decoding with any Drafter; returns (outputs, drafts accepted in total).
-    make_drafter(paged) builds the drafter over the target's block tables."""
+    """Greedy speculative decoding with any Drafter. make_drafter(paged) builds the drafter over the
+    target's block tables. Returns (outputs, drafts accepted in total, every step's proposals)."""
     target = TinyTarget(model, len(prompts), max(map(len, prompts)) + num_tokens + 2 * num_draft_tokens + 8)
     drafter = make_drafter(target.paged)
     logits, aux = target.forward(prompts, [0] * len(prompts))
     outputs = [[int(row[-1].argmax())] for row in logits]
     verified = [(0, p, p[1:] + o) for p, o in zip(prompts, outputs, strict=True)]
-    accepted_total = 0
+    accepted_total, proposals = 0, []
     while min(map(len, outputs)) < num_tokens:
         inputs = _draft_inputs(target.paged, verified, aux, prompts, outputs, target.device)
         proposal = drafter.propose(inputs, num_draft_tokens)
+        proposals.append(proposal.token_ids.tolist())
         starts = [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)]
         rows = [[o[-1], *d] for o, d in zip(outputs, proposal.token_ids.tolist(), strict=True)]
         logits, aux_rows = target.forward(rows, starts)
@@ -79,7 +80,7 @@ def speculative_greedy_decode(model, prompts, num_tokens, make_drafter, num_draf
             if aux_rows is not None:
                 kept_aux.append(aux_rows[b][: len(emitted)])
         aux = kept_aux or None
-    return [o[:num_tokens] for o in outputs], accepted_total
+    return [o[:num_tokens] for o in outputs], accepted_total, proposals
 
 
 def _draft_inputs(paged, verified, aux, prompts, outputs, device):

@@ -27,7 +27,7 @@ def setup():
 
 def test_ngram_drafting_is_lossless(setup):
     config, target, expected = setup
-    outputs, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, lambda paged: NgramDrafter(3), 3)
+    outputs, _, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, lambda paged: NgramDrafter(3), 3)
     assert outputs == expected
 
 
@@ -40,7 +40,7 @@ def test_draft_model_identical_to_the_target_accepts_everything_and_is_lossless(
         )
 
     k = 3
-    outputs, accepted = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, k)
+    outputs, accepted, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, k)
     assert outputs == expected
     steps = -(-(NUM_TOKENS - 1) // (k + 1))  # the prefill emits one token, each step k + 1
     assert accepted == len(PROMPTS) * steps * k
@@ -53,7 +53,7 @@ def test_different_draft_model_is_lossless(setup):
         draft = random_model(config, seed=5)
         return DraftModelDrafter(draft, model_kv(draft, paged), 50)
 
-    outputs, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, 2)
+    outputs, _, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, 2)
     assert outputs == expected
 
 
@@ -67,7 +67,7 @@ def test_eagle3_head_drafting_is_lossless(setup, tmp_path):
         return Eagle3Drafter(head, target_embedding(target), paged.kv_cache(head.kv_cache_shape), 50)
 
     try:
-        outputs, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, 3)
+        outputs, _, _ = speculative_greedy_decode(target, PROMPTS, NUM_TOKENS, make, 3)
     finally:
         target.aux_hidden_state_layers = ()
     assert outputs == expected

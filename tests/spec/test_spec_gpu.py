@@ -85,5 +85,5 @@ def test_speculative_greedy_on_gpu_is_lossless(drafter_kind, tmp_path):
         make = lambda paged: Eagle3Drafter(
             head, target_embedding(target), paged.kv_cache(head.kv_cache_shape), 50
         )
-    outputs, _ = speculative_greedy_decode(target, PROMPTS, 16, make, 3)
+    outputs, _, _ = speculative_greedy_decode(target, PROMPTS, 16, make, 3)
     assert outputs == expected
