@@ -8,7 +8,7 @@ API_KEY = "sekret"
 def tiny_server():
     """`tpfuse serve --device cpu --model tiny` (the embedded default) on a free port, shared by
     every server test module: it must keep serving after whatever they send."""
-    server = start_server("tpfuse.server", ["--device", "cpu", "--model", "tiny"])
+    server = start_server("tpfuse", ["serve", "--device", "cpu", "--model", "tiny"])
     yield server
     server.stop()
     server.remove_log()

@@ -120,11 +120,11 @@ def test_streamed_chat_text_equals_the_non_streamed_text(tiny_server):
 
 def test_32_concurrent_greedy_requests_equal_their_sequential_outputs(tiny_server):
     prompts = [f"Request number {i}: " + "abc" * (i % 5) for i in range(32)]
-    sequential = [_completion(tiny_server.url, p, max_tokens=6)["choices"][0]["text"] for p in prompts]
+    sequential = [_completion(tiny_server.url, p, max_tokens=4)["choices"][0]["text"] for p in prompts]
 
     async def concurrent():
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=120) as http:
-            bodies = [{"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts]
+            bodies = [{"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0} for p in prompts]
             responses = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
         return [r.json()["choices"][0]["text"] for r in responses]
 
@@ -133,8 +133,8 @@ def test_32_concurrent_greedy_requests_equal_their_sequential_outputs(tiny_serve
 
 def test_repeated_prompt_hits_the_prefix_cache_and_gives_the_same_output(tiny_server):
     prompt = "A prompt long enough to fill several KV blocks of sixteen tokens each. " * 2
-    first = _completion(tiny_server.url, prompt, max_tokens=8)
-    second = _completion(tiny_server.url, prompt, max_tokens=8)
+    first = _completion(tiny_server.url, prompt, max_tokens=4)
+    second = _completion(tiny_server.url, prompt, max_tokens=4)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 4
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
