@@ -62,11 +62,12 @@ def peer_write_test_virtual(workspaces: list[RankWorkspace]) -> list[str]:
     return problems
 
 
-def _self_test(ws: RankWorkspace, group, dtype=torch.bfloat16, tokens=3, hidden=520) -> list[str]:
+def _self_test(ws: RankWorkspace, group, dtype=torch.bfloat16, tokens=3) -> list[str]:
     """One fused all-reduce per algorithm on seeded inputs; the new residual must match a torch fp32
     sum in rank order bit for bit, the normed output to rounding."""
     import torch.distributed as dist
 
+    hidden = min(520, ws.layout.slot_bytes // (tokens * dtype.itemsize))  # odd sizes where room allows
     def seeded(seed, *shape):
         g = torch.Generator(device="cpu").manual_seed(seed)
         return torch.randn(*shape, generator=g).to(dtype).to(ws.device)

@@ -148,7 +148,12 @@ def create_process_workspace(
 
     from tpfuse.comm import peer_memory
 
+    group = dist.group.WORLD if group is None else group
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    # every rank must launch the same grids, so the layout (and the program limit) must agree
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (slot_bytes, max_programs), group=group)
+    slot_bytes, max_programs = min(s for s, _ in everyone), min(p for _, p in everyone)
     layout = WorkspaceLayout.build(world_size, slot_bytes, max_programs)
     notes: list[str] = []
     for backend in backends:

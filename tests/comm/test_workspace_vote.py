@@ -1,0 +1,71 @@
+"""create_process_workspace's collective decisions, over gloo on CPU with stand-in peer-memory openers:
+the backend is chosen by a vote of all ranks, and every rank gets the same layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+
+def _fake_opener(nbytes, device, group):
+    import torch.distributed as dist
+
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    return buffer, [buffer.data_ptr()] * dist.get_world_size(group), []
+
+
+def _failing_on_rank_1(nbytes, device, group):
+    import torch.distributed as dist
+
+    if dist.get_rank(group) == 1:
+        raise OSError("no peer access on this rank")
+    return _fake_opener(nbytes, device, group)
+
+
+def _with_openers(rank, symm, ipc):
+    from tpfuse.comm import peer_memory
+    from tpfuse.comm.workspace import create_process_workspace
+
+    peer_memory.open_symmetric = {"fake": _fake_opener, "flaky": _failing_on_rank_1}[symm]
+    peer_memory.open_ipc = {"fake": _fake_opener, "flaky": _failing_on_rank_1}[ipc]
+    try:
+        # ranks ask for different sizes on purpose: the layout must still agree
+        ws = create_process_workspace(None, torch.device("cpu"), 4096 * (rank + 1), 8 + rank)
+    except RuntimeError as exc:
+        return str(exc)
+    return ws.backend, ws.layout, ws.notes
+
+
+SCENARIOS = (("flaky", "fake"), ("fake", "fake"), ("flaky", "flaky"))
+
+
+def _all_scenarios(rank, world_size):
+    return [_with_openers(rank, symm, ipc) for symm, ipc in SCENARIOS]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    per_rank = run_distributed(_all_scenarios, 2)
+    return {scenario: [r[i] for r in per_rank] for i, scenario in enumerate(SCENARIOS)}
+
+
+def test_a_backend_that_fails_on_one_rank_is_used_by_no_rank(outcomes):
+    results = outcomes[("flaky", "fake")]
+    assert [r[0] for r in results] == ["cuda_ipc", "cuda_ipc"]
+    assert all("symm_mem not used: rank 1: OSError: no peer access" in r[2][0] for r in results)
+
+
+def test_every_rank_gets_the_same_layout_from_the_smallest_request(outcomes):
+    results = outcomes[("fake", "fake")]
+    layouts = [r[1] for r in results]
+    assert layouts[0] == layouts[1]
+    assert layouts[0].max_programs == 8 and layouts[0].slot_bytes == 4096
+
+
+def test_when_no_backend_works_every_rank_raises_with_each_reason(outcomes):
+    results = outcomes[("flaky", "flaky")]
+    for message in results:
+        assert "no peer-memory backend works" in message
+        assert "symm_mem not used" in message and "cuda_ipc not used" in message
