@@ -53,8 +53,9 @@ def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
     return 64 + 3 * tokens + seqs * (max_blocks + 2) + 1 + 7 * seqs + (1 << 20)
 
 
-def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device]):
-    """Joins the process group and builds this rank's ModelRunner (every rank runs this in step)."""
+def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device], store=None):
+    """Joins the process group (through rank 0's TCPStore on port; rank 0 passes the store itself) and
+    builds this rank's ModelRunner. Every rank runs this in step."""
     import torch.distributed as dist
 
     from tpfuse.comm.communicator import create_communicator
@@ -68,12 +69,10 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
     elif rank > 0:  # CPU ranks share the cores; more threads than cores makes every collective wait
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
     backend = "nccl" if device.type == "cuda" and len(set(devices)) == len(devices) else "gloo"
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, config.tp_size, False, timeout=PROCESS_GROUP_TIMEOUT)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=config.tp_size,
-        timeout=PROCESS_GROUP_TIMEOUT,
+        backend, store=store, rank=rank, world_size=config.tp_size, timeout=PROCESS_GROUP_TIMEOUT
     )
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
@@ -136,14 +135,6 @@ def worker_main(
     os._exit(0)  # skip interpreter teardown: the process group may still reference dead peers
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group, plus the worker processes of ranks 1..N-1.
 
@@ -171,7 +162,12 @@ class TensorParallelExecutor:
         self.channel = StepChannel(config.tp_size, channel_capacity(config, max_len), spin_s)
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
-        port = _free_port()
+        # Rank 0 binds the rendezvous port itself (port 0: the OS picks a free one), so no other
+        # process can take it between choosing and binding.
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, config.tp_size, True, timeout=PROCESS_GROUP_TIMEOUT, wait_for_workers=False
+        )
+        port = self._store.port
         self.workers = [
             ctx.Process(
                 target=worker_main,
@@ -189,7 +185,7 @@ class TensorParallelExecutor:
         self._closing = False
         threading.Thread(target=self._watch_workers, daemon=True).start()
         try:
-            self.runner = build_rank(0, config, port, devices)
+            self.runner = build_rank(0, config, port, devices, store=self._store)
         except BaseException as exc:
             self._busy = False
             time.sleep(2 * WATCH_INTERVAL_S if self.failure is None else 0)

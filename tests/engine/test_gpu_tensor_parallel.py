@@ -1,0 +1,54 @@
+"""Tensor parallelism on CUDA: ranks sharing one GPU (gpu mark) and ranks on separate GPUs (multigpu).
+Greedy tokens must equal TP=1 in float32; bf16 real-size presets must run end to end."""
+
+import pytest
+
+from tpfuse.engine.llm import LLM
+from tpfuse.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox", "hi", "a longer prompt that spans several KV blocks"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+TINY = dict(device="cuda", dtype="float32", max_model_len=256, mem_fraction_static=0.2, cuda_graph_max_bs=4)
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens():
+    llm = LLM("tiny", **TINY)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+def _tokens(tp_size, devices, allreduce="auto", **extra):
+    llm = LLM("tiny", tp_size=tp_size, devices=devices, allreduce=allreduce, **{**TINY, **extra})
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_two_ranks_sharing_one_gpu_give_the_single_rank_tokens(single_rank_tokens):
+    assert _tokens(2, [0, 0]) == single_rank_tokens
+
+
+@pytest.mark.gpu
+def test_two_ranks_sharing_one_gpu_eager_give_the_single_rank_tokens(single_rank_tokens):
+    assert _tokens(2, [0, 0], enforce_eager=True) == single_rank_tokens
+
+
+@pytest.mark.gpu
+def test_llama_8b_two_ranks_on_one_gpu_generate_in_bf16():
+    llm = LLM("llama-3.1-8b", tp_size=2, devices=[0, 0], max_model_len=512, cuda_graph_max_bs=8)
+    try:
+        outs = llm.generate(["hello", "world"], GREEDY)
+        assert [len(o.token_ids) for o in outs] == [16, 16]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("allreduce", ["fused", "nccl"])
+def test_two_gpus_give_the_single_rank_tokens(single_rank_tokens, allreduce):
+    assert _tokens(2, [0, 1], allreduce=allreduce) == single_rank_tokens
