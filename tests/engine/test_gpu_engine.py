@@ -19,8 +19,8 @@ def greedy(n=24):
 @pytest.fixture(scope="module")
 def graphs_and_eager():
     kw = dict(device="cuda", dtype="float32", max_model_len=512, mem_fraction_static=0.3, cuda_graph_max_bs=8)
-    with_graphs = LLM("tiny", **kw)
-    eager = LLM("tiny", enforce_eager=True, **kw)
+    with_graphs = LLM("tiny", **kw)  # KV capacity measured
+    eager = LLM("tiny", enforce_eager=True, num_kv_blocks=2048, **kw)
     yield with_graphs, eager
     with_graphs.shutdown()
     eager.shutdown()

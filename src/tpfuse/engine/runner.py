@@ -107,6 +107,8 @@ class ModelRunner:
         """A forward over max_num_batched_tokens tokens (and sampling of the largest batch) so the
         activation peak is known before the KV cache takes the rest. K/V are not stored (slot -1)."""
         mc, cfg = self.model_config, self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)  # earlier engines in this process do not count
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_running_requests * self.max_model_len)
         seq_len = min(num_tokens, self.max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
