@@ -7,6 +7,7 @@ error body naming the field, never a framework 422. /v1/* needs the API key when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -116,7 +117,9 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
                 params,
                 arrival,
             )
-            await gen.start()
+            await _unless_disconnected(request, gen.start())
+        except ClientGone:
+            return Response(status_code=499)
         except RequestError as exc:
             metrics.request_errors.labels(str(exc.status)).inc()
             return _error(exc.status, exc.message, exc.param, code=exc.code)
@@ -136,6 +139,25 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
         return await generate(request, "chat")
 
     return app
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, coroutine):
+    """Awaits coroutine, cancelling it (which aborts its request) if the client disconnects first.
+    Raises ClientGone then."""
+    task = asyncio.ensure_future(coroutine)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone
 
 
 def _tokenize(req: GenerateRequest, client: EngineClient) -> list[int]:
@@ -162,16 +184,10 @@ async def _complete(request: Request, gen: Generation, req: GenerateRequest):
             parts.append(piece.text)
         return "".join(parts)
 
-    task = asyncio.ensure_future(collect())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            break
-        if await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
     try:
-        text = task.result()
+        text = await _unless_disconnected(request, collect())
+    except ClientGone:
+        return Response(status_code=499)
     except EngineDied as exc:
         return _error(503, str(exc), type="service_unavailable")
     created = protocol.now()
