@@ -14,6 +14,7 @@ CPU copies, and tpfuse's kernels carry every message that fits (the fallback can
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -31,6 +32,7 @@ from tpfuse.comm.tuning import measure_plan
 from tpfuse.comm.workspace import DEFAULT_TIMEOUT_S, create_process_workspace
 
 MODES = ("auto", "fused", "nccl")
+PEER_MEMORY_ENV = "TPFUSE_PEER_MEMORY"  # "symm_mem" or "cuda_ipc": try only that backend
 DEFAULT_MAX_WORKSPACE_BYTES = 32 << 20  # per slot; the custom kernels are for decode-sized messages
 
 
@@ -90,9 +92,10 @@ def create_communicator(
     slot_bytes = min(max_tokens * row_bytes, max_workspace_bytes)
     reason = None
     try:
-        ws = create_process_workspace(
-            group, device, slot_bytes, _programs_per_rank(device, sharing), timeout_s
-        )
+        forced = os.environ.get(PEER_MEMORY_ENV)
+        backends = (forced,) if forced else ("symm_mem", "cuda_ipc")
+        programs = _programs_per_rank(device, sharing)
+        ws = create_process_workspace(group, device, slot_bytes, programs, timeout_s, backends)
         failures = gate_process_workspace(ws, group)
         if failures:
             reason = "peer test failed: " + "; ".join(f"rank {r}: {msg}" for r, msg in failures)

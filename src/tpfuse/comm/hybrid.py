@@ -89,10 +89,9 @@ class CustomCommunicator(Communicator):
         return self._done(result)
 
     def all_gather(self, x, dim=-1):
-        if self._algorithm("all_gather", x) == FALLBACK and self.fallback is not None:
-            return self.fallback.all_gather(x, dim)
-        if not launch.fits(self.workspace, x):
-            self._fallback("all_gather", x)
+        # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise
+        if x.device != self.workspace.device or not launch.fits(self.workspace, x):
+            return self._fallback("all_gather", x).all_gather(x, dim)
         stacked = self._done(launch.all_gather(self.workspace, x))
         return torch.cat(stacked.unbind(0), dim=dim)
 

@@ -68,6 +68,7 @@ def _self_test(ws: RankWorkspace, group, dtype=torch.bfloat16, tokens=3) -> list
     import torch.distributed as dist
 
     hidden = min(520, ws.layout.slot_bytes // (tokens * dtype.itemsize))  # odd sizes where room allows
+
     def seeded(seed, *shape):
         g = torch.Generator(device="cpu").manual_seed(seed)
         return torch.randn(*shape, generator=g).to(dtype).to(ws.device)
