@@ -13,7 +13,7 @@ import torch
 
 from tests.comm.reference import FP8_MAX, assert_close_to, fused64, poisoned, sum64
 from tpfuse.comm import launch
-from tpfuse.comm.hybrid import _programs_per_rank, create_virtual_communicators
+from tpfuse.comm.hybrid import create_virtual_communicators, programs_per_rank
 from tpfuse.comm.workspace import create_virtual_workspaces
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ DEVICE = "cuda"
 
 def _workspaces(world_size, max_tokens, hidden, timeout_s=10.0):
     # few enough programs per rank that every rank's grid is resident at once (they spin on each other)
-    programs = _programs_per_rank(torch.device(DEVICE), world_size)
+    programs = programs_per_rank(torch.device(DEVICE), world_size)
     return create_virtual_workspaces(world_size, DEVICE, max_tokens * hidden * 4, programs, timeout_s)
 
 

@@ -25,7 +25,7 @@ from tpfuse.comm.communicator import (
     SingleRankCommunicator,
     TorchDistributedCommunicator,
 )
-from tpfuse.comm.hybrid import CustomCommunicator, _programs_per_rank
+from tpfuse.comm.hybrid import CustomCommunicator, programs_per_rank
 from tpfuse.comm.plan import unmeasured_plan
 from tpfuse.comm.topology import gate_process_workspace
 from tpfuse.comm.tuning import measure_plan
@@ -94,7 +94,7 @@ def create_communicator(
     try:
         forced = os.environ.get(PEER_MEMORY_ENV)
         backends = (forced,) if forced else ("symm_mem", "cuda_ipc")
-        programs = _programs_per_rank(device, sharing)
+        programs = programs_per_rank(device, sharing)
         ws = create_process_workspace(group, device, slot_bytes, programs, timeout_s, backends)
         failures = gate_process_workspace(ws, group)
         if failures:

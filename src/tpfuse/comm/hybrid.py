@@ -124,7 +124,7 @@ def create_virtual_communicators(
     device = torch.device(device)
     row_bytes = hidden_size * torch.tensor([], dtype=dtype).element_size()
     if max_programs is None:
-        max_programs = _programs_per_rank(device, world_size)
+        max_programs = programs_per_rank(device, world_size)
     workspaces = create_virtual_workspaces(
         world_size, device, max_tokens * row_bytes, max_programs, timeout_s
     )
@@ -135,7 +135,7 @@ def create_virtual_communicators(
     return [CustomCommunicator(ws, plan, None, checked) for ws in workspaces]
 
 
-def _programs_per_rank(device: torch.device, ranks_on_device: int) -> int:
+def programs_per_rank(device: torch.device, ranks_on_device: int) -> int:
     """Enough programs for the largest decode batches, few enough that every rank's grid is resident
     at once on a shared GPU (a spinning program must never wait for a program that cannot start)."""
     if device.type != "cuda":
