@@ -107,7 +107,11 @@ def transformers_tok_s(engine: LLMEngine, preset: dict, num_tokens: int, device:
     config = transformers.AutoConfig.for_model(model_type[preset["architectures"][0]], **preset)
     dtype = engine.executor.model_config.dtype
     with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        try:
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers 4.x names it torch_dtype
+            hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    hf = hf.to(dtype).eval()
     state = hf.state_dict()
     with torch.no_grad():
         for name, slot in engine.executor.model.checkpoint_slots().items():
