@@ -20,14 +20,14 @@ print(subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=Tru
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -n "$kexpr" ]; then
-    timeout 900 python3 -m pytest -q -m gpu ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   else
-    timeout 900 python3 -m pytest -q -m gpu ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in ${BENCHES:-kernels comm_single_gpu decode}; do
     echo "== benchmarks/$b.py"
-    timeout 600 python3 "benchmarks/$b.py" 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
+    timeout ${BENCH_TIMEOUT:-300} python3 "benchmarks/$b.py" 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
   done
 fi
