@@ -86,13 +86,24 @@ class DecodeGraphs:
             if not self.graph_logits and self.hidden is None:
                 self.hidden = torch.empty(self.sizes[-1], out.shape[-1], dtype=out.dtype, device=out.device)
             target = self.logits if self.graph_logits else self.hidden
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+
+            def body(size=size, target=target):
                 target[:size].copy_(self._forward(size))
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+
+            self.graphs[size], pool = self._capture_graph(body, pool)
+        self._synchronize()
+
+    def _capture_graph(self, body, pool):
+        """Records body() as a CUDA graph in the shared pool; returns (graph, pool)."""
+        self._synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            body()
+        return graph, graph.pool()
+
+    def _synchronize(self) -> None:
+        if self.input_ids.is_cuda:
+            torch.cuda.synchronize(self.input_ids.device)
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """Replays the graph of step's (already padded) batch size; returns logits [B, vocab] (hidden
