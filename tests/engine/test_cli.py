@@ -49,5 +49,5 @@ def test_errors_print_one_line_on_stderr_and_exit_nonzero_without_traceback(args
     proc = run("--prompt", "hi", *args)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and message in errors[0]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and message in lines[0]

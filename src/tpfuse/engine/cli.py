@@ -69,7 +69,8 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM.from_config(config)
     loaded = time.perf_counter()
-    _log(
+    # Logged only after success, so a failure leaves exactly one line (the error) on stderr.
+    load_log = (
         f"loaded {config.model} in {loaded - start:.1f} s: {llm.engine.stats().num_kv_blocks} KV blocks, "
         f"max_model_len {llm.engine.max_model_len}"
     )
@@ -80,6 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - loaded
     generated = sum(len(o.token_ids) for o in outputs)
     rate = generated / elapsed if elapsed > 0 else 0.0
+    _log(load_log)
     _log(f"generated {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: {rate:.1f} tok/s")
     for out in outputs:
         if args.json:
