@@ -19,6 +19,7 @@ run there (nccl mode is skipped), and the figures are kernel latencies on one GP
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -172,6 +173,9 @@ def bench_config(model, tp_size, mode, args, bandwidth) -> dict:
         row["fraction_of_roofline"] = row["batch1_tok_s"] / row["roofline_tok_s"]
     finally:
         engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()  # the next configuration measures free memory
     return row
 
 
