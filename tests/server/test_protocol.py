@@ -139,30 +139,3 @@ def test_sampling_params_carry_the_request_fields():
     params = protocol.sampling_params_for(req, num_prompt_tokens=4, max_model_len=64)
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (5, 0.0, 3, 9)
     assert (params.stop, params.min_tokens, params.ignore_eos) == (["z"], 1, True)
-
-
-def test_streamed_chat_chunks_carry_the_role_first_and_usage_last():
-    first = protocol.chunk("chat", "id", 1, "tiny", "a", None, first=True)
-    later = protocol.chunk("chat", "id", 1, "tiny", "b", "stop")
-    last = protocol.usage_chunk("chat", "id", 1, "tiny", protocol.usage(3, 2))
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-    assert later["choices"][0] == {
-        "index": 0,
-        "delta": {"content": "b"},
-        "logprobs": None,
-        "finish_reason": "stop",
-    }
-    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
-    assert {first["object"], later["object"], last["object"]} == {"chat.completion.chunk"}
-
-
-def test_full_responses_have_openai_object_names_and_usage():
-    chat = protocol.full_response("chat", "id", 1, "tiny", "hi", "length", protocol.usage(4, 2))
-    text = protocol.full_response("completion", "id", 1, "tiny", "hi", "stop", protocol.usage(4, 2))
-    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": "hi",
-    }
-    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "hi"
-    assert text["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpfuse.config import ServerConfig
-from tpfuse.server import protocol
+from tpfuse.server import protocol, responses
 from tpfuse.server.engine_process import EngineClient, EngineDied
 from tpfuse.server.generation import Generation
 from tpfuse.server.metrics import ServerMetrics
@@ -38,7 +38,7 @@ def _error(status: int, message: str, param=None, type="invalid_request_error", 
 def build_app(client: EngineClient, server_config: ServerConfig, model_names: list[str]) -> FastAPI:
     """The app for one engine. model_names: the names /v1/models lists and requests may use."""
     metrics = ServerMetrics(lambda: client.stats)
-    created = protocol.now()
+    created = responses.now()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -89,7 +89,7 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     async def models(request: Request):
         if (denied := check_api_key(request)) is not None:
             return denied
-        return protocol.models_response(model_names, created)
+        return responses.models_response(model_names, created)
 
     async def generate(request: Request, kind: str):
         arrival = time.perf_counter()
@@ -112,7 +112,7 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
                 client.info.tokenizer,
                 metrics,
                 kind,
-                protocol.new_response_id(kind),
+                responses.new_response_id(kind),
                 prompt_ids,
                 params,
                 arrival,
@@ -172,7 +172,7 @@ def _tokenize(req: GenerateRequest, client: EngineClient) -> list[int]:
 
 
 def _usage(gen: Generation) -> dict:
-    return protocol.usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
+    return responses.usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
 
 
 async def _complete(request: Request, gen: Generation, req: GenerateRequest):
@@ -190,8 +190,8 @@ async def _complete(request: Request, gen: Generation, req: GenerateRequest):
         return Response(status_code=499)
     except EngineDied as exc:
         return _error(503, str(exc), type="service_unavailable")
-    created = protocol.now()
-    body = protocol.full_response(
+    created = responses.now()
+    body = responses.full_response(
         req.kind, gen.request_id, created, req.model, text, gen.finish_reason, _usage(gen)
     )
     return JSONResponse(body)
@@ -202,7 +202,7 @@ async def _stream(gen: Generation, req: GenerateRequest):
     asked for, then [DONE]. With continuous_usage_stats every engine output is a chunk (even when
     its text is held back) carrying the cumulative usage, so clients can time each token.
     Leaving early (client gone) closes gen.pieces(), which aborts."""
-    created = protocol.now()
+    created = responses.now()
     first = True
     pieces = gen.pieces()
     try:
@@ -210,13 +210,13 @@ async def _stream(gen: Generation, req: GenerateRequest):
             if not piece.text and piece.finish_reason is None and not req.continuous_usage:
                 continue
             usage = _usage(gen) if req.continuous_usage else None
-            chunk = protocol.chunk(
+            chunk = responses.chunk(
                 req.kind, gen.request_id, created, req.model, piece.text, piece.finish_reason, first, usage
             )
             first = False
             yield f"data: {_dumps(chunk)}\n\n"
         if req.include_usage:
-            last = protocol.usage_chunk(req.kind, gen.request_id, created, req.model, _usage(gen))
+            last = responses.usage_chunk(req.kind, gen.request_id, created, req.model, _usage(gen))
             yield f"data: {_dumps(last)}\n\n"
     except EngineDied as exc:
         yield f"data: {_dumps(error_body(str(exc), type='service_unavailable'))}\n\n"

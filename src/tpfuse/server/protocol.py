@@ -7,8 +7,6 @@ depend on the engine (the context length) are checked in `sampling_params_for`.
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,79 +242,3 @@ def sampling_params_for(req: GenerateRequest, num_prompt_tokens: int, max_model_
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
     )
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-
-def new_response_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def full_response(kind, response_id, created, model, text, finish_reason, usage_: dict) -> dict:
-    """A non-streaming response: object "text_completion" or "chat.completion"."""
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text}
-        obj = "text_completion"
-    choice.update(logprobs=None, finish_reason=finish_reason)
-    return {
-        "id": response_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_,
-    }
-
-
-def chunk(kind, response_id, created, model, text, finish_reason, first: bool = False, usage_=None) -> dict:
-    """One streamed chunk; the first chat chunk carries the role; usage_ (cumulative) when asked
-    for with stream_options.continuous_usage_stats."""
-    if kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text}
-        obj = "text_completion"
-    choice.update(logprobs=None, finish_reason=finish_reason)
-    body = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
-def usage_chunk(kind, response_id, created, model, usage_: dict) -> dict:
-    """The last chunk when stream_options.include_usage is set: no choices, only usage."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": response_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_,
-    }
-
-
-def models_response(model_names: list[str], created: int) -> dict:
-    return {
-        "object": "list",
-        "data": [{"id": m, "object": "model", "created": created, "owned_by": "tpfuse"} for m in model_names],
-    }
