@@ -68,7 +68,13 @@ def _norm_store(s, row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, ep
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
+# Every rank must run the same compiled binary: an integer argument equal to 1 or divisible by 16 is
+# specialised by Triton, so without this rank 0, rank 1 and rank 2 would each compile (and load) their own
+# variant, and loading a module while a peer's kernel spins on this GPU waits for that kernel to end.
+NO_RANK_SPECIALIZATION = ("rank", "num_rows", "timeout")
+
+
+@triton.jit(do_not_specialize=NO_RANK_SPECIALIZATION)
 def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
                     peer_table, buffer_ptr, rank, num_rows, hidden, eps, timeout,
                     flag_off, data_off, slot_bytes, max_programs,
@@ -116,7 +122,7 @@ def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         finish_launch(buffer_ptr, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_RANK_SPECIALIZATION)
 def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
                     peer_table, buffer_ptr, rank, num_rows, hidden, chunk, eps, timeout,
                     flag_off, data_off, gather_off, slot_bytes, max_programs,
