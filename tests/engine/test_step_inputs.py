@@ -25,7 +25,7 @@ def test_unseeded_row_seed_differs_per_sequence_and_engine_seed():
 
 def _batch():
     bm = BlockManager(32, BLOCK)
-    sampled = SamplingParams(temperature=0.5, top_p=0.8, top_k=3, seed=1)
+    sampled = SamplingParams(temperature=0.5, top_p=0.8, top_k=3, seed=1, min_tokens=3)
     decode = Sequence("d", list(range(1, 7)), sampled, BLOCK)
     chunk = Sequence("c", list(range(10, 21)), SamplingParams(temperature=0.0), BLOCK)
     for s in (decode, chunk):

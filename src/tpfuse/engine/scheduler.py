@@ -71,8 +71,16 @@ class Scheduler:
         counts: list[int] = []
         pending = deque(self.running)
         kept: list[Sequence] = []
+        block_size = self.block_manager.block_size
         while pending and budget > 0:
             seq = pending.popleft()
+            if len(seq.token_ids) <= len(seq.block_table) * block_size:  # fast path: no new block
+                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+                seqs.append(seq)
+                counts.append(n)
+                kept.append(seq)
+                budget -= n
+                continue
             while not self.block_manager.may_append(seq):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
@@ -121,12 +129,15 @@ class Scheduler:
         """Advances each sequence by its chunk, appends its sampled token (None where it did not
         sample) and finishes it if it should stop. Returns the sequences that got a token."""
         updated = []
+        bm = self.block_manager
+        sealing = bm.enable_prefix_caching
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.seal_computed_blocks(seq)
+            if sealing and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+                bm.seal_computed_blocks(seq)
             if token is None:
                 continue
-            seq.append_token(token)
+            seq.token_ids.append(token)
             updated.append(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -135,11 +146,13 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens and (
+        length = len(seq.token_ids)
+        num_output = length - seq.num_prompt_tokens
+        if num_output >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 

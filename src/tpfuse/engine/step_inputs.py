@@ -8,6 +8,7 @@ position 0, slot -1 (nothing stored), context length 1 and a block-table row of 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -108,26 +109,41 @@ def pack_step(
     input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
     max_blocks = max(len(s.block_table) for s in batch.seqs)
+    bs = block_size
+    # The hot loop of every step (once per sequence): plain list operations only.
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        begin = seq.num_computed_tokens
+        end = begin + n
         table = seq.block_table
-        input_ids += seq.token_ids[begin:end]
-        positions += range(begin, end)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        tokens = seq.token_ids
+        if n == 1:
+            input_ids.append(tokens[begin])
+            positions.append(begin)
+            slots.append(table[begin // bs] * bs + begin % bs)
+        else:
+            input_ids += tokens[begin:end]
+            positions += range(begin, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
         seq_lens.append(end)
         starts.append(starts[-1] + n)
-        tables += table + [0] * (max_blocks - len(table))
-        if end == len(seq):
+        tables += table
+        if len(table) < max_blocks:
+            tables += [0] * (max_blocks - len(table))
+        if end == len(tokens):
             row = len(sample_idx)
             sample_idx.append(starts[-1] - 1)
             p = seq.params
             temps.append(p.temperature)
             top_ps.append(p.top_p)
             top_ks.append(p.top_k)
-            seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, seq.num_output_tokens))
-            for token in banned_token_ids(seq):
-                banned_rows.append(row)
-                banned_ids.append(token)
+            if p.temperature > 0.0:
+                seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, end - seq.num_prompt_tokens))
+            else:
+                seeds.append(0)  # greedy rows draw nothing
+            if p.min_tokens:
+                for token in banned_token_ids(seq):
+                    banned_rows.append(row)
+                    banned_ids.append(token)
     num_real = len(batch.seqs)
     if pad_to is not None and pad_to > num_real:
         pad = pad_to - num_real
@@ -148,22 +164,13 @@ def pack_step(
         num_banned=len(banned_rows),
         all_greedy=int(all(t == 0.0 for t in temps)),
     )
-    ints = torch.tensor(
-        list(vars(header).values())
-        + input_ids
-        + positions
-        + slots
-        + seq_lens
-        + starts
-        + tables
-        + sample_idx
-        + top_ks
-        + seeds,
-        dtype=torch.int64,
-    )
-    floats = torch.tensor(temps + top_ps, dtype=torch.float64).view(torch.int64)
-    banned = torch.tensor(banned_rows + banned_ids, dtype=torch.int64)
-    return torch.cat([ints, floats, banned])
+    values = array("q", list(vars(header).values()))
+    for part in (input_ids, positions, slots, seq_lens, starts, tables, sample_idx, top_ks, seeds):
+        values.extend(part)
+    values.frombytes(array("d", temps + top_ps).tobytes())  # floats travel as their bits
+    values.extend(banned_rows)
+    values.extend(banned_ids)
+    return torch.frombuffer(values, dtype=torch.int64)
 
 
 def read_header(packed: torch.Tensor) -> StepHeader:
