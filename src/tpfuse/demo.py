@@ -1,8 +1,8 @@
 """`tpfuse demo`: start the server on the embedded model, send requests with the OpenAI client, stop it.
 
 Everything runs offline on a CPU: the default model is the `tiny` preset (random weights and a
-byte-level tokenizer, so its text is noise; the point is the machinery). Steps that need a running
-server take its base URL; add more (benchmarks) to `run_demo` after `show_requests`.
+byte-level tokenizer, so its text is noise; the point is the machinery). It ends with a short
+`tpfuse bench single` and a small `tpfuse bench sweep` against the same server, printing both tables.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per demo request")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--no-bench", action="store_true", help="skip the closing benchmark")
     parser.set_defaults(handler=run_demo)
 
 
@@ -40,6 +41,8 @@ def run_demo(args: argparse.Namespace) -> int:
         with ServerSubprocess(server_args, start_timeout=args.startup_timeout) as server:
             print(f"server ready at {server.url} after {time.perf_counter() - started:.1f} s\n", flush=True)
             show_requests(server.url, args.model, args.max_tokens)
+            if not args.no_bench:
+                show_benchmarks(server.url, args.max_tokens)
             print("\nstopping the server ...", flush=True)
     except RuntimeError as exc:
         print(f"tpfuse demo: {exc}", file=sys.stderr)
@@ -90,6 +93,29 @@ def show_requests(base_url: str, model: str, max_tokens: int) -> None:
             print(f"\n[usage] {chunk.usage.completion_tokens} tokens\n")
 
     asyncio.run(_burst(base_url, model, max_tokens, num_requests=8))
+
+
+def show_benchmarks(base_url: str, max_tokens: int) -> None:
+    """`tpfuse bench single` (1 warm-up, 3 runs) and `tpfuse bench sweep` (concurrency 1, 2, 4), short."""
+    from tpfuse.bench import (
+        BenchOptions,
+        ClientConfig,
+        SingleConfig,
+        SweepConfig,
+        print_single,
+        print_sweep,
+        run_single,
+        run_sweep,
+    )
+
+    # Token counts come from the server's usage. The tiny model emits random bytes that do not
+    # re-tokenize to the same count, so the client-side recount is off here.
+    options = BenchOptions(ClientConfig(url=base_url), tokenizer="none")
+    print("== tpfuse bench single (1 warm-up, 3 runs) ==", flush=True)
+    print_single(run_single(options, SingleConfig(warmups=1, runs=3, max_tokens=4 * max_tokens)))
+    print("== tpfuse bench sweep (concurrency 1, 2, 4) ==", flush=True)
+    sweep = SweepConfig(concurrencies=(1, 2, 4), repeats=1, max_tokens=max_tokens, requests_per_level=8)
+    print_sweep(run_sweep(options, sweep))
 
 
 async def _burst(base_url: str, model: str, max_tokens: int, num_requests: int) -> None:
