@@ -17,12 +17,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+from tpfuse.kernels import (
+    activation,
+    decode_attention,
+    kv_store,
+    prefill_attention,
+    rmsnorm,
+    rope,
+    rope_store_kv,
+    sampling,
+)
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
-
-SHARED_MEMORY_LIMIT = 227 * 1024  # per block on H100 / H200
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
@@ -55,6 +62,12 @@ def _variants(dtype: str):
         {"*": p, "positions_ptr": "*i64", "cache_ptr": "*fp32"},
         {"num_q_heads": "i32", "num_k_heads": "i32"},
         dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8),
+    )
+    yield (
+        rope_store_kv._rope_store_kv_kernel,
+        {"*": p, "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"},
+        {"num_q_heads": "i32", "num_kv_heads": "i32"},
+        dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_SIZE=16),
     )
     yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024)
     yield (

@@ -4,12 +4,22 @@ import pytest
 import torch
 
 import tpfuse.kernels as kernels
-from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+from tpfuse.kernels import (
+    activation,
+    decode_attention,
+    kv_store,
+    prefill_attention,
+    rmsnorm,
+    rope,
+    rope_store_kv,
+    sampling,
+)
 
 OPS = [
     (rmsnorm, "rmsnorm"),
     (rmsnorm, "fused_add_rmsnorm"),
     (rope, "rope"),
+    (rope_store_kv, "rope_store_kv"),
     (activation, "silu_and_mul"),
     (kv_store, "store_kv"),
     (decode_attention, "decode_attention"),

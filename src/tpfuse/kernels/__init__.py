@@ -12,7 +12,16 @@ import os
 
 import torch
 
-from tpfuse.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rope, sampling
+from tpfuse.kernels import (
+    activation,
+    decode_attention,
+    kv_store,
+    prefill_attention,
+    rmsnorm,
+    rope,
+    rope_store_kv,
+    sampling,
+)
 
 __all__ = [
     "decode_attention_op",
@@ -20,6 +29,7 @@ __all__ = [
     "prefill_attention_op",
     "rmsnorm_op",
     "rope_op",
+    "rope_store_kv_op",
     "rope_cos_sin_cache",
     "sample",
     "silu_and_mul",
@@ -54,6 +64,13 @@ def fused_add_rmsnorm(x, residual, weight, eps):
 
 def rope_op(positions, q, k, cos_sin_cache):
     return _pick(rope, "rope", q)(positions, q, k, cos_sin_cache)
+
+
+def rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Rotates q in place and returns it; writes the rotated k and v into their cache slots."""
+    return _pick(rope_store_kv, "rope_store_kv", q)(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
 
 
 def silu_and_mul(x):

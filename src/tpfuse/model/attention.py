@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_op, store_kv
+from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_store_kv_op
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear
 
@@ -34,8 +34,8 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Self-attention of one decoder layer over the paged KV cache, heads split over ranks.
 
-    qkv projection -> (Qwen3: per-head RMSNorm of q and k) -> rotary embedding -> K/V stored into the
-    cache -> paged decode or prefill attention -> o_proj, whose output is this rank's partial sum.
+    qkv projection -> (Qwen3: per-head RMSNorm of q and k) -> rotary embedding fused with the K/V store
+    into the cache -> paged decode or prefill attention -> o_proj, whose output is this rank's partial sum.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext):
@@ -81,9 +81,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d)
-        rope_op(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        # One launch: q rotated in place, rotated k and v written to their slots (k itself untouched).
+        rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
         if attn.is_decode:
             out = decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
         else:

@@ -1,0 +1,53 @@
+"""The decode-step kernels on CUDA at llama-3.1-8b shapes: fused rope + KV store, the split rule of
+decode attention, one-row norms (device machine only)."""
+
+import pytest
+import torch
+
+from tests.kernels.paged import assert_close_to_float64
+from tpfuse.kernels.kv_store import store_kv_triton
+from tpfuse.kernels.rope import rope_cos_sin_cache, rope_ref, rope_triton
+from tpfuse.kernels.rope_store_kv import rope_store_kv_triton
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
+CUDA = "cuda"
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv_views(tokens, dtype, seed):
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=_gen(seed)).to(CUDA, dtype)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    return (
+        q.view(tokens, HEADS, HEAD_DIM),
+        k.view(tokens, KV_HEADS, HEAD_DIM),
+        v.view(tokens, KV_HEADS, HEAD_DIM),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64, 777])
+def test_rope_store_kv_on_cuda_gives_the_bits_of_rope_then_store_kv(dtype, tokens):
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0, LLAMA31_SCALING).to(CUDA)
+    positions = torch.randint(0, 131072, (tokens,), generator=_gen(1)).to(CUDA)
+    slots = torch.randperm(128 * BLOCK, generator=_gen(2))[:tokens].to(CUDA)
+    slots[1::5] = -1
+    q, k, v = _qkv_views(tokens, dtype, seed=3)
+    k_cache = torch.full((128, BLOCK, KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype, device=CUDA)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    q_two, k_two, k_cache_two, v_cache_two = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    q_expected, _ = rope_ref(positions, q.double(), k.double(), cos_sin.double())
+    rope_triton(positions, q_two, k_two, cos_sin)
+    store_kv_triton(k_two, v, k_cache_two, v_cache_two, slots)
+    rope_store_kv_triton(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert torch.equal(q, q_two)
+    assert_close_to_float64(q, q_expected, dtype)
+    assert torch.equal(k_cache.nan_to_num(9.0), k_cache_two.nan_to_num(9.0))
+    assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
