@@ -48,25 +48,28 @@ def decode_attention_ref(
 
 
 @triton.jit
-def _load_kv_tile(
-    cache_ptr,
-    block_table_row,
-    tokens,
-    token_mask,
-    kv_head,
-    dims,
-    dim_mask,
-    stride_block,
-    stride_slot,
-    stride_head,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """[BLOCK_N, BLOCK_D] tile of one KV head for the given token positions of one sequence."""
-    page = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-    offsets = page * stride_block + (tokens % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+def _load_paged_tile(cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                     stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] tile of one KV head; pages: [BLOCK_N] int64 physical block of each token."""
+    offsets = pages * stride_block + (tokens % BLOCK_SIZE) * stride_slot + kv_head * stride_head
     return tl.load(
         cache_ptr + offsets[:, None] + dims[None, :], mask=token_mask[:, None] & dim_mask[None, :], other=0.0
     )
+
+
+@triton.jit
+def _load_pages(block_table_row, tokens, token_mask, BLOCK_SIZE: tl.constexpr):
+    """[BLOCK_N] int64 physical block of each token position of one sequence."""
+    return tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_table_row, tokens, token_mask, kv_head, dims, dim_mask,
+                  stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] tile of one KV head for the given token positions of one sequence."""
+    pages = _load_pages(block_table_row, tokens, token_mask, BLOCK_SIZE)
+    return _load_paged_tile(cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                            stride_block, stride_slot, stride_head, BLOCK_SIZE)  # fmt: skip
 
 
 @triton.jit
@@ -127,38 +130,18 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k = _load_kv_tile(
-            k_cache_ptr,
-            block_table_row,
-            tokens,
-            token_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            stride_kb,
-            stride_ks,
-            stride_kh,
-            BLOCK_SIZE,
-        )
+        pages = _load_pages(block_table_row, tokens, token_mask, BLOCK_SIZE)
+        k = _load_paged_tile(k_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                             stride_kb, stride_ks, stride_kh, BLOCK_SIZE)  # fmt: skip
+        # V is loaded before the scores are used so both tiles are in flight together.
+        v = _load_paged_tile(v_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)  # fmt: skip
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            v_cache_ptr,
-            block_table_row,
-            tokens,
-            token_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            stride_vb,
-            stride_vs,
-            stride_vh,
-            BLOCK_SIZE,
-        )
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -218,6 +201,10 @@ def _decode_merge_kernel(
 
 
 DECODE_BLOCK_N = 64
+# From the H200 split sweep at llama-3.1-8b shapes (8 KV heads): best 16 splits at batch 1 (ctx 2048
+# and 8192), 8 at batch 8, 1 at batch 64, i.e. about four programs per SM, rounded down, at most 16.
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 16
 
 
 @functools.cache
@@ -225,17 +212,23 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): about DECODE_PROGRAMS_PER_SM programs
+    per SM counting every (sequence, KV head, split), rounded down, never more splits than key tiles
+    fit in the block-table width, at most DECODE_MAX_SPLITS, at least 1 (which needs no merge)."""
+    max_tiles = triton.cdiv(max_blocks * block_size, DECODE_BLOCK_N)
+    wanted = DECODE_PROGRAMS_PER_SM * num_sms // max(batch * num_kv_heads, 1)
+    return max(1, min(wanted, max_tiles, DECODE_MAX_SPLITS))
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): enough programs for about four per SM,
-    never more splits than key tiles fit in the block-table width, at most 32."""
+    """num_splits_for on this device's SM count (8 SMs stand in on CPU)."""
     sms = (
         _num_sms(device.index if device.index is not None else torch.cuda.current_device())
         if (device.type == "cuda")
         else 8
     )
-    max_tiles = triton.cdiv(max_blocks * block_size, DECODE_BLOCK_N)
-    wanted = triton.cdiv(4 * sms, max(batch * num_kv_heads, 1))
-    return max(1, min(wanted, max_tiles, 32))
+    return num_splits_for(batch, num_kv_heads, max_blocks, block_size, sms)
 
 
 def decode_attention_launch(
