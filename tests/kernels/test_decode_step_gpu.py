@@ -6,6 +6,7 @@ import torch
 
 from tests.kernels.paged import assert_close_to_float64
 from tpfuse.kernels.kv_store import store_kv_triton
+from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_ref
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_ref, rope_triton
 from tpfuse.kernels.rope_store_kv import rope_store_kv_triton
 
@@ -51,3 +52,14 @@ def test_rope_store_kv_on_cuda_gives_the_bits_of_rope_then_store_kv(dtype, token
     assert_close_to_float64(q, q_expected, dtype)
     assert torch.equal(k_cache.nan_to_num(9.0), k_cache_two.nan_to_num(9.0))
     assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_warps", [None, 4, 16])
+def test_one_row_fused_add_rmsnorm_on_cuda_rounds_the_residual_once_and_normalizes_it(dtype, num_warps):
+    x = (torch.randn(1, HIDDEN, generator=_gen(4)) * 3).to(CUDA, dtype)
+    residual = torch.randn(1, HIDDEN, generator=_gen(5)).to(CUDA, dtype)
+    weight = torch.randn(HIDDEN, generator=_gen(6)).to(CUDA, dtype)
+    normed, new_residual = fused_add_rmsnorm_launch(x, residual, weight, 1e-5, num_warps=num_warps)
+    assert torch.equal(new_residual, (x.float() + residual.float()).to(dtype))
+    assert_close_to_float64(normed, rmsnorm_ref(new_residual.double(), weight.double(), 1e-5), dtype)

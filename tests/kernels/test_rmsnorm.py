@@ -5,6 +5,7 @@ import torch
 
 from tests.kernels.paged import assert_close_to_float64
 from tpfuse.kernels.rmsnorm import (
+    fused_add_rmsnorm_launch,
     fused_add_rmsnorm_ref,
     fused_add_rmsnorm_triton,
     rmsnorm_ref,
@@ -76,3 +77,12 @@ def test_rmsnorm_rejects_a_weight_of_the_wrong_size():
     x, _, weight = _inputs(2, 40, torch.float32, seed=0)
     with pytest.raises(ValueError, match="weight"):
         rmsnorm_triton(x, weight[:39], EPS)
+
+
+@pytest.mark.parametrize("num_warps", [1, 4, 16])
+def test_fused_add_rmsnorm_gives_the_same_result_at_any_warp_count(num_warps):
+    x, residual, weight = _inputs(1, 200, torch.float16, seed=num_warps)
+    expected_normed, expected_residual = fused_add_rmsnorm_triton(x, residual, weight, EPS)
+    normed, new_residual = fused_add_rmsnorm_launch(x, residual, weight, EPS, num_warps=num_warps)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(normed, expected_normed, atol=1e-3, rtol=1e-3)

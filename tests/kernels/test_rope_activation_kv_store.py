@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.kernels.paged import assert_close_to_float64
-from tpfuse.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from tpfuse.kernels.activation import silu_and_mul_launch, silu_and_mul_ref, silu_and_mul_triton
 from tpfuse.kernels.kv_store import store_kv_ref, store_kv_triton
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_ref, rope_triton
 
@@ -58,6 +58,13 @@ def test_silu_and_mul_matches_float64_reference(tokens, intermediate, dtype):
     gen = torch.Generator().manual_seed(intermediate)
     x = (torch.randn(tokens, 2 * intermediate, generator=gen) * 4).to(dtype)
     assert_close_to_float64(silu_and_mul_triton(x), silu_and_mul_ref(x.double()), dtype)
+
+
+@pytest.mark.parametrize("block,num_warps", [(16, 1), (128, 2), (2048, 8)])
+def test_silu_and_mul_tiles_cover_every_column_at_any_tile_size(block, num_warps):
+    x = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(block)).to(torch.float16)
+    out = silu_and_mul_launch(x, block=block, num_warps=num_warps)
+    assert_close_to_float64(out, silu_and_mul_ref(x.double()), torch.float16)
 
 
 def _kv_and_cache(tokens, num_blocks, block_size, heads, head_dim, dtype, seed):

@@ -30,13 +30,19 @@ def fused_add_rmsnorm_ref(
 
 
 @triton.jit
+def rmsnorm_row_weighted(row_f32, w_f32, hidden, eps):
+    """The norm of one float32 row (masked lanes must hold 0) times the float32 weight, in float32."""
+    var = tl.sum(row_f32 * row_f32, axis=0) / hidden
+    return row_f32 * tl.rsqrt(var + eps) * w_f32
+
+
+@triton.jit
 def rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
-    """The norm of one float32 row (masked lanes must hold 0) times the weight, in float32.
+    """rmsnorm_row_weighted with the weight loaded here.
 
     Shared with the fused all-reduce epilogue (tpfuse.comm) so that TP and TP=1 give the same bits."""
-    var = tl.sum(row_f32 * row_f32, axis=0) / hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return row_f32 * tl.rsqrt(var + eps) * w
+    return rmsnorm_row_weighted(row_f32, w, hidden, eps)
 
 
 @triton.jit
@@ -44,8 +50,10 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BL
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    # The weight is loaded up front: loads are not moved across the reduction's barrier.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = rmsnorm_row(x, w_ptr, cols, mask, hidden, eps)
+    y = rmsnorm_row_weighted(x, w, hidden, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,12 +74,14 @@ def _fused_add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    # The weight is loaded up front: loads are not moved across the reduction's barrier.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     # The rounded sum is the new residual; the norm is taken from the rounded value, not the fp32 sum.
     s = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
-    y = rmsnorm_row(s.to(tl.float32), w_ptr, cols, mask, hidden, eps)
+    y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,6 +94,7 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): one program per row; 8 bf16 (16 bytes) or more per thread and access."""
     block = triton.next_power_of_2(hidden)
     return block, min(max(block // 512, 1), 16)
 
@@ -103,13 +114,10 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return out
 
 
-def fused_add_rmsnorm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+def fused_add_rmsnorm_launch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton fused_add_rmsnorm_ref. x, residual: [T, H]; weight: [H].
-
-    Returns (normed, new_residual), both new [T, H] tensors of x.dtype; inputs are not modified.
-    Raises ValueError when the shapes do not match."""
+    """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks); None takes the default."""
     x = _check_rows(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
@@ -131,6 +139,16 @@ def fused_add_rmsnorm_triton(
         x.shape[1],
         eps,
         BLOCK_H=block,
-        num_warps=warps,
+        num_warps=num_warps or warps,
     )
     return out, new_residual
+
+
+def fused_add_rmsnorm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton fused_add_rmsnorm_ref. x, residual: [T, H]; weight: [H].
+
+    Returns (normed, new_residual), both new [T, H] tensors of x.dtype; inputs are not modified.
+    Raises ValueError when the shapes do not match."""
+    return fused_add_rmsnorm_launch(x, residual, weight, eps)
