@@ -1,220 +1,276 @@
-"""Kernel micro-benchmarks on one GPU at llama-3.1-8b decode and prefill shapes.
+"""Kernel benchmarks on one GPU at llama-3.1-8b decode shapes, timed by CUDA-graph replay.
 
-Times every tpfuse Triton kernel with triton.testing.do_bench (median, L2 flushed between runs),
-reports achieved bytes/s against the device copy bandwidth, compares paged decode attention with
-torch SDPA on already-gathered K/V, prefill attention with torch SDPA (causal), and sweeps the
-decode split count so the heuristic in kernels/decode_attention.py can be checked.
+A batch-1 decode kernel runs for a few microseconds, less than a Python launch of a Triton kernel
+(10-20 us), so do_bench would time the launch. Here each case is captured back to back in one CUDA
+graph (as the engine replays its decode step) and the replay time is divided by the launches; the
+gap between kernels in a graph is included, as it is in a real step. Decode attention cycles over
+enough KV caches to exceed the L2, as 32 layers' caches do.
 
-Usage (device machine, repo root): python benchmarks/kernels.py   # JSON to $OUT/kernels.json if set
+Sections: (1) per-op table at batch 1, 8, 64 and context 1024, 4096, with old vs new variants;
+(2) the decode split sweep (best split count per shape vs the rule); (3) the small ops of one
+batch-1 decode step (32 layers), before vs after this round's changes. `--prefill` adds prefill
+attention vs SDPA (do_bench).
+
+Usage (device machine, repo root): python benchmarks/kernels.py [--prefill]   # JSON to $OUT if set
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 import triton
-from triton.testing import do_bench
+import triton.language as tl
 
-from tpfuse.kernels.activation import silu_and_mul_triton
-from tpfuse.kernels.decode_attention import (
-    choose_num_splits,
-    decode_attention_launch,
-    decode_attention_triton,
-)
+from tpfuse.kernels.activation import silu_and_mul_launch, silu_and_mul_triton
+from tpfuse.kernels.decode_attention import DECODE_BLOCK_N, choose_num_splits, decode_attention_launch
 from tpfuse.kernels.kv_store import store_kv_triton
-from tpfuse.kernels.prefill_attention import (
-    prefill_attention_launch,
-    prefill_attention_triton,
-    prefill_tile_config,
-)
-from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton, rmsnorm_triton
+from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_row
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_triton
+from tpfuse.kernels.rope_store_kv import rope_store_kv_triton
 from tpfuse.kernels.sampling import sample_triton
 
-COPY_BANDWIDTH = 4.25e12  # bytes/s, H200 device copy (read + write), measured 2026-11-29
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, BLOCK = 4096, 14336, 32, 8, 128, 128256, 16
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, BLOCK, LAYERS = 4096, 14336, 32, 8, 128, 128256, 16, 32
 DTYPE = torch.bfloat16
-BATCHES = (1, 8, 64, 128)
-CONTEXTS = (512, 2048, 8192)
-SCALE = HEAD_DIM**-0.5
+BATCHES, CONTEXTS = (1, 8, 64), (1024, 4096)
+TABLE_WIDTH = 8192 // BLOCK  # block-table width of a max_model_len 8192 engine: fixes the split count
+SCALE, EPS = HEAD_DIM**-0.5, 1e-5
+L2_DEFEAT_BYTES = 192 << 20  # H200 L2 is 60 MB
+DEVICE = "cuda"  # tests/kernels/test_kernels_benchmark.py runs this file on CPU at tiny shapes
 ROWS: list[dict] = []
 
 
-def _ms(fn, *args, **kwargs) -> float:
-    """Median milliseconds of fn(*args, **kwargs), L2 flushed between calls."""
-    return do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median")
+def graph_us(calls, min_launches: int = 64, replays: int = 10) -> float:
+    """Microseconds per call: the calls captured round-robin into one CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # compile and autotune outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    launches = triton.cdiv(min_launches, len(calls)) * len(calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * launches))
+    del graph
+    return statistics.median(samples)
 
 
-def record(op: str, shape: str, ms: float, nbytes: float | None = None, flops: float | None = None, **extra):
-    row = {"op": op, "shape": shape, "us": ms * 1e3, **extra}
+def record(op: str, shape: str, us: float, nbytes: float | None = None, **extra) -> None:
+    row = {"op": op, "shape": shape, "us": round(us, 2), **extra}
+    bw = ""
     if nbytes is not None:
-        row["GB/s"] = nbytes / (ms * 1e-3) / 1e9
-        row["of_copy_bw"] = row["GB/s"] * 1e9 / COPY_BANDWIDTH
-    if flops is not None:
-        row["TFLOP/s"] = flops / (ms * 1e-3) / 1e12
+        row["GB/s"] = round(nbytes / us / 1e3)
+        bw = f"{row['GB/s']:7d} GB/s"
     ROWS.append(row)
-    bw = f"{row['GB/s']:8.0f} GB/s {row['of_copy_bw']:6.1%}" if nbytes is not None else " " * 22
-    tf = f"{row['TFLOP/s']:7.1f} TFLOP/s" if flops is not None else ""
     note = " ".join(f"{k}={v}" for k, v in extra.items())
-    print(f"{op:28s} {shape:28s} {ms * 1e3:9.1f} us {bw} {tf} {note}", flush=True)
+    print(f"{op:34s} {shape:22s} {us:8.2f} us {bw:>12s}  {note}", flush=True)
 
 
-def bench_elementwise():
-    e = torch.finfo(DTYPE).bits // 8
-    cache = rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0).cuda()
-    for t in BATCHES:
-        x, r = (
-            torch.randn(t, HIDDEN, device="cuda", dtype=DTYPE),
-            torch.randn(t, HIDDEN, device="cuda", dtype=DTYPE),
-        )
-        w = torch.randn(HIDDEN, device="cuda", dtype=DTYPE)
-        record("rmsnorm", f"T={t} H={HIDDEN}", _ms(rmsnorm_triton, x, w, 1e-5), (2 * t + 1) * HIDDEN * e)
-        record(
-            "fused_add_rmsnorm",
-            f"T={t} H={HIDDEN}",
-            _ms(fused_add_rmsnorm_triton, x, r, w, 1e-5),
-            (4 * t + 1) * HIDDEN * e,
-        )
-        q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        pos = torch.randint(0, 8192, (t,), device="cuda")
-        record(
-            "rope",
-            f"T={t} {HEADS}/{KV_HEADS}x{HEAD_DIM}",
-            _ms(rope_triton, pos, q, k, cache),
-            2 * t * (HEADS + KV_HEADS) * HEAD_DIM * e + t * HEAD_DIM * 4,
-        )
-        gate_up = torch.randn(t, 2 * INTER, device="cuda", dtype=DTYPE)
-        record("silu_and_mul", f"T={t} I={INTER}", _ms(silu_and_mul_triton, gate_up), 3 * t * INTER * e)
-        kc = torch.empty(4096, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        vc = torch.empty_like(kc)
-        slots = torch.randperm(4096 * BLOCK, device="cuda")[:t]
-        record(
-            "store_kv", f"T={t}", _ms(store_kv_triton, k, k, kc, vc, slots), 4 * t * KV_HEADS * HEAD_DIM * e
-        )
-        logits = torch.randn(t, VOCAB, device="cuda", dtype=torch.float32)
-        temps, seeds = torch.ones(t, device="cuda"), torch.arange(t, device="cuda")
-        no_k, no_p = torch.zeros(t, dtype=torch.int64, device="cuda"), torch.ones(t, device="cuda")
-        record(
-            "sample greedy",
-            f"B={t} V={VOCAB}",
-            _ms(sample_triton, logits, temps * 0, no_k, no_p, seeds),
-            t * VOCAB * 4,
-        )
-        record(
-            "sample T=1",
-            f"B={t} V={VOCAB}",
-            _ms(sample_triton, logits, temps, no_k, no_p, seeds),
-            t * VOCAB * 4,
-        )
-        top_k = torch.full((t,), 50, device="cuda")
-        record(
-            "sample T=1 top-k50 top-p.9",
-            f"B={t} V={VOCAB}",
-            _ms(sample_triton, logits, temps, top_k, no_p * 0.9, seeds),
-            t * VOCAB * 4,
-        )
+@triton.jit
+def _fused_add_rmsnorm_weight_late_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride, hidden, eps, BLOCK_H: tl.constexpr
+):  # fmt: skip
+    """The fused_add_rmsnorm kernel before this round: the weight is loaded after the reduction."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * stride + cols, s, mask=mask)
+    y = rmsnorm_row(s.to(tl.float32), w_ptr, cols, mask, hidden, eps)
+    tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _paged_cache(batch: int, context: int):
-    blocks = triton.cdiv(context, BLOCK)
-    kc = torch.randn(batch * blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    vc = torch.randn_like(kc)
-    tables = torch.randperm(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    return kc, vc, tables, lens
+def old_fused_add_rmsnorm(x, residual, weight, eps):
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    _fused_add_rmsnorm_weight_late_kernel[(x.shape[0],)](
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        x.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK_H=triton.next_power_of_2(x.shape[1]),
+        num_warps=8,
+    )
+    return out, new_residual
 
 
-def _gathered(cache, tables, context):
-    # [B, Hk, context, D]: the contiguous K or V that a gather-then-SDPA design would feed SDPA
-    return cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+def old_num_splits(batch: int, max_blocks: int) -> int:
+    """The split rule before this round: ceil(4 programs per SM), at most 32."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 8
+    max_tiles = triton.cdiv(max_blocks * BLOCK, DECODE_BLOCK_N)
+    return max(1, min(triton.cdiv(4 * sms, batch * KV_HEADS), max_tiles, 32))
 
 
-def bench_decode_attention():
-    e = torch.finfo(DTYPE).bits // 8
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for context in CONTEXTS:
-        for batch in BATCHES:
-            kc, vc, tables, lens = _paged_cache(batch, context)
-            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-            nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * e + 2 * q.numel() * e
-            splits = choose_num_splits(batch, KV_HEADS, tables.shape[1], BLOCK, q.device)
-            shape = f"B={batch} ctx={context}"
-            ms = _ms(decode_attention_triton, q, kc, vc, tables, lens, SCALE)
-            record("decode_attention", shape, ms, nbytes, splits=splits)
-            k, v = _gathered(kc, tables, context), _gathered(vc, tables, context)
-            q4 = q[:, :, None, :]
-            sdpa_ms = _ms(sdpa, q4, k, v, scale=SCALE, enable_gqa=True)
-            record(
-                "sdpa decode (gathered K/V)", shape, sdpa_ms, nbytes, triton_speedup=round(sdpa_ms / ms, 2)
+def _randn(*shape, dtype=DTYPE):
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def _qkv_views(batch: int):
+    """q [B, Hq, D], k and v [B, Hk, D]: views of one fused qkv output, as the attention layer has."""
+    qkv = _randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    parts = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    return tuple(t.view(batch, -1, HEAD_DIM) for t in parts)
+
+
+class DecodeAttentionCase:
+    """B sequences of one context length, TABLE_WIDTH-wide block tables, enough KV copies to defeat L2."""
+
+    def __init__(self, batch: int, context: int, copies: int | None = None):
+        blocks = batch * triton.cdiv(context, BLOCK)
+        per_copy = 2 * blocks * BLOCK * KV_HEADS * HEAD_DIM * 2
+        copies = copies or max(1, min(48, L2_DEFEAT_BYTES // per_copy))
+        self.copies = [
+            (_randn(blocks, BLOCK, KV_HEADS, HEAD_DIM), _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM))
+            for _ in range(copies)
+        ]
+        self.tables = torch.zeros(batch, TABLE_WIDTH, device=DEVICE, dtype=torch.int32)
+        used = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
+        self.tables[:, : used.shape[1]] = used
+        self.lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+        self.q = _randn(batch, HEADS, HEAD_DIM)
+        self.kv_bytes = per_copy
+
+    def calls(self, splits: int):
+        return [
+            lambda kc=kc, vc=vc: decode_attention_launch(
+                self.q, kc, vc, self.tables, self.lens, SCALE, splits
             )
+            for kc, vc in self.copies
+        ]
 
 
-def bench_decode_splits():
-    """Best split count per shape, to check choose_num_splits."""
-    for batch, context in [(1, 2048), (1, 8192), (8, 8192), (64, 2048), (64, 8192)]:
-        kc, vc, tables, lens = _paged_cache(batch, context)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-        times = {}
-        for splits in (1, 2, 4, 8, 16, 32, 64):
-            for block_n in (32, 64):
-                times[(splits, block_n)] = _ms(
-                    decode_attention_launch, q, kc, vc, tables, lens, SCALE, splits, block_n
-                )
-        best = min(times, key=times.get)
-        chosen = choose_num_splits(batch, KV_HEADS, tables.shape[1], BLOCK, q.device)
-        chosen_ms = _ms(decode_attention_triton, q, kc, vc, tables, lens, SCALE)
-        shape = f"B={batch} ctx={context}"
-        extra = {"best_splits": best[0], "best_block_n": best[1], "chosen_splits": chosen}
-        record("decode split sweep", shape, times[best], chosen_us=round(chosen_ms * 1e3, 1), **extra)
+def bench_small_ops(batch: int) -> None:
+    e = 2
+    x, res, w = _randn(batch, HIDDEN), _randn(batch, HIDDEN), _randn(HIDDEN)
+    nbytes = (4 * batch + 1) * HIDDEN * e
+    shape = f"B={batch} H={HIDDEN}"
+    old = graph_us([lambda: old_fused_add_rmsnorm(x, res, w, EPS)])
+    record("fused_add_rmsnorm OLD (w late)", shape, old, nbytes, warps=8)
+    for warps in (4, 8, 16):
+        us = graph_us([lambda warps=warps: fused_add_rmsnorm_launch(x, res, w, EPS, num_warps=warps)])
+        record("fused_add_rmsnorm", shape, us, nbytes, warps=warps)
+    gate_up = _randn(batch, 2 * INTER)
+    for tile, warps in ((512, 2), (1024, 4), (2048, 8), (4096, 8)):
+        us = graph_us([lambda tile=tile, warps=warps: silu_and_mul_launch(gate_up, tile, warps)])
+        record("silu_and_mul", f"B={batch} I={INTER}", us, 3 * batch * INTER * e, tile=tile, warps=warps)
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0).to(DEVICE)
+    q, k, v = _qkv_views(batch)
+    kc, vc = _randn(4096, BLOCK, KV_HEADS, HEAD_DIM), _randn(4096, BLOCK, KV_HEADS, HEAD_DIM)
+    pos = torch.randint(0, 8192, (batch,), device=DEVICE)
+    slots = torch.randperm(4096 * BLOCK, device=DEVICE)[:batch]
+    shape = f"B={batch} {HEADS}/{KV_HEADS}x{HEAD_DIM}"
+    rope_us = graph_us([lambda: rope_triton(pos, q, k, cos_sin)])
+    store_us = graph_us([lambda: store_kv_triton(k, v, kc, vc, slots)])
+    both_us = graph_us([lambda: (rope_triton(pos, q, k, cos_sin), store_kv_triton(k, v, kc, vc, slots))])
+    fused_us = graph_us([lambda: rope_store_kv_triton(pos, q, k, v, cos_sin, kc, vc, slots)])
+    record("rope OLD", shape, rope_us)
+    record("store_kv OLD", shape, store_us)
+    record("rope + store_kv OLD (2 launches)", shape, both_us)
+    record("rope_store_kv (fused)", shape, fused_us, saved_us=round(both_us - fused_us, 2))
+    logits = torch.randn(batch, VOCAB, device=DEVICE)
+    temps, seeds = torch.ones(batch, device=DEVICE), torch.arange(batch, device=DEVICE)
+    no_k, no_p = torch.zeros(batch, dtype=torch.int64, device=DEVICE), torch.ones(batch, device=DEVICE)
+    for name, t in (("sample greedy", temps * 0), ("sample T=1", temps)):
+        us = graph_us([lambda t=t: sample_triton(logits, t, no_k, no_p, seeds)], min_launches=16)
+        record(name, f"B={batch} V={VOCAB}", us, batch * VOCAB * 4)
 
 
-def bench_prefill_attention():
+def bench_decode_attention(batch: int, context: int, sweep: bool) -> None:
+    case = DecodeAttentionCase(batch, context)
+    shape = f"B={batch} ctx={context}"
+    new = choose_num_splits(batch, KV_HEADS, TABLE_WIDTH, BLOCK, case.q.device)
+    old = old_num_splits(batch, TABLE_WIDTH)
+    times = {}
+    launches = 8 if case.kv_bytes > (256 << 20) else 64  # a long launch needs fewer repeats
+    for splits in sorted({1, 2, 4, 8, 16, 32, new, old} if sweep else {new, old}):
+        times[splits] = graph_us(case.calls(splits), min_launches=launches)
+    record("decode_attention OLD rule", shape, times[old], case.kv_bytes, splits=old)
+    best = min(times, key=times.get)
+    record("decode_attention", shape, times[new], case.kv_bytes, splits=new, best_splits=best,
+           best_us=round(times[best], 2), sweep={s: round(t, 1) for s, t in times.items()})  # fmt: skip
+    kc, vc = case.copies[0]
+    used = case.tables[:, : triton.cdiv(context, BLOCK)].long()
+    k, v = (c[used].flatten(1, 2).transpose(1, 2).contiguous() for c in (kc, vc))  # [B, Hk, ctx, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for num_seqs in (1, 4):
-        for length in (512, 2048):
-            kc, vc, tables, lens = _paged_cache(num_seqs, length)
-            q = torch.randn(num_seqs * length, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-            starts = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * length
-            flops = 4 * num_seqs * HEADS * HEAD_DIM * length * length / 2
-            shape = f"{num_seqs}x{length}"
-            ms = _ms(prefill_attention_triton, q, kc, vc, tables, lens, starts, length, SCALE)
-            record("prefill_attention", shape, ms, flops=flops)
-            k, v = _gathered(kc, tables, length), _gathered(vc, tables, length)
-            qb = q.view(num_seqs, length, HEADS, HEAD_DIM).transpose(1, 2)
-            sdpa_ms = _ms(sdpa, qb, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
-            record(
-                "sdpa causal (contiguous)", shape, sdpa_ms, flops=flops, triton_speedup=round(sdpa_ms / ms, 2)
-            )
+    us = graph_us([lambda: sdpa(case.q[:, :, None], k, v, scale=SCALE, enable_gqa=True)])
+    record("sdpa (contiguous K/V, L2-warm)", shape, us, case.kv_bytes)
 
 
-def bench_prefill_tiles():
-    """Prefill tile configs at 4 x 2048, to check prefill_tile_config."""
-    num_seqs, length = 4, 2048
-    kc, vc, tables, lens = _paged_cache(num_seqs, length)
-    q = torch.randn(num_seqs * length, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    starts = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * length
-    flops = 4 * num_seqs * HEADS * HEAD_DIM * length * length / 2
-    chosen = prefill_tile_config(length, HEAD_DIM)
-    for config in [
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 64, 4, 3),
-        (128, 128, 8, 2),
-        (128, 32, 4, 3),
-    ]:
-        try:
-            ms = _ms(prefill_attention_launch, q, kc, vc, tables, lens, starts, length, SCALE, *config)
-        except Exception as error:  # a config that does not fit the GPU is reported, not fatal
-            print(f"prefill tiles {config}: {type(error).__name__}: {error}")
-            continue
-        record(
-            "prefill tile sweep", f"{num_seqs}x{length} {config}", ms, flops=flops, chosen=config == chosen
-        )
+def bench_decode_step(batch: int, context: int) -> None:
+    """The small ops of one decode step (32 layers): norms, rope/store, attention, silu; no GEMMs."""
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0).to(DEVICE)
+    x, res, gate_up = _randn(batch, HIDDEN), _randn(batch, HIDDEN), _randn(batch, 2 * INTER)
+    weights = [_randn(HIDDEN) for _ in range(2 * LAYERS + 1)]
+    q, k, v = _qkv_views(batch)
+    layers = DecodeAttentionCase(batch, context, copies=LAYERS)  # one KV cache per layer
+    pos = layers.lens.long() - 1
+    slots = layers.tables[:, (context - 1) // BLOCK].long() * BLOCK + (context - 1) % BLOCK
+    splits = {"before": old_num_splits(batch, TABLE_WIDTH),
+              "after": choose_num_splits(batch, KV_HEADS, TABLE_WIDTH, BLOCK, x.device)}  # fmt: skip
+
+    def step(version: str):
+        norm = old_fused_add_rmsnorm if version == "before" else fused_add_rmsnorm_launch
+        for layer, (kc, vc) in enumerate(layers.copies):
+            norm(x, res, weights[2 * layer], EPS)
+            if version == "before":
+                rope_triton(pos, q, k, cos_sin)
+                store_kv_triton(k, v, kc, vc, slots)
+            else:
+                rope_store_kv_triton(pos, q, k, v, cos_sin, kc, vc, slots)
+            decode_attention_launch(q, kc, vc, layers.tables, layers.lens, SCALE, splits[version])
+            norm(x, res, weights[2 * layer + 1], EPS)
+            silu_and_mul_triton(gate_up)
+        norm(x, res, weights[-1], EPS)
+
+    shape = f"B={batch} ctx={context} x{LAYERS}"
+    before = graph_us([lambda: step("before")], min_launches=1)
+    after = graph_us([lambda: step("after")], min_launches=1)
+    record("SMALL OPS PER DECODE STEP before", shape, before, splits=splits["before"])
+    record("SMALL OPS PER DECODE STEP after", shape, after, splits=splits["after"],
+           saved_us=round(before - after, 1), of_4596us_step=f"{(before - after) / 4596:.1%}")  # fmt: skip
+
+
+def bench_prefill(num_seqs: int, length: int) -> None:
+    """Prefill attention vs SDPA (causal, contiguous K/V) with do_bench: long kernels, no graph needed."""
+    from triton.testing import do_bench
+
+    from tpfuse.kernels.prefill_attention import prefill_attention_triton
+
+    blocks = num_seqs * length // BLOCK
+    kc, vc = _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM), _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32).view(num_seqs, -1)
+    lens = torch.full((num_seqs,), length, device=DEVICE, dtype=torch.int32)
+    q = _randn(num_seqs * length, HEADS, HEAD_DIM)
+    starts = torch.arange(num_seqs + 1, device=DEVICE, dtype=torch.int32) * length
+    ms = do_bench(lambda: prefill_attention_triton(q, kc, vc, tables, lens, starts, length, SCALE))
+    k, v = (c.view(num_seqs, length, KV_HEADS, HEAD_DIM).transpose(1, 2) for c in (kc, vc))
+    qb = q.view(num_seqs, length, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa_ms = do_bench(lambda: sdpa(qb, k, v, is_causal=True, scale=SCALE, enable_gqa=True))
+    record("prefill_attention (do_bench)", f"{num_seqs}x{length}", ms * 1e3, sdpa_us=round(sdpa_ms * 1e3, 1))
 
 
 def main() -> int:
@@ -224,12 +280,23 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     versions = f"torch {torch.__version__} triton {triton.__version__}"
     print(f"{props.name} sms={props.multi_processor_count} {versions}")
-    print(f"{'op':28s} {'shape':28s} {'median':>12s} {'achieved':>13s} {'of copy':>7s}")
-    bench_elementwise()
-    bench_decode_attention()
-    bench_prefill_attention()
-    bench_decode_splits()
-    bench_prefill_tiles()
+    started = time.perf_counter()
+    print("== per-op, CUDA-graph replay, us per launch (inter-kernel gap included)")
+    for batch in BATCHES:
+        bench_small_ops(batch)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    print("== decode attention (sweep over split counts at every shape)")
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            bench_decode_attention(batch, context, sweep=True)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    print("== small ops of one decode step, before vs after this round")
+    for batch, context in ((1, 1024), (1, 4096), (8, 1024), (64, 1024)):
+        bench_decode_step(batch, context)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    if "--prefill" in sys.argv:
+        for num_seqs, length in ((1, 2048), (4, 2048)):
+            bench_prefill(num_seqs, length)
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
