@@ -106,6 +106,9 @@ class BlockManager:
         for _ in range(seq.num_blocks_for(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        # A drafter's KV in cached blocks was written by the sequence that computed them; only the
+        # last cached position may differ (EAGLE-3 reads the token after it), so redo from there.
+        seq.num_drafter_tokens = max(seq.num_cached_tokens - 1, 0)
         if self.enable_prefix_caching:
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += seq.num_cached_tokens
@@ -129,6 +132,7 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        seq.num_drafter_tokens = 0
 
     def may_append(self, seq: Sequence, num_lookahead_tokens: int = 0) -> bool:
         """Whether the blocks for all of seq's tokens (plus lookahead) can be provided now."""

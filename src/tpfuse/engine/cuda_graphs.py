@@ -1,4 +1,4 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket.
+"""Decode steps captured as CUDA graphs, one per batch-size bucket (and per number of draft tokens).
 
 Each graph runs the model's forward and compute_logits on static input buffers; a step copies its
 (padded) inputs into them and replays the graph of its bucket. All graphs share one memory pool and
@@ -22,11 +22,14 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps for batch sizes up to max_batch_size.
+    """Captured decode steps for batch sizes up to max_batch_size, per number of draft tokens k.
 
-    kv_caches: the model's per-layer caches; max_blocks_per_seq: the block-table width every graph is
-    captured with (a step's narrower table fills its left part; columns past a sequence's length are
-    never read).
+    k = 0 is a plain decode (one query token per sequence, decode attention); with speculation every
+    k in 1..max_num_draft_tokens gets verify graphs where each sequence brings k + 1 query tokens
+    (prefill attention over static query offsets (k + 1) * b). kv_caches: the model's per-layer
+    caches; max_blocks_per_seq: the block-table width every graph is captured with (a step's
+    narrower table fills its left part; columns past a sequence's length are never read).
+    write_features(aux, slot_mapping): called inside each graph on the model's aux output (EAGLE-3).
     """
 
     def __init__(
@@ -38,23 +41,33 @@ class DecodeGraphs:
         max_model_len: int,
         vocab_size: int,
         graph_logits: bool = True,
+        max_num_draft_tokens: int = 0,
+        write_features=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
+        self.max_num_draft_tokens = max_num_draft_tokens
+        self.write_features = write_features
         device = kv_caches[0][0].device
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        tokens = n * (max_num_draft_tokens + 1)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_locs = [
+            torch.arange(n + 1, dtype=torch.int32, device=device) * (k + 1)
+            for k in range(max_num_draft_tokens + 1)
+        ]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graph_logits = graph_logits
-        self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device) if graph_logits else None
+        self.logits = (
+            torch.empty(tokens, vocab_size, dtype=torch.float32, device=device) if graph_logits else None
+        )
         self.hidden: torch.Tensor | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured size holding batch_size, None when it is too large for graphs."""
@@ -63,34 +76,45 @@ class DecodeGraphs:
                 return size
         return None
 
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        """Logits [batch_size, vocab] (hidden [batch_size, H] when logits are computed after replay)."""
+    def has(self, batch_size: int, num_draft_tokens: int = 0) -> bool:
+        """Whether a graph for exactly this (padded) batch size and k was captured."""
+        return (batch_size, num_draft_tokens) in self.graphs
+
+    def _forward(self, batch_size: int, k: int) -> torch.Tensor:
+        """Logits [batch_size * (k+1), vocab] (hidden [.., H] when logits are computed after replay)."""
+        tokens = batch_size * (k + 1)
         attn = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch_size],
+            slot_mapping=self.slot_mapping[:tokens],
             block_tables=self.block_tables[:batch_size],
             seq_lens=self.seq_lens[:batch_size],
-            query_start_loc=self.query_start_loc[: batch_size + 1],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            is_decode=True,
+            query_start_loc=self.query_start_locs[k][: batch_size + 1],
+            max_query_len=k + 1,
+            max_seq_len=self.max_model_len + k,
+            is_decode=k == 0,
         )
-        hidden, _ = self.model(self.input_ids[:batch_size], self.positions[:batch_size], attn, self.kv_caches)
+        hidden, aux = self.model(self.input_ids[:tokens], self.positions[:tokens], attn, self.kv_caches)
+        if self.write_features is not None:
+            self.write_features(aux, self.slot_mapping[:tokens])
         return self.model.compute_logits(hidden) if self.graph_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first (so the shared pool is sized by the first capture)."""
+        """Captures every (bucket, k), largest first (so the shared pool is sized by the first capture)."""
         pool = None
-        for size in reversed(self.sizes):
-            out = self._forward(size)  # warm-up: autotuning and lazy allocations happen outside capture
-            if not self.graph_logits and self.hidden is None:
-                self.hidden = torch.empty(self.sizes[-1], out.shape[-1], dtype=out.dtype, device=out.device)
-            target = self.logits if self.graph_logits else self.hidden
+        for k in reversed(range(self.max_num_draft_tokens + 1)):
+            for size in reversed(self.sizes):
+                out = self._forward(
+                    size, k
+                )  # warm-up: autotuning and lazy allocations happen outside capture
+                if not self.graph_logits and self.hidden is None:
+                    rows = self.input_ids.shape[0]
+                    self.hidden = torch.empty(rows, out.shape[-1], dtype=out.dtype, device=out.device)
+                target = self.logits if self.graph_logits else self.hidden
 
-            def body(size=size, target=target):
-                target[:size].copy_(self._forward(size))
+                def body(size=size, k=k, target=target):
+                    target[: size * (k + 1)].copy_(self._forward(size, k))
 
-            self.graphs[size], pool = self._capture_graph(body, pool)
+                self.graphs[(size, k)], pool = self._capture_graph(body, pool)
         self._synchronize()
 
     def _capture_graph(self, body, pool):
@@ -105,15 +129,17 @@ class DecodeGraphs:
         if self.input_ids.is_cuda:
             torch.cuda.synchronize(self.input_ids.device)
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Replays the graph of step's (already padded) batch size; returns logits [B, vocab] (hidden
-        [B, H] without graph_logits), a view of a shared buffer valid until the next replay."""
+    def run(self, step: StepInputs, num_draft_tokens: int = 0) -> torch.Tensor:
+        """Replays the graph of step's (already padded) batch size and k; returns logits
+        [B * (k+1), vocab] (hidden [.., H] without graph_logits), a view of a shared buffer valid
+        until the next replay."""
         size = step.header.num_seqs
+        tokens = step.header.num_tokens
         width = step.header.max_blocks
-        self.input_ids[:size].copy_(step.input_ids)
-        self.positions[:size].copy_(step.positions)
-        self.slot_mapping[:size].copy_(step.slot_mapping)
+        self.input_ids[:tokens].copy_(step.input_ids)
+        self.positions[:tokens].copy_(step.positions)
+        self.slot_mapping[:tokens].copy_(step.slot_mapping)
         self.seq_lens[:size].copy_(step.seq_lens)
         self.block_tables[:size, :width].copy_(step.block_tables)
-        self.graphs[size].replay()
-        return self.logits[:size] if self.graph_logits else self.hidden[:size]
+        self.graphs[(size, num_draft_tokens)].replay()
+        return self.logits[:tokens] if self.graph_logits else self.hidden[:tokens]

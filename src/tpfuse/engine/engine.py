@@ -7,7 +7,7 @@ text (and stop strings) belongs to whoever holds a Detokenizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpfuse.config import EngineConfig
 from tpfuse.engine.block_manager import BlockManager
@@ -37,6 +37,14 @@ class EngineStats:
     num_preemptions: int
     num_kv_blocks: int
     max_model_len: int
+    # Speculative decoding (zeros when off). *_total are cumulative counts since start-up.
+    spec_num_draft_tokens: int = 0  # k of the latest decode step
+    spec_acceptance_length: float = 0.0  # mean tokens per verify row with drafts (1 + accepted)
+    spec_num_drafts_total: int = 0  # verify rows that carried drafts
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_acceptance_rate_per_position: list[float] = field(default_factory=list)
+    simulated_acceptance: int = 0  # 1: benchmark-only simulated acceptance, outputs are not the model's
 
 
 def _make_executor(config: EngineConfig):
@@ -68,13 +76,20 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        spec = config.speculative
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_running_requests,
             config.max_num_batched_tokens,
             self.max_model_len,
             eos,
+            num_lookahead_tokens=spec.num_steps if spec.enabled else 0,
         )
+        self.spec_decoder = None
+        if spec.enabled:
+            from tpfuse.engine.spec_decoder import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(config, self.executor, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -126,16 +141,22 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
             return []
-        sampled = self.executor.run(batch, self.config.seed, self.scheduler.banned_token_ids)
+        seed, banned = self.config.seed, self.scheduler.banned_token_ids
+        if self.spec_decoder is not None:
+            emitted = self.spec_decoder.run(batch, seed, banned)
+            updates = self.scheduler.postprocess_multi(batch, emitted)
+        else:
+            sampled = self.executor.run(batch, seed, banned)
+            updates = [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         outputs = []
-        for seq in self.scheduler.postprocess(batch, sampled):
-            self.num_generated_tokens += 1
+        for seq, tokens in updates:
+            self.num_generated_tokens += len(tokens)
             if seq.is_finished:
                 del self.requests[seq.request_id]
             outputs.append(
                 StepOutput(
                     request_id=seq.request_id,
-                    new_token_ids=[seq.token_ids[-1]],
+                    new_token_ids=tokens,
                     finished=seq.is_finished,
                     finish_reason=seq.finish_reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
@@ -145,6 +166,18 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
+        spec = {}
+        if self.spec_decoder is not None:
+            d = self.spec_decoder
+            spec = dict(
+                spec_num_draft_tokens=d.current_num_draft_tokens,
+                spec_acceptance_length=d.stats.acceptance_length,
+                spec_num_drafts_total=d.stats.num_drafts,
+                spec_num_draft_tokens_total=d.stats.num_draft_tokens,
+                spec_num_accepted_tokens_total=d.stats.num_accepted_tokens,
+                spec_acceptance_rate_per_position=d.stats.acceptance_rate_per_position(),
+                simulated_acceptance=int(d.simulated_rate is not None),
+            )
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -155,6 +188,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
+            **spec,
         )
 
     def shutdown(self) -> None:

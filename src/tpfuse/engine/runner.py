@@ -15,6 +15,8 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
 from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
+from tpfuse.engine.spec_worker import SpecWorker
 from tpfuse.engine.step_inputs import StepInputs, pack_step, read_header, unpack_step
 from tpfuse.kernels import sample
 from tpfuse.model.attention import AttentionMetadata
@@ -63,9 +65,19 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         parallel = ParallelContext(rank, config.tp_size, comm or SingleRankCommunicator())
         self.model, self.model_config = load_model(config, parallel, self.device)
+        self.spec: SpecWorker | None = None
+        if config.speculative.enabled:
+            self.spec = SpecWorker(config, self.model, self.model_config, parallel, self.device)
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
+        # Drafts may reach num_draft_tokens + 1 positions past the newest token.
+        margin = self.spec.position_margin if self.spec is not None else 0
+        if margin:
+            limit = min(self.model_config.max_position_embeddings, self.spec.max_positions) - margin
+            self.max_model_len = min(self.max_model_len, limit)
         block_bytes = kv_cache.bytes_per_block(self.model_config, config.tp_size, self.block_size)
+        if self.spec is not None:
+            block_bytes += self.spec.bytes_per_block(config.tp_size, self.block_size)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -78,10 +90,12 @@ class ModelRunner:
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         self.num_kv_blocks = num_blocks
-        self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
+        self.max_model_len = min(self.max_model_len, num_blocks * self.block_size - margin)
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.model_config, config.tp_size, num_blocks, self.block_size, self.device
         )
+        if self.spec is not None:
+            self.spec.allocate(num_blocks, self.block_size, config.tp_size)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
@@ -91,12 +105,19 @@ class ModelRunner:
                 self.model,
                 self.kv_caches,
                 max_bs,
-                -(-self.max_model_len // self.block_size),
+                -(-(self.max_model_len + margin) // self.block_size),
                 self.max_model_len,
                 self.model_config.vocab_size,
                 graph_logits,
+                max_num_draft_tokens=self.spec.max_num_draft_tokens if self.spec is not None else 0,
+                write_features=self.spec.write_features if self.spec is not None else None,
             )
             self.graphs.capture()
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's runner (this one), as TensorParallelExecutor.runner is for the group."""
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -163,9 +184,11 @@ class ModelRunner:
     def execute(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None]:
         """Every rank: runs the forward of a packed step. Returns the step's device views and the
         logits [N, vocab] float32 of its sampled rows (None when no row samples)."""
+        if self.spec is not None:
+            return self.execute_spec(packed)
         header = read_header(packed)
         step = unpack_step(header, self._to_device(packed))
-        if self.graphs is not None and header.is_decode and header.num_seqs in self.graphs.graphs:
+        if self.graphs is not None and header.is_decode and self.graphs.has(header.num_seqs):
             out = self.graphs.run(step)
             if not header.num_samples:
                 return step, None
@@ -175,6 +198,10 @@ class ModelRunner:
         if not header.num_samples:
             return step, None
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices))
+
+    def execute_spec(self, packed: torch.Tensor) -> SpecForward:
+        """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py)."""
+        return run_spec_forward(self, packed)
 
     @torch.inference_mode()
     def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:

@@ -48,8 +48,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int],
+        num_lookahead_tokens: int = 0,
     ):
+        """num_lookahead_tokens: speculative decoding's draft tokens; a decode reserves KV blocks for
+        that many positions past its newest token and takes 1 + that many tokens of the budget."""
         self.block_manager = block_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_running_requests = max_running_requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -72,27 +76,30 @@ class Scheduler:
         pending = deque(self.running)
         kept: list[Sequence] = []
         block_size = self.block_manager.block_size
+        ahead = self.num_lookahead_tokens
         while pending and budget > 0:
             seq = pending.popleft()
-            if len(seq.token_ids) <= len(seq.block_table) * block_size:  # fast path: no new block
-                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            length = len(seq.token_ids)
+            lookahead = ahead if length - seq.num_computed_tokens == 1 else 0  # decodes draft
+            if length + lookahead <= len(seq.block_table) * block_size:  # fast path: no new block
+                n = min(length - seq.num_computed_tokens, budget)
                 seqs.append(seq)
                 counts.append(n)
                 kept.append(seq)
-                budget -= n
+                budget -= n + lookahead
                 continue
-            while not self.block_manager.may_append(seq):
+            while not self.block_manager.may_append(seq, lookahead):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
+                self.block_manager.append_slot(seq, lookahead)
                 n = min(seq.num_uncomputed_tokens, budget)
                 seqs.append(seq)
                 counts.append(n)
                 kept.append(seq)
-                budget -= n
+                budget -= n + lookahead
         # Requests past the budget keep their place and run next step.
         self.running = kept + list(pending)
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
@@ -142,6 +149,32 @@ class Scheduler:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
+        return updated
+
+    def postprocess_multi(
+        self, batch: Batch, emitted: list[list[int] | None]
+    ) -> list[tuple[Sequence, list[int]]]:
+        """Speculative steps: emitted[i] are the tokens seqs[i] gets this step (None: none). A decode
+        that emits a + 1 tokens had a drafts accepted, whose KV is valid too, so it advances by a + 1.
+        Tokens are appended one at a time and the first that finishes the sequence (stop token, EOS,
+        max_tokens, max_model_len) ends the run. Returns (sequence, tokens it got) pairs."""
+        updated = []
+        bm = self.block_manager
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, emitted, strict=True):
+            seq.num_computed_tokens += n + (len(tokens) - 1 if tokens else 0)
+            taken = []
+            for token in tokens or ():
+                seq.token_ids.append(token)
+                taken.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            # Sealed only now: accepted drafts' positions are computed but their ids were just appended.
+            if bm.enable_prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+                bm.seal_computed_blocks(seq)
+            if taken:
+                updated.append((seq, taken))
         return updated
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

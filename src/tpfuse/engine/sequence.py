@@ -37,6 +37,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks, in order
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
+        self.num_drafter_tokens = 0  # speculative drafter's KV is current for positions below this
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:

@@ -164,13 +164,30 @@ def pack_step(
         num_banned=len(banned_rows),
         all_greedy=int(all(t == 0.0 for t in temps)),
     )
-    values = array("q", list(vars(header).values()))
-    for part in (input_ids, positions, slots, seq_lens, starts, tables, sample_idx, top_ks, seeds):
-        values.extend(part)
-    values.frombytes(array("d", temps + top_ps).tobytes())  # floats travel as their bits
-    values.extend(banned_rows)
-    values.extend(banned_ids)
+    values = encode_step(
+        header,
+        [input_ids, positions, slots, seq_lens, starts, tables, sample_idx, top_ks, seeds],
+        temps + top_ps,
+        [banned_rows, banned_ids],
+    )
     return torch.frombuffer(values, dtype=torch.int64)
+
+
+def encode_step(header: StepHeader, int_parts: list, floats: list[float], tail_parts: list) -> array:
+    """The packed values: header, int_parts, floats (as float64 bits), tail_parts, in that order
+    (the order of StepHeader.sizes). Callers may append more sections to the returned array."""
+    values = array("q", list(vars(header).values()))
+    for part in int_parts:
+        values.extend(part)
+    values.frombytes(array("d", floats).tobytes())  # floats travel as their bits
+    for part in tail_parts:
+        values.extend(part)
+    return values
+
+
+def packed_length(header: StepHeader) -> int:
+    """Values of the step proper (header included); a speculative section follows it."""
+    return HEADER_LEN + sum(size for _, size in header.sizes())
 
 
 def read_header(packed: torch.Tensor) -> StepHeader:

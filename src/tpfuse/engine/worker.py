@@ -50,7 +50,13 @@ def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
     """Upper bound of a packed step's length (int64 values), with room for min_tokens bans."""
     tokens, seqs = config.max_num_batched_tokens, max(config.max_running_requests, config.cuda_graph_max_bs)
     max_blocks = -(-max_model_len // config.block_size)
-    return 64 + 3 * tokens + seqs * (max_blocks + 2) + 1 + 7 * seqs + (1 << 20)
+    plain = 64 + 3 * tokens + seqs * (max_blocks + 2) + 1 + 7 * seqs + (1 << 20)
+    if not config.speculative.enabled:
+        return plain
+    # Verify rows (k + 1 tokens each, padding included), drafter catch-up of the last step's tokens.
+    k = config.speculative.num_steps
+    extend = 4 * (tokens + seqs * (k + 1))
+    return plain + 3 * seqs * (k + 1) * 2 + seqs * (max_blocks + 2) + extend + 16 * seqs
 
 
 def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device], store=None):
@@ -202,13 +208,21 @@ class TensorParallelExecutor:
         self.num_kv_blocks = self.runner.num_kv_blocks
 
     def run(self, batch, engine_seed: int, banned_token_ids) -> list[int | None]:
+        packed = self.runner.pack(batch, engine_seed, banned_token_ids)
+        return self._in_lock_step(packed, lambda: self.runner.run_packed(batch, packed))
+
+    def execute_spec(self, packed: torch.Tensor):
+        """Sends a speculative packed step to the workers and runs rank 0's share (SpecForward)."""
+        return self._in_lock_step(packed, lambda: self.runner.execute_spec(packed))
+
+    def _in_lock_step(self, packed: torch.Tensor, run_rank0):
+        """Publishes packed to the workers, then run_rank0(); names a dead rank on failure."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         self._busy = True
         try:
-            packed = self.runner.pack(batch, engine_seed, banned_token_ids)
             self.channel.send(packed, is_alive=lambda: self.failure is None)
-            return self.runner.run_packed(batch, packed)
+            return run_rank0()
         except Exception as exc:
             # A collective with a dead rank fails fast; give the watchdog a moment to name the rank.
             deadline = time.monotonic() + 3 * WATCH_INTERVAL_S

@@ -27,6 +27,7 @@ class DraftInputs:
     block_tables: torch.Tensor | None = None  # [B, M] int32: the drafter's KV blocks (model drafters)
     block_size: int = 16
     target_features: torch.Tensor | None = None  # [T, n * H_target]: target aux states (EAGLE-3)
+    hidden_states: torch.Tensor | None = None  # [T, H_head]: EAGLE-3 fc(target_features), if precomputed
     token_histories: list[list[int]] | None = None  # all tokens of each sequence so far (n-gram)
     temperatures: torch.Tensor | None = None  # [B]: > 0 draws drafts by sampling (and returns q)
     seeds: torch.Tensor | None = None  # [B] int64, with temperatures

@@ -38,14 +38,19 @@ def eagle3_chain_draft(
 
     embed_tokens: [N] int64 -> [N, H] full target embeddings; kv_cache: the head's (k, v), each
     head.kv_cache_shape(...), written at the verified positions and the drafted ones (the engine must
-    have blocks up to p_L + num_draft_tokens - 1). inputs needs target_features and block_tables.
+    have blocks up to p_L + num_draft_tokens - 1). inputs needs block_tables and target_features (or
+    hidden_states, the features already through head.combine_features).
     Returns target-vocabulary draft ids [B, k]; with inputs.temperatures also their distributions
     [B, k, target_vocab_size] (draft-vocabulary probabilities scattered to target ids).
     """
-    inputs.require("target_features", "block_tables", drafter="EAGLE-3")
+    inputs.require("block_tables", drafter="EAGLE-3")
+    if inputs.hidden_states is None:
+        inputs.require("target_features", drafter="EAGLE-3")
     tables, block_size = inputs.block_tables, inputs.block_size
     attn = metadata_for_positions(tables, block_size, inputs.positions, inputs.query_start_loc)
-    hidden = head.combine_features(inputs.target_features)
+    hidden = inputs.hidden_states
+    if hidden is None:
+        hidden = head.combine_features(inputs.target_features)
     normed, prenorm = head(embed_tokens(inputs.next_token_ids), hidden, inputs.positions, attn, kv_cache)
     if num_draft_tokens == 0:
         return DraftProposal.empty(inputs.batch_size, inputs.positions.device)

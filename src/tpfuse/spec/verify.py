@@ -19,6 +19,7 @@ from tpfuse.spec.seeded_random import uniform
 
 _STREAM_ACCEPT = 1
 _STREAM_SAMPLE = 2
+_STREAM_SEEDED = 5
 
 
 @dataclass
@@ -81,6 +82,52 @@ def emitted_tokens(
     return out.scatter(1, num_accepted[:, None], last_token[:, None].to(out.dtype))
 
 
+def match_verify(
+    draft_token_ids: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Accepts the longest prefix of drafts equal to target_token_ids [B, k+1] (the token the target
+    emits at each verify position), then emits the target's token at the first mismatch."""
+    batch, k = draft_token_ids.shape
+    accept = (draft_token_ids == target_token_ids[:, :k]) & draft_mask(
+        num_draft_tokens, batch, k, target_token_ids.device
+    )
+    num_accepted = accepted_prefix_length(accept)
+    last = target_token_ids.gather(1, num_accepted[:, None])[:, 0]
+    return VerifyResult(num_accepted, emitted_tokens(draft_token_ids, num_accepted, last))
+
+
+def seeded_sample_verify(
+    draft_token_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    first_output_index: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Lossless sampling that does not depend on the drafts: the token at output index j is drawn from
+    the target's distribution by inverting its CDF at a uniform keyed by (seed, j); a draft is accepted
+    when it equals that draw. So a seeded request emits the same tokens whatever k, the drafts or the
+    batch were. For argmax drafts it accepts with probability p(draft), as rejection sampling does.
+
+    seeds: [B] int64 per request (not per step); first_output_index: [B] int64, the output index of
+    each row's first verify position; other arguments as rejection_sample_verify. Rows with
+    temperature <= 0 take the argmax.
+    """
+    batch, k = _check_shapes(draft_token_ids, target_logits)
+    device = target_logits.device
+    p = target_probs(target_logits, temperatures.to(device), top_ks.to(device), top_ps.to(device))
+    counters = first_output_index.to(device)[:, None] + torch.arange(k + 1, device=device)[None, :]
+    u = uniform(seeds.to(device), _STREAM_SEEDED, counters)
+    drawn = sample_inverse_cdf(p.reshape(batch * (k + 1), -1), u.reshape(-1)).view(batch, k + 1)
+    greedy_rows = (temperatures.to(device) <= 0)[:, None]
+    target = torch.where(greedy_rows, target_logits.argmax(dim=-1), drawn)
+    return match_verify(draft_token_ids, target, num_draft_tokens)
+
+
 def greedy_verify(
     draft_token_ids: torch.Tensor,
     target_logits: torch.Tensor,
@@ -93,14 +140,8 @@ def greedy_verify(
     num_draft_tokens: [B] int, real drafts per row (the rest is padding), default k for every row.
     Raises ValueError on mismatched shapes.
     """
-    batch, k = _check_shapes(draft_token_ids, target_logits)
-    target = target_logits.argmax(dim=-1)  # [B, k+1]
-    accept = (draft_token_ids == target[:, :k]) & draft_mask(num_draft_tokens, batch, k, target.device)
-    num_accepted = accepted_prefix_length(accept)
-    return VerifyResult(
-        num_accepted,
-        emitted_tokens(draft_token_ids, num_accepted, target.gather(1, num_accepted[:, None])[:, 0]),
-    )
+    _check_shapes(draft_token_ids, target_logits)
+    return match_verify(draft_token_ids, target_logits.argmax(dim=-1), num_draft_tokens)
 
 
 def target_probs(

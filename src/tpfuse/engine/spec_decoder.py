@@ -1,0 +1,190 @@
+"""Rank 0's half of a speculative step: choose k, draft on the host (n-gram), pack, verify, account.
+
+`SpecDecoder.run(batch, ...)` replaces the plain executor.run when --speculative-algorithm is set. It
+returns the tokens each sequence gets this step: one sampled token for a prefill row that reached its
+end, the accepted drafts plus one target token for a decode (verify) row, None otherwise. Verification
+is greedy (temperature 0) or rejection sampling, both lossless; with
+--speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py).
+The chosen tokens reach the other ranks as input ids of the next packed step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.cuda_graphs import graph_batch_sizes
+from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, pack_spec_step
+from tpfuse.spec.adaptive import AdaptivePolicy
+from tpfuse.spec.ngram import propose_ngram
+from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length, simulate_acceptance
+from tpfuse.spec.verify import VerifyResult, greedy_verify, rejection_sample_verify, seeded_sample_verify
+
+
+class SpecStats:
+    """Cumulative acceptance counters over verify rows that carried at least one draft."""
+
+    def __init__(self, max_num_draft_tokens: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.drafted_at = [0] * max_num_draft_tokens  # rows with a draft at position i
+        self.accepted_at = [0] * max_num_draft_tokens  # rows that accepted position i
+
+    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        for drafted, accepted in zip(num_drafts, num_accepted, strict=True):
+            if drafted == 0:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+            for i in range(drafted):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += i < accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per verify row with drafts: 1 + accepted drafts per row."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+
+class SpecDecoder:
+    """config: the engine settings; executor: ModelRunner or TensorParallelExecutor (with
+    execute_spec and a rank-0 `runner`); max_model_len: the engine's."""
+
+    def __init__(self, config: EngineConfig, executor, max_model_len: int):
+        spec = config.speculative
+        self.executor = executor
+        self.runner = executor.runner
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_num_draft_tokens = spec.num_steps
+        self.ngram = spec.algorithm == "ngram"
+        graphs = self.runner.graphs
+        buckets = (
+            graphs.sizes
+            if graphs is not None
+            else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests))
+        )
+        self.policy = AdaptivePolicy(spec.num_steps, buckets) if spec.adaptive else None
+        self.simulated_rate: float | None = None
+        if spec.simulate_acceptance_length is not None:
+            self.simulated_rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
+            print(f"tpfuse: WARNING: {SIMULATED_ACCEPTANCE_NOTICE}", file=sys.stderr, flush=True)
+        self.stats = SpecStats(spec.num_steps)
+        self.current_num_draft_tokens = spec.num_steps
+
+    def choose_num_draft_tokens(self, num_decode: int) -> int:
+        if num_decode == 0:
+            return 0
+        if self.policy is None:
+            return self.max_num_draft_tokens
+        return self.policy.choose(num_decode)
+
+    def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[list[int] | None]:
+        """One speculative step of batch; returns the tokens of each sequence (None: none)."""
+        start = time.perf_counter()
+        decode_rows = [i for i, n in enumerate(batch.num_new_tokens) if is_decode_row(batch.seqs[i], n)]
+        k = self.choose_num_draft_tokens(len(decode_rows))
+        if decode_rows:
+            self.current_num_draft_tokens = k
+        host_drafts = None
+        if self.ngram:
+            host_drafts = {}
+            for row in decode_rows:
+                seq = batch.seqs[row]
+                host_drafts[row] = propose_ngram(seq.token_ids, draft_limit(seq, k, self.max_model_len))
+        pure_decode = len(decode_rows) == len(batch.seqs)
+        graphs = self.runner.graphs
+        pad_to = graphs.bucket(len(batch.seqs)) if graphs is not None and pure_decode else None
+        packed = pack_spec_step(
+            batch,
+            self.block_size,
+            engine_seed,
+            banned_token_ids,
+            k,
+            self.max_model_len,
+            host_drafts=host_drafts,
+            extend_drafter=not self.ngram,
+            pad_to=pad_to,
+        )
+        if not self.ngram:
+            for seq in batch.seqs:
+                seq.num_drafter_tokens = max(seq.num_drafter_tokens, seq.num_computed_tokens)
+        forward = self.executor.execute_spec(packed)
+        sampled = []
+        if forward.sample_logits is not None:
+            sampled = self.runner.sample(forward.step, forward.sample_logits)
+        emitted_rows: list[list[int]] = []
+        if decode_rows:
+            seeded = [batch.seqs[row].params.seed is not None for row in decode_rows]
+            result, counts = self._verify(forward, k, any(seeded), all(seeded))
+            emitted_rows, accepted, num_drafts = self._to_host(result, counts)
+            self.stats.record(num_drafts, accepted)
+            if self.policy is not None and pure_decode:
+                self.policy.record_step(len(decode_rows), k, time.perf_counter() - start)
+                if k:
+                    self.policy.record_acceptance(num_drafts, accepted)
+        out: list[list[int] | None] = [None] * len(batch.seqs)
+        for row, tokens in zip(decode_rows, emitted_rows, strict=True):
+            out[row] = tokens
+        decode_set = set(decode_rows)
+        sampled_iter = iter(sampled)
+        for i in range(len(batch.seqs)):
+            if i not in decode_set and batch.samples(i):
+                out[i] = [next(sampled_iter)]
+        return out
+
+    @torch.inference_mode()
+    def _verify(
+        self, forward, k: int, any_seeded: bool, all_seeded: bool
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        spec, logits = forward.spec, forward.verify_logits
+        num_decode = spec.header.num_decode
+        if spec.header.num_banned:
+            flat = logits.view(num_decode * (k + 1), -1)
+            flat[spec.banned_rows, spec.banned_ids] = float("-inf")
+        if forward.proposal is not None:
+            drafts, counts, probs = (
+                forward.proposal.token_ids,
+                forward.proposal.num_draft_tokens,
+                forward.proposal.probs,
+            )
+        else:
+            drafts = spec.draft_ids.view(num_decode, k)
+            counts, probs = spec.num_drafts, None
+        if self.simulated_rate is not None:
+            target = logits.argmax(dim=-1)
+            return simulate_acceptance(drafts, target, self.simulated_rate, spec.seeds, counts), counts
+        if spec.header.all_greedy:
+            return greedy_verify(drafts, logits, counts), counts
+        sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
+        seeded = None
+        if any_seeded:
+            seeded = seeded_sample_verify(
+                drafts, logits, *sampling, spec.request_seeds, spec.output_index, counts
+            )
+            if all_seeded:
+                return seeded, counts
+        result = rejection_sample_verify(drafts, logits, *sampling, spec.seeds, probs, counts)
+        if seeded is not None:
+            use = spec.seeded.bool()
+            result = VerifyResult(
+                torch.where(use, seeded.num_accepted, result.num_accepted),
+                torch.where(use[:, None], seeded.token_ids, result.token_ids),
+            )
+        return result, counts
+
+    @staticmethod
+    def _to_host(result: VerifyResult, counts: torch.Tensor) -> tuple[list[list[int]], list[int], list[int]]:
+        """(emitted tokens, accepted drafts, drafts) per row, in one device-to-host copy."""
+        both = torch.cat([result.num_accepted[:, None], counts[:, None].to(torch.int64), result.token_ids], 1)
+        rows = both.tolist()
+        return [row[2 : 3 + row[0]] for row in rows], [row[0] for row in rows], [row[1] for row in rows]

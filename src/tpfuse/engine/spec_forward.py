@@ -1,0 +1,59 @@
+"""Every rank's half of a speculative step: draft, write the drafts into the verify rows, run the target.
+
+Order on each rank (the same on all, so the collectives inside pair up): the drafter consumes the
+positions it lags behind on and proposes k drafts (device drafters), the drafts fill the verify rows'
+input ids, the target runs (a captured (batch bucket, k) graph for pure decode steps, else eagerly),
+EAGLE-3 features are stored at the step's KV slots, and the logits of the sampled prefill rows and
+of every verify position are computed in one call. Rank 0 then verifies (spec_decoder.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpfuse.engine.spec_inputs import SpecInputs, read_spec_header, unpack_spec
+from tpfuse.engine.step_inputs import StepInputs, read_header, unpack_step
+from tpfuse.spec.drafter import DraftProposal
+
+
+@dataclass
+class SpecForward:
+    step: StepInputs
+    spec: SpecInputs
+    sample_logits: torch.Tensor | None  # [N, V] float32: prefill rows that reached their end
+    verify_logits: torch.Tensor | None  # [D, k+1, V] float32
+    proposal: DraftProposal | None  # device drafters' proposal for the verify rows
+
+
+@torch.inference_mode()
+def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
+    """runner: this rank's ModelRunner (with runner.spec); packed: the CPU packed speculative step."""
+    header = read_header(packed)
+    spec_header = read_spec_header(packed, header)
+    device_packed = runner._to_device(packed)
+    step = unpack_step(header, device_packed)
+    spec = unpack_spec(header, spec_header, device_packed)
+    k, num_decode = spec_header.num_draft_tokens, spec_header.num_decode
+    proposal = runner.spec.propose(step, spec, runner.block_size)
+    if proposal is not None and k > 0:
+        draft_at = spec.verify_indices.view(num_decode, k + 1)[:, 1:].reshape(-1)
+        step.input_ids[draft_at] = proposal.token_ids.reshape(-1)
+    graphs = runner.graphs
+    model = runner.model
+    if graphs is not None and spec_header.pure_decode and graphs.has(header.num_seqs, k):
+        out = graphs.run(step, k)
+        rows = out.index_select(0, spec.verify_indices)
+        verify = rows if graphs.graph_logits else model.compute_logits(rows)
+        return SpecForward(step, spec, None, verify.view(num_decode, k + 1, -1), proposal)
+    hidden, aux = model(step.input_ids, step.positions, step.attention_metadata(), runner.kv_caches)
+    runner.spec.write_features(aux, step.slot_mapping)
+    indices = torch.cat([step.sample_indices, spec.verify_indices])
+    if indices.numel() == 0:
+        return SpecForward(step, spec, None, None, proposal)
+    logits = model.compute_logits(hidden.index_select(0, indices))
+    num_samples = header.num_samples
+    sample_logits = logits[:num_samples] if num_samples else None
+    verify = logits[num_samples:].view(num_decode, k + 1, -1) if num_decode else None
+    return SpecForward(step, spec, sample_logits, verify, proposal)
