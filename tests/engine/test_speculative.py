@@ -2,12 +2,15 @@
 greedy for every drafter, batch 1 and mixed batches with a late arrival, adaptive on and off;
 stopping rules inside accepted runs; seeded sampling; acceptance statistics; the simulate mode."""
 
+import dataclasses
+
 import pytest
 
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.server.metrics import ServerMetrics
 
 from .spec_helpers import (
     ENGINE,
@@ -160,3 +163,6 @@ def test_simulated_acceptance_warns_and_reports_itself_in_stats(head_dir, capfd)
     stats = llm.engine.stats()
     assert stats.simulated_acceptance == 1
     assert 2.3 < stats.spec_acceptance_length < 3.7  # random head: without simulation it would be 1
+    metrics = ServerMetrics(lambda: dataclasses.asdict(stats)).render().decode()
+    assert "tpfuse_engine_simulated_acceptance 1.0" in metrics
+    assert 'tpfuse_engine_spec_acceptance_rate_per_position{position="2"}' in metrics

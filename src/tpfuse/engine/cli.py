@@ -2,7 +2,9 @@
 
 Plain output: each completion's text on stdout, one line per prompt (a newline or carriage return
 inside a completion is written as the two characters \\n or \\r; `--json` keeps the exact text);
-`--json`: one JSON object per prompt per line. Logs (load time, tokens/s) go to stderr.
+`--json`: one JSON object per prompt per line. Logs (load time, tokens/s, speculative acceptance) go
+to stderr. With --speculative-simulate-acceptance-length the logs carry a warning and every JSON
+record has "simulated_acceptance": true: those tokens are not the model's output.
 Errors print one line on stderr and exit 1, without a traceback.
 """
 
@@ -83,6 +85,18 @@ def _generate(args: argparse.Namespace) -> int:
     rate = generated / elapsed if elapsed > 0 else 0.0
     _log(load_log)
     _log(f"generated {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: {rate:.1f} tok/s")
+    simulated = config.speculative.simulate_acceptance_length is not None
+    if config.speculative.enabled:
+        stats = llm.engine.stats()
+        _log(
+            f"speculative ({config.speculative.algorithm}): mean acceptance length "
+            f"{stats.spec_acceptance_length:.2f}, {stats.spec_num_accepted_tokens_total} of "
+            f"{stats.spec_num_draft_tokens_total} drafts accepted"
+        )
+    if simulated:
+        from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
+
+        _log(f"WARNING: {SIMULATED_ACCEPTANCE_NOTICE}")
     for out in outputs:
         if args.json:
             record = {
@@ -91,6 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
                 "prompt_token_ids": out.prompt_token_ids,
                 "finish_reason": out.finish_reason,
             }
+            if simulated:
+                record["simulated_acceptance"] = True
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(out.text.replace("\n", "\\n").replace("\r", "\\r"))
