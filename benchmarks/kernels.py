@@ -81,7 +81,7 @@ def record(op: str, shape: str, us: float, nbytes: float | None = None, **extra)
         bw = f"{row['GB/s']:7d} GB/s"
     ROWS.append(row)
     note = " ".join(f"{k}={v}" for k, v in extra.items())
-    print(f"{op:34s} {shape:22s} {us:8.2f} us {bw:>12s}  {note}", flush=True)
+    print(f"{op:50s} {shape:22s} {us:8.2f} us {bw:>12s}  {note}", flush=True)
 
 
 @triton.jit
@@ -153,10 +153,10 @@ class DecodeAttentionCase:
         self.q = _randn(batch, HEADS, HEAD_DIM)
         self.kv_bytes = per_copy
 
-    def calls(self, splits: int):
+    def calls(self, splits: int, merge_in_kernel: bool = False):
         return [
             lambda kc=kc, vc=vc: decode_attention_launch(
-                self.q, kc, vc, self.tables, self.lens, SCALE, splits
+                self.q, kc, vc, self.tables, self.lens, SCALE, splits, merge_in_kernel=merge_in_kernel
             )
             for kc, vc in self.copies
         ]
@@ -211,6 +211,10 @@ def bench_decode_attention(batch: int, context: int, sweep: bool) -> None:
     best = min(times, key=times.get)
     record("decode_attention", shape, times[new], case.kv_bytes, splits=new, best_splits=best,
            best_us=round(times[best], 2), sweep={s: round(t, 1) for s, t in times.items()})  # fmt: skip
+    for splits in sorted({new, best} - {1}):
+        us = graph_us(case.calls(splits, merge_in_kernel=True), min_launches=launches)
+        record("decode_attention last split merges", shape, us, case.kv_bytes, splits=splits,
+               vs_merge_launch_us=round(us - times[splits], 2))  # fmt: skip
     kc, vc = case.copies[0]
     used = case.tables[:, : triton.cdiv(context, BLOCK)].long()
     k, v = (c[used].flatten(1, 2).transpose(1, 2).contiguous() for c in (kc, vc))  # [B, Hk, ctx, D]
@@ -233,6 +237,7 @@ def bench_decode_step(batch: int, context: int) -> None:
 
     def step(version: str):
         norm = old_fused_add_rmsnorm if version == "before" else fused_add_rmsnorm_launch
+        num_splits = splits["before" if version == "before" else "after"]
         for layer, (kc, vc) in enumerate(layers.copies):
             norm(x, res, weights[2 * layer], EPS)
             if version == "before":
@@ -240,17 +245,19 @@ def bench_decode_step(batch: int, context: int) -> None:
                 store_kv_triton(k, v, kc, vc, slots)
             else:
                 rope_store_kv_triton(pos, q, k, v, cos_sin, kc, vc, slots)
-            decode_attention_launch(q, kc, vc, layers.tables, layers.lens, SCALE, splits[version])
+            decode_attention_launch(q, kc, vc, layers.tables, layers.lens, SCALE, num_splits,
+                                    merge_in_kernel=version == "after, last split merges")  # fmt: skip
             norm(x, res, weights[2 * layer + 1], EPS)
             silu_and_mul_triton(gate_up)
         norm(x, res, weights[-1], EPS)
 
     shape = f"B={batch} ctx={context} x{LAYERS}"
     before = graph_us([lambda: step("before")], min_launches=1)
-    after = graph_us([lambda: step("after")], min_launches=1)
     record("SMALL OPS PER DECODE STEP before", shape, before, splits=splits["before"])
-    record("SMALL OPS PER DECODE STEP after", shape, after, splits=splits["after"],
-           saved_us=round(before - after, 1), of_4596us_step=f"{(before - after) / 4596:.1%}")  # fmt: skip
+    for version in ("after", "after, last split merges"):
+        us = graph_us([lambda version=version: step(version)], min_launches=1)
+        record(f"SMALL OPS PER DECODE STEP {version}", shape, us, splits=splits["after"],
+               saved_us=round(before - us, 1), of_4596us_step=f"{(before - us) / 4596:.1%}")  # fmt: skip
 
 
 def bench_prefill(num_seqs: int, length: int) -> None:

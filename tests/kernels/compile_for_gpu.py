@@ -20,6 +20,7 @@ from triton.compiler import ASTSource
 from tpfuse.kernels import (
     activation,
     decode_attention,
+    decode_merge,
     kv_store,
     prefill_attention,
     rmsnorm,
@@ -76,18 +77,18 @@ def _variants(dtype: str):
         {},
         dict(BLOCK_SIZE=16, BLOCK_HEADS=8, BLOCK_D=128),
     )
-    kv = {"*": p, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
-    for splits in (1, 8):
+    kv = {"*": p, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "counter_ptr": "*i32"}
+    for splits, merge_in_kernel in ((1, False), (8, False), (16, True)):
         parts = {"part_out_ptr": p if splits == 1 else "*fp32", "part_lse_ptr": p if splits == 1 else "*fp32"}
-        for block_n in (decode_attention.DECODE_BLOCK_N,):
-            yield (
-                decode_attention._decode_split_kernel,
-                {**kv, **parts},
-                attention,
-                dict(decode_common, NUM_SPLITS=splits, BLOCK_N=block_n),
-            )
+        yield (
+            decode_attention._decode_split_kernel,
+            {**kv, **parts},
+            attention,
+            dict(decode_common, NUM_SPLITS=splits, BLOCK_N=decode_attention.DECODE_BLOCK_N,
+                 MERGE_IN_KERNEL=merge_in_kernel),
+        )  # fmt: skip
     yield (
-        decode_attention._decode_merge_kernel,
+        decode_merge._decode_merge_kernel,
         {"*": p, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
         {},
         dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),

@@ -2,10 +2,10 @@
 
 The Triton version is split-K (flash-decoding): the grid is (batch, kv_head, split); each program
 holds all query heads of one KV group, so K/V is read once per group, and attends to its share of
-the context; a second kernel merges the splits by their log-sum-exp. The number of splits depends
-only on shapes (batch, heads, block-table width) and the device, never on seq_lens, so the launch
-is the same on every CUDA-graph replay; each program finds its token range from the seq_len it
-loads on the device.
+the context; the splits are merged by their log-sum-exp, by a second kernel or by the last split
+program to finish (decode_merge.py). The number of splits depends only on shapes (batch, heads,
+block-table width) and the device, never on seq_lens, so the launch is the same on every CUDA-graph
+replay; each program finds its token range from the seq_len it loads on the device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from tpfuse.kernels.decode_merge import arrival_counters, launch_merge, merge_group_in_last_split
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -82,6 +84,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    counter_ptr,
     scale_log2e,
     stride_qb,
     stride_qh,
@@ -102,6 +105,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -160,44 +164,11 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    row = (b * num_heads + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + row, mask=splits < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    # A sequence with no keys (seq_len 0: a padding row) gives zeros, as the reference does.
-    weight = tl.where(
-        lse > float("-inf"), tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0
-    )
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-        mask=(weight > 0.0)[:, None] & (dims < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + b * stride_ob + head * stride_oh + dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
-    )
+        if MERGE_IN_KERNEL:
+            rows = b * GROUP * tl.num_programs(1) + heads
+            merge_group_in_last_split(part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, kv_head, rows,
+                                      heads, head_mask, dims, dim_mask, stride_ob, stride_oh, HEAD_DIM,
+                                      NUM_SPLITS, BLOCK_G, BLOCK_D)  # fmt: skip
 
 
 DECODE_BLOCK_N = 64
@@ -205,6 +176,10 @@ DECODE_BLOCK_N = 64
 # and 8192), 8 at batch 8, 1 at batch 64, i.e. about four programs per SM, rounded down, at most 16.
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 16
+# The last split program of each (sequence, KV head) merges the partials instead of a second
+# launch (decode_merge.py). Off until the H200 run confirms it (tests/kernels/test_decode_step_gpu.py,
+# benchmarks/kernels.py "merge in split kernel").
+DECODE_MERGE_IN_SPLIT_KERNEL = False
 
 
 @functools.cache
@@ -232,9 +207,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
 
 
 def decode_attention_launch(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n=DECODE_BLOCK_N
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    num_splits,
+    block_n=DECODE_BLOCK_N,
+    merge_in_kernel=None,
 ):
-    """decode_attention_triton with an explicit number of splits and key tile (tests, benchmarks)."""
+    """decode_attention_triton with an explicit number of splits, key tile and merge (tests,
+    benchmarks); merge_in_kernel None takes DECODE_MERGE_IN_SPLIT_KERNEL."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -252,6 +236,10 @@ def decode_attention_launch(
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
+    if merge_in_kernel is None:
+        merge_in_kernel = DECODE_MERGE_IN_SPLIT_KERNEL
+    merge_in_kernel = merge_in_kernel and num_splits > 1
+    counters = arrival_counters(q.device, batch * num_kv_heads) if merge_in_kernel else seq_lens
     block_d = max(triton.next_power_of_2(head_dim), 16)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -262,6 +250,7 @@ def decode_attention_launch(
         part_out,
         part_lse,
         out,
+        counters,
         scale * 1.4426950408889634,
         q.stride(0),
         q.stride(1),
@@ -282,23 +271,12 @@ def decode_attention_launch(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MERGE_IN_KERNEL=merge_in_kernel,
         num_warps=4,
         num_stages=2,
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+    if num_splits > 1 and not merge_in_kernel:
+        launch_merge(part_out, part_lse, out, num_splits, block_d)
     return out
 
 
