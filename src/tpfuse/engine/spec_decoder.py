@@ -73,6 +73,7 @@ class SpecDecoder:
             if graphs is not None
             else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests))
         )
+        self.policy_buckets = buckets
         self.policy = AdaptivePolicy(spec.num_steps, buckets) if spec.adaptive else None
         self.simulated_rate: float | None = None
         if spec.simulate_acceptance_length is not None:

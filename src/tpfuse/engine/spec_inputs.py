@@ -15,6 +15,7 @@ is a drafter row (model drafters); prefill chunks catch up one step after they a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -22,7 +23,7 @@ from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
 
-SPEC_HEADER_LEN = 10
+SPEC_HEADER_LEN = 12
 
 
 @dataclass
@@ -37,6 +38,8 @@ class SpecHeader:
     pure_decode: int  # no prefill rows (a CUDA-graph candidate); padding rows may follow
     num_real_rows: int  # rows before padding
     sampled_drafts: int  # some row samples without a seed: model drafters draw drafts (and keep q)
+    ext_max_query_len: int  # longest drafter-extend run
+    ext_max_seq_len: int  # largest extended position + 1
 
     def sizes(self) -> list[tuple[str, int]]:
         d, k, r, e = self.num_decode, self.num_draft_tokens, self.num_drafter_rows, self.num_extend
@@ -232,6 +235,8 @@ def pack_spec_step(
         pure_decode=int(pure_decode),
         num_real_rows=num_real,
         sampled_drafts=int(any(t > 0.0 and not s for t, s in zip(v_temp, v_seeded, strict=True))),
+        ext_max_query_len=max((b - a for a, b in pairwise(ext_starts)), default=0),
+        ext_max_seq_len=max(ext_pos, default=-1) + 1,
     )
     tail = encode_step(
         spec,

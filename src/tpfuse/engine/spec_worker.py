@@ -177,6 +177,8 @@ class SpecWorker:
             else None,
             temperatures=temperatures,
             seeds=seeds,
+            max_query_len=h.ext_max_query_len,
+            max_seq_len=h.ext_max_seq_len,
         )
         k = h.num_draft_tokens if h.num_decode else 0
         proposal = self.drafter.propose(inputs, k)

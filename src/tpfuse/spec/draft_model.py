@@ -54,7 +54,10 @@ class DraftModelDrafter(Drafter):
         inputs.require("block_tables", drafter="draft-model")
         tables, block_size = inputs.block_tables, inputs.block_size
         ids, positions, query_start_loc = _append_newest_token(inputs)
-        attn = metadata_for_positions(tables, block_size, positions, query_start_loc)
+        max_query_len = None if inputs.max_query_len is None else inputs.max_query_len + 1
+        attn = metadata_for_positions(
+            tables, block_size, positions, query_start_loc, max_query_len, inputs.seq_len_bound(1)
+        )
         hidden, _ = self.model(ids, positions, attn, self.kv_caches)
         if num_draft_tokens == 0:
             return DraftProposal.empty(inputs.batch_size, positions.device)
@@ -64,7 +67,7 @@ class DraftModelDrafter(Drafter):
         for step in range(num_draft_tokens):
             if step > 0:
                 positions = positions + 1
-                attn = decode_metadata(tables, block_size, positions)
+                attn = decode_metadata(tables, block_size, positions, inputs.seq_len_bound(step + 1))
                 hidden, _ = self.model(drafts[-1], positions, attn, self.kv_caches)
             logits = self.model.compute_logits(hidden)[:, : self.vocab_size]
             token, probs = choose_draft_tokens(logits, inputs.temperatures, inputs.seeds, step)

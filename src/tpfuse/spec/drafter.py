@@ -31,6 +31,12 @@ class DraftInputs:
     token_histories: list[list[int]] | None = None  # all tokens of each sequence so far (n-gram)
     temperatures: torch.Tensor | None = None  # [B]: > 0 draws drafts by sampling (and returns q)
     seeds: torch.Tensor | None = None  # [B] int64, with temperatures
+    max_query_len: int | None = None  # host-known bound of tokens per sequence (no device read)
+    max_seq_len: int | None = None  # host-known bound of positions[last] + 1 (no device read)
+
+    def seq_len_bound(self, extra: int) -> int | None:
+        """max_seq_len + extra, or None when the bound is unknown."""
+        return None if self.max_seq_len is None else self.max_seq_len + extra
 
     @property
     def batch_size(self) -> int:

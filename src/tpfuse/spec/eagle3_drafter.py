@@ -47,7 +47,9 @@ def eagle3_chain_draft(
     if inputs.hidden_states is None:
         inputs.require("target_features", drafter="EAGLE-3")
     tables, block_size = inputs.block_tables, inputs.block_size
-    attn = metadata_for_positions(tables, block_size, inputs.positions, inputs.query_start_loc)
+    attn = metadata_for_positions(
+        tables, block_size, inputs.positions, inputs.query_start_loc, inputs.max_query_len, inputs.max_seq_len
+    )
     hidden = inputs.hidden_states
     if hidden is None:
         hidden = head.combine_features(inputs.target_features)
@@ -61,7 +63,7 @@ def eagle3_chain_draft(
     for step in range(num_draft_tokens):
         if step > 0:
             positions = positions + 1
-            attn = decode_metadata(tables, block_size, positions)
+            attn = decode_metadata(tables, block_size, positions, inputs.seq_len_bound(step))
             normed, prenorm = head(embed_tokens(drafts[-1]), prenorm, positions, attn, kv_cache)
         draft_ids, probs = choose_draft_tokens(
             head.compute_logits(normed), inputs.temperatures, inputs.seeds, step

@@ -1,0 +1,227 @@
+"""Speculative decoding through the engine: output tok/s by decode concurrency, speculation off, fixed k
+and adaptive, at simulated acceptance lengths (one H200, in-process LLMEngine, dummy weights).
+
+The target is --model (llama-3.1-8b preset) and the drafter a random EAGLE-3 head of the matching
+shape written with save_random_eagle3_head. Random weights accept almost nothing, so acceptance is
+simulated (--speculative-simulate-acceptance-length L, benchmark-only: timings are real, tokens are
+not the model's). For each concurrency C: C requests of --tokens tokens each (ignore_eos) start
+together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time.
+Modes: off (a plain engine), fixed (k = --num-steps every step), adaptive (spec/adaptive.py, a fresh
+policy per L). Prints a table with ratios to off, the crossover concurrency where fixed k stops paying,
+the issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
+writes JSON to $OUT/spec_decode.json.
+
+    python benchmarks/spec_decode.py                          # the issue's sweep (~3-4 min on one H200)
+    python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+from tpfuse.config import EngineConfig, SpeculativeConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.model.loader import load_model_config
+from tpfuse.spec.adaptive import AdaptivePolicy
+from tpfuse.spec.eagle3_checkpoint import save_random_eagle3_head
+from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int, seed: int) -> dict:
+    """concurrency requests start together; returns tok/s, seconds, steps and the k of each step."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    vocab = engine.vocab_size
+    for i in range(concurrency):
+        engine.add_request(f"s{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
+    chosen: list[int] = []
+    decoder = engine.spec_decoder
+    if decoder is not None:
+        choose = decoder.choose_num_draft_tokens
+
+        def recording_choose(num_decode: int) -> int:
+            k = choose(num_decode)
+            if num_decode:
+                chosen.append(k)
+            return k
+
+        decoder.choose_num_draft_tokens = recording_choose
+    before = engine.stats()
+    generated, steps = 0, 0
+    if engine.executor.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    seconds = time.perf_counter() - start
+    if decoder is not None:
+        del decoder.choose_num_draft_tokens
+    after = engine.stats()
+    drafts = after.spec_num_drafts_total - before.spec_num_drafts_total
+    accepted = after.spec_num_accepted_tokens_total - before.spec_num_accepted_tokens_total
+    return {
+        "tok_s": generated / seconds,
+        "seconds": seconds,
+        "steps": steps,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "mean_k": sum(chosen) / len(chosen) if chosen else 0.0,
+    }
+
+
+def measure(engine, concurrencies, args, label: str, results: dict) -> None:
+    for c in concurrencies:
+        run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
+        point = run_round(engine, c, args.tokens, args.prompt_len, seed=c)
+        results.setdefault(label, {})[c] = point
+        extra = f" L {point['acceptance_length']:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
+        print(
+            f"  {label:>14} C={c:<4} {point['tok_s']:9.1f} tok/s {point['seconds']:6.2f} s{extra}", flush=True
+        )
+
+
+def set_mode(engine: LLMEngine, acceptance_length: float, adaptive: bool, num_steps: int) -> None:
+    decoder = engine.spec_decoder
+    decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, num_steps)
+    decoder.policy = AdaptivePolicy(num_steps, decoder.policy_buckets) if adaptive else None
+
+
+def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> dict:
+    off = results["off"]
+    header = f"{'C':>5} {'off tok/s':>10}" + "".join(
+        f" {f'L={L:g} fixed':>16} {f'L={L:g} adaptive':>19}" for L in lengths
+    )
+    print("\n" + header)
+    summary = {"crossover_fixed": {}, "targets": {}}
+    for c in concurrencies:
+        line = f"{c:>5} {off[c]['tok_s']:>10.1f}"
+        for L in lengths:
+            fixed, adaptive = results[f"fixed L={L:g}"][c], results[f"adaptive L={L:g}"][c]
+            line += f" {fixed['tok_s']:>8.1f} ({fixed['tok_s'] / off[c]['tok_s']:4.2f}x)"
+            line += f" {adaptive['tok_s']:>11.1f} ({adaptive['tok_s'] / off[c]['tok_s']:4.2f}x)"
+        print(line)
+    for L in lengths:
+        fixed = results[f"fixed L={L:g}"]
+        losing = [c for c in concurrencies if fixed[c]["tok_s"] < off[c]["tok_s"]]
+        summary["crossover_fixed"][f"{L:g}"] = losing[0] if losing else None
+        adaptive = results[f"adaptive L={L:g}"]
+        worst = min(adaptive[c]["tok_s"] / max(off[c]["tok_s"], fixed[c]["tok_s"]) for c in concurrencies)
+        summary["targets"][f"adaptive_vs_best_min_ratio L={L:g}"] = worst
+        print(
+            f"L={L:g}: fixed k stops paying at C={losing[0] if losing else '> ' + str(concurrencies[-1])}; "
+            f"adaptive / max(off, fixed) >= {worst:.3f} everywhere "
+            f"({'PASS' if worst >= 0.97 else 'FAIL'} target >= 0.97)"
+        )
+    if 3.0 in lengths and 1 in concurrencies:
+        ratio = results["fixed L=3"][1]["tok_s"] / off[1]["tok_s"]
+        summary["targets"]["c1_L3_fixed_over_off"] = ratio
+        print(f"C=1, L=3: fixed / off = {ratio:.2f}x ({'PASS' if ratio >= 2.0 else 'FAIL'} target >= 2.0x)")
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 32, 64, 128])
+    parser.add_argument(
+        "--lengths", type=_floats, default=[2.0, 3.0, 4.0], help="simulated acceptance lengths"
+    )
+    parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--warmup-tokens", type=int, default=48)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, few tokens")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec_decode.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        args.model, args.device, args.concurrency, args.lengths = "tiny", "cpu", [1, 4], [3.0]
+        args.tokens, args.warmup_tokens, args.prompt_len = 12, 4, 8
+    max_c = max(args.concurrency)
+    kv_tokens = max_c * (args.prompt_len + args.tokens + args.num_steps + 32)
+    base = dict(
+        model=args.model,
+        device=args.device,
+        dtype="auto",
+        max_running_requests=max_c,
+        cuda_graph_max_bs=max_c,
+        max_model_len=args.prompt_len + args.tokens + 64,
+        num_kv_blocks=-(-kv_tokens // 16) + 64,
+        enable_prefix_caching=False,
+    )
+    print(
+        f"spec_decode: {args.model}, concurrency {args.concurrency}, L {args.lengths}, {args.tokens} tokens"
+    )
+    results: dict = {}
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(**base))
+    print(f"plain engine ready in {time.perf_counter() - started:.1f} s", flush=True)
+    measure(engine, args.concurrency, args, "off", results)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    target = load_model_config(EngineConfig(model=args.model, dtype="auto"))
+    with tempfile.TemporaryDirectory() as head_dir:
+        t0 = time.perf_counter()
+        aux = (0, 1, 2) if target.num_layers < 8 else None
+        save_random_eagle3_head(
+            head_dir, target, draft_vocab_size=min(32000, target.vocab_size), aux_layer_ids=aux
+        )
+        spec = SpeculativeConfig(
+            algorithm="eagle3",
+            draft_model_path=head_dir,
+            num_steps=args.num_steps,
+            simulate_acceptance_length=args.lengths[0],
+        )
+        engine = LLMEngine(EngineConfig(**base, speculative=spec))
+        print(
+            f"{SIMULATED_ACCEPTANCE_NOTICE}\nspec engine ready in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    for L in args.lengths:
+        for adaptive in (False, True):
+            set_mode(engine, L, adaptive, args.num_steps)
+            measure(engine, args.concurrency, args, f"{'adaptive' if adaptive else 'fixed'} L={L:g}", results)
+    engine.shutdown()
+    summary = summarize(results, args.concurrency, args.lengths)
+    record = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "num_steps": args.num_steps,
+        "tokens_per_request": args.tokens,
+        "simulated_acceptance": True,
+        "results": {mode: {str(c): p for c, p in points.items()} for mode, points in results.items()},
+        **summary,
+        "total_seconds": time.perf_counter() - started,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"wrote {args.out} ({record['total_seconds']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""benchmarks/spec_decode.py runs end to end at tiny shapes on CPU and writes its JSON (the GPU run is
+one short shot, so the script itself is checked here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "spec_decode.py")
+
+
+def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_path):
+    out = tmp_path / "spec_decode.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--smoke", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert set(record["results"]) == {"off", "fixed L=3", "adaptive L=3"}
+    assert record["simulated_acceptance"] is True and "SIMULATED" in proc.stdout + proc.stderr
+    assert "c1_L3_fixed_over_off" in record["targets"]
+    fixed = record["results"]["fixed L=3"]["1"]
+    assert fixed["mean_k"] == 3.0 and fixed["acceptance_length"] > 1.0
