@@ -7,12 +7,15 @@ Modules
   eagle3_drafter.py Eagle3Drafter, eagle3_chain_draft, target_embedding(model)
   draft_model.py    DraftModelDrafter over any model with the LlamaForCausalLM seam
   ngram.py          NgramDrafter, propose_ngram (prompt lookup)
-  verify.py         greedy_verify, rejection_sample_verify -> VerifyResult(num_accepted, token_ids)
+  verify.py         greedy_verify, rejection_sample_verify, seeded_sample_verify -> VerifyResult
   simulate.py       benchmark-only simulated acceptance (--speculative-simulate-acceptance-length)
   adaptive.py       AdaptivePolicy: k per step from batch bucket costs and acceptance EMAs
   paged.py          AttentionMetadata for a drafter's passes; seeded_random.py, draft_sampling.py
 
-How the engine drives a speculative decode step (tests/spec/spec_loop.py is a working miniature)
+How the engine drives a speculative decode step (tests/spec/spec_loop.py is a working miniature;
+the engine's implementation is tpfuse/engine/spec_*.py: there step 6's inputs are the positions each
+sequence's drafter lags behind on, read with EAGLE-3 features from a store paged like the KV cache,
+and seeded requests are verified by seeded_sample_verify so their tokens do not depend on k)
   1. k = policy.choose(decode_batch_size) (0..K; prefills are not counted in the batch size).
   2. proposal = drafter.propose(inputs_from_last_step, k): [B, k] drafts, per-row counts, q or None.
   3. Verify pass: each sequence's newest token + its k drafts at positions L..L+k through the
