@@ -56,7 +56,8 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # Every context must hold its k + 1 queries, also in the warm-up and capture passes.
+        self.seq_lens = torch.full((n,), max_num_draft_tokens + 1, dtype=torch.int32, device=device)
         self.query_start_locs = [
             torch.arange(n + 1, dtype=torch.int32, device=device) * (k + 1)
             for k in range(max_num_draft_tokens + 1)
