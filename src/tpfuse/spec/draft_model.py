@@ -22,7 +22,8 @@ def _append_newest_token(inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tenso
     Returns (input_ids [T + B], positions [T + B], query_start_loc [B + 1] int32)."""
     batch, device = inputs.batch_size, inputs.positions.device
     lengths = (inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]).to(torch.int64)
-    seq_index = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    num_tokens = inputs.positions.shape[0]
+    seq_index = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=num_tokens)
     total = inputs.positions.shape[0] + batch
     shifted = torch.arange(inputs.positions.shape[0], device=device) + seq_index
     query_start_loc = torch.zeros(batch + 1, dtype=torch.int32, device=device)

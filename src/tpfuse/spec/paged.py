@@ -37,7 +37,9 @@ def metadata_for_positions(
     engine's); without them they are read from the device (a synchronisation, not capturable).
     """
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
-    seq_index = torch.repeat_interleave(torch.arange(len(query_lens), device=positions.device), query_lens)
+    seq_index = torch.repeat_interleave(  # output_size given: no device-to-host read
+        torch.arange(len(query_lens), device=positions.device), query_lens, output_size=positions.shape[0]
+    )
     last = positions[query_start_loc[1:].to(torch.int64) - 1]
     seq_lens = (last + 1).to(torch.int32)
     if max_query_len is None:
