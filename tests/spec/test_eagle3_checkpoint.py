@@ -150,3 +150,20 @@ def test_public_config_fields_are_parsed():
     assert (config.draft_vocab_size, config.target_hidden_size, config.head_dim) == (100, 96, 16)
     assert config.aux_layer_ids == (1, 5, 9)
     assert config.dtype == torch.float16
+
+
+def test_head_built_under_a_device_context_puts_every_weight_on_that_device(tmp_path):
+    # the loader builds the head inside `with torch.device(device)`; a module that materializes its
+    # weights elsewhere (nn.utils.skip_init defaults to cpu) would leave the head split across devices
+    from tpfuse.config import EngineConfig
+    from tpfuse.model.loader import load_model_config
+    from tpfuse.spec.eagle3 import Eagle3Head
+    from tpfuse.spec.eagle3_checkpoint import load_eagle3_config
+
+    target = load_model_config(EngineConfig(model="tiny"))
+    save_random_eagle3_head(str(tmp_path), target, draft_vocab_size=64, aux_layer_ids=(0, 1, 2))
+    config = load_eagle3_config(str(tmp_path), "float32")
+    with torch.device("meta"):
+        head = Eagle3Head(config, max_positions=16)
+    devices = {t.device.type for t in (*head.parameters(), *head.buffers())}
+    assert devices == {"meta"}

@@ -121,7 +121,10 @@ class Eagle3Config:
 
 
 def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
+    # skip_init builds on the meta device and then materializes on `device` (default cpu), ignoring a
+    # surrounding `with torch.device(...)`; name the current default device explicitly.
+    device = torch.get_default_device()
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
 
 
 class Eagle3Attention(nn.Module):
