@@ -25,9 +25,21 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   fi
 fi
+# Arguments each benchmark gets here: sized so that one call of the device tool (10 min) runs several.
+bench_args() {
+  case "$1" in
+    decode) echo "--hf-tokens 128" ;;
+    spec_decode) echo "--concurrency 1,4,16,32,64,128 --tokens 192" ;;
+    serve_bench) echo "--single-tokens 1024 --concurrency 1,8,32,64,128,256 --repeats 2" ;;
+    tp_decode) echo "--models llama-3.1-8b --tp-sizes 1,2 --modes fused" ;;
+    comm_single_gpu) echo "--quick" ;;
+    *) echo "" ;;
+  esac
+}
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in ${BENCHES:-kernels comm_single_gpu decode}; do
-    echo "== benchmarks/$b.py"
-    timeout ${BENCH_TIMEOUT:-300} python3 "benchmarks/$b.py" 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
+  for b in ${BENCHES:-bf16_parity decode kernels comm_single_gpu}; do
+    echo "== benchmarks/$b.py $(bench_args "$b")"
+    # shellcheck disable=SC2046
+    timeout ${BENCH_TIMEOUT:-300} python3 "benchmarks/$b.py" $(bench_args "$b") 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
   done
 fi
