@@ -85,9 +85,12 @@ def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return _pick(decode_attention, "decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def prefill_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale):
+def prefill_attention_op(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask=None
+):
+    """tree_mask: None (causal) or [T] int64 relative visibility bits (kernels/prefill_attention.py)."""
     return _pick(prefill_attention, "prefill_attention", q)(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask
     )
 
 

@@ -5,6 +5,11 @@ query_start_loc), so the same op serves a first prefill, a chunk of a chunked pr
 prefix blocks, and the k+1 tokens of a speculative verify pass. K/V of the query tokens must already
 be in the cache (store_kv runs first).
 
+Tree attention (speculative tree verify, EAGLE tree drafting): an optional `tree_mask` [T] int64 narrows
+the causal rule per query token. Bit d of tree_mask[i] says whether query i (at cache position P_i)
+sees the key at position P_i - d, for d in 0..63; keys 64 or more positions back follow the causal
+rule alone. So -1 (every bit) is plain causal, and a tree node sees its ancestors and the context.
+
 The Triton version is a flash-attention forward: one program per (query tile, query head, sequence),
 keys and values gathered from the paged cache through the block table, online softmax in float32.
 The grid depends only on max_query_len and the shapes; tiles past a sequence's q_len exit at once.
@@ -28,10 +33,12 @@ def prefill_attention_ref(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (all sequences' query tokens, concatenated); caches: [num_blocks, block_size, Hk, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 context length including the query tokens;
-    query_start_loc: [B + 1] int32. Returns a new [T, Hq, D] tensor of q.dtype.
+    query_start_loc: [B + 1] int32; tree_mask: None (causal) or [T] int64 relative visibility bits
+    (module docstring). Returns a new [T, Hq, D] tensor of q.dtype.
     """
     del max_query_len
     out = torch.empty_like(q)
@@ -45,7 +52,11 @@ def prefill_attention_ref(
         v = _gather_kv(v_cache, block_tables[b], n).float().repeat_interleave(group, dim=1)
         qb = q[start:end].float()
         q_pos = torch.arange(n - (end - start), n, device=q.device)
-        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
+        distance = q_pos[:, None] - torch.arange(n, device=q.device)[None, :]  # [q_len, n]
+        mask = distance >= 0
+        if tree_mask is not None:
+            bits = tree_mask[start:end, None].to(torch.int64) >> distance.clamp(0, 63)
+            mask &= (distance >= 64) | (bits & 1).bool()
         scores = torch.einsum("qhd,nhd->hqn", qb, k) * scale
         scores = scores.masked_fill(~mask[None], float("-inf"))
         out[start:end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(q.dtype)
@@ -73,6 +84,8 @@ def _prefill_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    tree_mask_ptr,
+    HAS_TREE_MASK: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -102,6 +115,8 @@ def _prefill_kernel(
         other=0.0,
     )
     block_table_row = block_tables_ptr + b * stride_bt
+    if HAS_TREE_MASK:
+        tree_bits = tl.load(tree_mask_ptr + q_start + rows, mask=row_mask, other=-1).to(tl.int64)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -116,7 +131,11 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_kh, BLOCK_SIZE,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
-        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        distance = positions[:, None] - tokens[None, :]
+        visible = token_mask[None, :] & (distance >= 0)
+        if HAS_TREE_MASK:
+            shifted = tree_bits[:, None] >> tl.minimum(tl.maximum(distance, 0), 63)
+            visible = visible & ((distance >= 64) | ((shifted & 1) != 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -147,7 +166,7 @@ def prefill_tile_config(max_query_len: int, head_dim: int) -> tuple[int, int, in
 
 def prefill_attention_launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-    block_m=64, block_n=64, num_warps=4, num_stages=2,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, tree_mask=None,
 ):  # fmt: skip
     """prefill_attention_triton with explicit tile sizes (tests, benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -170,6 +189,7 @@ def prefill_attention_launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        tree_mask if tree_mask is not None else seq_lens, HAS_TREE_MASK=tree_mask is not None,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -187,14 +207,15 @@ def prefill_attention_triton(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton prefill_attention_ref (same shapes and dtypes). max_query_len must bound every q_len
-    (it sizes the grid); rows of q past the last sequence's queries are left unwritten.
+    """Triton prefill_attention_ref (same shapes and dtypes, same optional tree_mask). max_query_len
+    must bound every q_len (it sizes the grid); rows of q past the last sequence's queries are left unwritten.
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
     head_dim is strided."""
     block_m, block_n, num_warps, num_stages = prefill_tile_config(max_query_len, q.shape[-1])
     return prefill_attention_launch(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        block_m, block_n, num_warps, num_stages,
+        block_m, block_n, num_warps, num_stages, tree_mask,
     )  # fmt: skip
