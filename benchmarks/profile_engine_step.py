@@ -1,0 +1,263 @@
+"""Where a decode step's time goes outside the CUDA graph: LLMEngine driven directly (no LLM, no
+detokenizer) through --steps decode steps at each --batch-sizes, under torch.profiler.
+
+Printed per batch size (median over the profiled steps, and per step with --per-step):
+  * wall: host time from one step's start to the next's;
+  * GPU busy: union of kernel, memcpy and memset intervals in that window; GPU idle = wall - busy;
+  * host phases: schedule, pack, execute (H2D + replay), sample (incl. the device sync), postprocess;
+  * CUDA runtime calls per step by name (cudaGraphLaunch, cudaLaunchKernel, cudaMemcpyAsync, ...) and
+    the device work launched outside a graph (kernels / copies whose launch is not cudaGraphLaunch);
+  * top host functions by self time per step (cProfile over a separate run of the same steps).
+
+    python benchmarks/profile_engine_step.py                  # llama-3.1-8b bf16, batch 1 and 64
+    python benchmarks/profile_engine_step.py --model tiny --device cpu --batch-sizes 1 --steps 3 \
+        --context 32                                            # smoke test on a CPU
+Writes JSON to --out (default $OUT/profile_engine_step.json) and the Chrome traces next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.sampling_params import SamplingParams
+
+STEP = "engine_step_"
+PHASES = {  # label: (object attribute path on the engine, method name)
+    "schedule": ("scheduler", "schedule"),
+    "pack": ("executor", "pack"),
+    "execute": ("executor", "execute"),
+    "sample": ("executor", "sample"),
+    "postprocess": ("scheduler", "postprocess"),
+}
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def instrument_phases(engine: LLMEngine) -> None:
+    """Wraps the engine's step phases in record_function ranges (instance attributes only)."""
+    for label, (owner_name, method) in PHASES.items():
+        owner = getattr(engine, owner_name)
+        original = getattr(owner, method, None)
+        if original is None:
+            continue
+
+        def wrapped(*args, _original=original, _label=label, **kwargs):
+            with record_function(f"phase_{_label}"):
+                return _original(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
+
+
+def start_decode_batch(engine: LLMEngine, batch_size: int, context: int, num_tokens: int, tag: str) -> None:
+    """Adds batch_size requests of context prompt tokens and steps until every one is decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    for i in range(batch_size):
+        prompt = [100 + (i * 7 + j) % 50 for j in range(context)]
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < len(s) - 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+
+
+def profile_steps(engine: LLMEngine, num_steps: int, cuda: bool, trace_path: str) -> dict:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(num_steps):
+            with record_function(f"{STEP}{i}"):
+                engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        return json.load(f)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def analyse_trace(trace: dict, num_steps: int) -> list[dict]:
+    """Per step: wall_us, gpu_busy_us, gpu_idle_us, phase_us, runtime_calls, outside_graph."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = sorted(
+        (e for e in events if e.get("name", "").startswith(STEP)), key=lambda e: int(e["name"][len(STEP) :])
+    )
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launch_of = {e.get("args", {}).get("correlation"): e["name"] for e in runtime}
+    phases = [e for e in events if e.get("name", "").startswith("phase_")]
+    results = []
+    for i, step in enumerate(steps[:num_steps]):
+        begin = step["ts"]
+        end = steps[i + 1]["ts"] if i + 1 < len(steps) else step["ts"] + step["dur"]
+        inside = [(max(e["ts"], begin), min(e["ts"] + e["dur"], end)) for e in device]
+        busy = _union_length([(a, b) for a, b in inside if b > a])
+        calls = collections.Counter(e["name"] for e in runtime if begin <= e["ts"] < end)
+        outside = collections.Counter(
+            e["name"][:60]
+            for e in device
+            if begin <= e["ts"] < end
+            and launch_of.get(e.get("args", {}).get("correlation")) not in ("cudaGraphLaunch", None)
+        )
+        phase_us = collections.Counter()
+        for e in phases:
+            if begin <= e["ts"] < end:
+                phase_us[e["name"][len("phase_") :]] += e["dur"]
+        results.append(
+            {
+                "wall_us": end - begin,
+                "gpu_busy_us": busy,
+                "gpu_idle_us": end - begin - busy,
+                "phase_us": dict(phase_us),
+                "runtime_calls": dict(calls),
+                "outside_graph": dict(outside),
+            }
+        )
+    return results
+
+
+def top_host_functions(engine: LLMEngine, num_steps: int, top: int) -> list[dict]:
+    """cProfile over num_steps steps: the top functions by self time, per step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (filename, line, name), (_, calls, self_s, cum_s, _) in stats.stats.items():
+        where = f"{os.path.basename(filename)}:{line}({name})"
+        per_step = {"calls_per_step": calls / num_steps, "self_us": self_s * 1e6 / num_steps}
+        rows.append({"function": where, **per_step, "cum_us": cum_s * 1e6 / num_steps})
+    return sorted(rows, key=lambda r: -r["self_us"])[:top]
+
+
+def summarise(per_step: list[dict]) -> dict:
+    def median(key):
+        return statistics.median(s[key] for s in per_step)
+
+    def median_counts(key):
+        names = sorted({name for s in per_step for name in s[key]})
+        return {name: statistics.median(s[key].get(name, 0) for s in per_step) for name in names}
+
+    return {
+        "wall_us": median("wall_us"),
+        "gpu_busy_us": median("gpu_busy_us"),
+        "gpu_idle_us": median("gpu_idle_us"),
+        "phase_us": median_counts("phase_us"),
+        "runtime_calls": median_counts("runtime_calls"),
+        "outside_graph": median_counts("outside_graph"),
+    }
+
+
+def print_report(
+    batch_size: int, summary: dict, per_step: list[dict], hosts: list[dict], verbose: bool
+) -> None:
+    print(f"\n=== batch {batch_size}: median over {len(per_step)} decode steps ===")
+    print(f"wall {summary['wall_us']:9.1f} us   GPU busy {summary['gpu_busy_us']:9.1f} us   "
+          f"GPU idle {summary['gpu_idle_us']:8.1f} us")  # fmt: skip
+    print("host phases (us): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["phase_us"].items()))
+    print(
+        "runtime calls per step: "
+        + (", ".join(f"{k} x{v:g}" for k, v in summary["runtime_calls"].items()) or "-")
+    )
+    print("device work launched outside a graph: "
+          + (", ".join(f"{k} x{v:g}" for k, v in summary["outside_graph"].items()) or "-"))  # fmt: skip
+    if verbose:
+        for i, s in enumerate(per_step):
+            print(
+                f"  step {i:3d}: wall {s['wall_us']:8.1f}  busy {s['gpu_busy_us']:8.1f}  "
+                f"idle {s['gpu_idle_us']:7.1f}"
+            )
+    print("top host functions by self time (us per step, cProfile):")
+    for row in hosts:
+        print(
+            f"  {row['self_us']:8.1f} self {row['cum_us']:9.1f} cum {row['calls_per_step']:6.1f} calls  "
+            f"{row['function']}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=20, help="profiled decode steps per batch size")
+    parser.add_argument("--warmups", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--per-step", action="store_true", help="print every step's wall/busy/idle")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_engine_step.json"))
+    args = parser.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    cuda = args.device == "cuda"
+    tokens_per_request = 2 + args.warmups + 2 * args.steps
+    extra = {}
+    if args.disable_overlap_schedule and "disable_overlap_schedule" in EngineConfig.__dataclass_fields__:
+        extra["disable_overlap_schedule"] = True
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format="dummy",
+        max_model_len=args.context + tokens_per_request + 16,
+        max_running_requests=max(batch_sizes),
+        cuda_graph_max_bs=max(batch_sizes),
+        max_num_batched_tokens=max(8192, args.context * 2),
+        num_kv_blocks=None
+        if cuda
+        else max(batch_sizes) * (-(-(args.context + tokens_per_request) // 16) + 1),
+        **extra,
+    )
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s; graphs: "
+          f"{getattr(engine.executor, 'graphs', None) is not None}")  # fmt: skip
+    instrument_phases(engine)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    record = {"model": args.model, "dtype": args.dtype, "device": args.device, "context": args.context,
+              "steps": args.steps, "results": {}}  # fmt: skip
+    for b in batch_sizes:
+        start_decode_batch(engine, b, args.context, tokens_per_request, f"b{b}")
+        for _ in range(args.warmups):
+            engine.step()
+        trace_path = os.path.join(out_dir, f"profile_engine_step_b{b}.trace.json")
+        per_step = analyse_trace(profile_steps(engine, args.steps, cuda, trace_path), args.steps)
+        hosts = top_host_functions(engine, args.steps, args.top)
+        summary = summarise(per_step)
+        print_report(b, summary, per_step, hosts, args.per_step)
+        record["results"][str(b)] = {"summary": summary, "per_step": per_step, "top_host_functions": hosts,
+                                     "trace": trace_path}  # fmt: skip
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+        while engine.has_unfinished():
+            engine.step()
+    engine.shutdown()
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""benchmarks/profile_engine_step.py runs end to end at tiny shapes on CPU and writes its per-step
+breakdown (the GPU session runs it first, so the script itself is checked here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "profile_engine_step.py")
+
+
+def test_profile_engine_step_smoke_run_reports_three_decode_steps_with_phases_and_host_functions(tmp_path):
+    out = tmp_path / "profile.json"
+    args = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--steps", "3",
+            "--context", "20", "--warmups", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())["results"]["1"]
+    assert len(result["per_step"]) == 3
+    for step in result["per_step"]:
+        assert step["wall_us"] > 0 and step["gpu_busy_us"] == 0 and step["gpu_idle_us"] == step["wall_us"]
+        assert {"schedule", "pack", "execute", "postprocess"} <= set(step["phase_us"])
+    assert result["top_host_functions"] and result["top_host_functions"][0]["self_us"] > 0
+    assert "GPU idle" in proc.stdout and os.path.exists(result["trace"])
