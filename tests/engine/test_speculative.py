@@ -139,9 +139,9 @@ def test_rejection_sampling_with_the_target_as_draft_model_accepts_almost_every_
     assert stats.spec_num_accepted_tokens_total >= 0.95 * stats.spec_num_draft_tokens_total
 
 
-def test_tree_drafting_is_rejected_with_a_clear_error(head_dir):
-    config = spec_config("eagle3", head_dir, eagle_topk=2, num_draft_tokens=6)
-    with pytest.raises(ValueError, match="tree drafting is not implemented"):
+def test_tree_drafting_with_a_non_eagle3_drafter_is_rejected_with_a_clear_error():
+    config = spec_config("draft", "tiny", eagle_topk=2, num_draft_tokens=6)
+    with pytest.raises(ValueError, match="tree drafting needs --speculative-algorithm eagle3"):
         LLMEngine(EngineConfig(**ENGINE, speculative=config))
 
 

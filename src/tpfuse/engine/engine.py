@@ -66,6 +66,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         from tpfuse.model.tokenizer import load_tokenizer
+        from tpfuse.spec.tree import num_lookahead_tokens
 
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
@@ -83,7 +84,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             eos,
-            num_lookahead_tokens=spec.num_steps if spec.enabled else 0,
+            num_lookahead_tokens=num_lookahead_tokens(spec) if spec.enabled else 0,
         )
         self.spec_decoder = None
         if spec.enabled:

@@ -22,6 +22,12 @@ from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, pack_spec_step
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length, simulate_acceptance
+from tpfuse.spec.tree_verify import (
+    TreeVerifyResult,
+    greedy_tree_verify,
+    rejection_tree_verify,
+    seeded_tree_verify,
+)
 from tpfuse.spec.verify import VerifyResult, greedy_verify, rejection_sample_verify, seeded_sample_verify
 
 
@@ -74,7 +80,18 @@ class SpecDecoder:
             else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests))
         )
         self.policy_buckets = buckets
-        self.policy = AdaptivePolicy(spec.num_steps, buckets) if spec.adaptive else None
+        self.tree = spec.eagle_topk > 1
+        self.num_tree_nodes = spec.num_draft_tokens
+        self.pending_moves: dict[int, tuple] = {}  # seq_id -> (seq, num_computed, [(src, dst) positions])
+        if self.tree and spec.adaptive:
+            print(
+                "tpfuse: adaptive speculation is off with tree drafting (--speculative-eagle-topk > 1): "
+                f"every decode step verifies a tree of {spec.num_draft_tokens} nodes",
+                file=sys.stderr,
+                flush=True,
+            )
+        adaptive = spec.adaptive and not self.tree
+        self.policy = AdaptivePolicy(spec.num_steps, buckets) if adaptive else None
         self.simulated_rate: float | None = None
         if spec.simulate_acceptance_length is not None:
             self.simulated_rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
@@ -85,6 +102,8 @@ class SpecDecoder:
     def choose_num_draft_tokens(self, num_decode: int) -> int:
         if num_decode == 0:
             return 0
+        if self.tree:
+            return self.num_tree_nodes - 1
         if self.policy is None:
             return self.max_num_draft_tokens
         return self.policy.choose(num_decode)
@@ -114,7 +133,9 @@ class SpecDecoder:
             self.max_model_len,
             host_drafts=host_drafts,
             extend_drafter=not self.ngram,
-            pad_to=pad_to,
+            pad_to=None if self.tree else pad_to,
+            tree_depth=self.max_num_draft_tokens if self.tree else None,
+            kv_moves=self._take_kv_moves(batch) if self.tree else None,
         )
         if not self.ngram:
             for seq in batch.seqs:
@@ -126,8 +147,13 @@ class SpecDecoder:
         emitted_rows: list[list[int]] = []
         if decode_rows:
             seeded = [batch.seqs[row].params.seed is not None for row in decode_rows]
-            result, counts = self._verify(forward, k, any(seeded), all(seeded))
+            if self.tree and k:
+                result, counts = self._verify_tree(forward, batch, decode_rows, any(seeded))
+            else:
+                result, counts = self._verify(forward, k, any(seeded), all(seeded))
             emitted_rows, accepted, num_drafts = self._to_host(result, counts)
+            if self.tree and k:
+                self._record_kv_moves(batch, decode_rows, result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
             if self.policy is not None and pure_decode:
                 self.policy.record_step(len(decode_rows), k, time.perf_counter() - start)
@@ -182,6 +208,61 @@ class SpecDecoder:
                 torch.where(use[:, None], seeded.token_ids, result.token_ids),
             )
         return result, counts
+
+    def _take_kv_moves(self, batch: Batch) -> list[tuple[int, int]]:
+        """(src, dst) slots of the last tree step's accepted paths, for sequences that come back as
+        decodes right after it; a sequence seen in any other state (prefill: recomputed after
+        preemption) drops its moves."""
+        moves = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            entry = self.pending_moves.pop(seq.seq_id, None)
+            if entry is None or not is_decode_row(seq, n) or seq.num_computed_tokens != entry[1]:
+                continue
+            table, bs = seq.block_table, self.block_size
+            moves += [(table[s // bs] * bs + s % bs, table[d // bs] * bs + d % bs) for s, d in entry[2]]
+        for seq_id in [i for i, e in self.pending_moves.items() if e[0].is_finished]:
+            del self.pending_moves[seq_id]
+        return moves
+
+    def _record_kv_moves(self, batch: Batch, decode_rows: list[int], path_nodes, accepted: list[int]) -> None:
+        paths = path_nodes.tolist()
+        for row, path, a in zip(decode_rows, paths, accepted, strict=True):
+            seq = batch.seqs[row]
+            root = seq.num_computed_tokens
+            moves = [(root + path[d], root + d) for d in range(1, a + 1) if path[d] != d]
+            if moves:
+                self.pending_moves[seq.seq_id] = (seq, root + a + 1, moves)
+
+    @torch.inference_mode()
+    def _verify_tree(self, forward, batch: Batch, decode_rows: list[int], any_seeded: bool):
+        spec, logits, tree = forward.spec, forward.verify_logits, forward.proposal
+        depth_limit, max_depth = spec.num_drafts, self.max_num_draft_tokens
+        if spec.header.num_banned:
+            n = tree.num_nodes
+            rows, nodes = spec.banned_rows // n, spec.banned_rows % n
+            remaining = torch.tensor(
+                [batch.seqs[r].params.min_tokens - batch.seqs[r].num_output_tokens for r in decode_rows],
+                device=logits.device,
+            )
+            keep = tree.depths[rows, nodes] < remaining[rows]
+            logits.view(-1, logits.shape[-1])[spec.banned_rows[keep], spec.banned_ids[keep]] = float("-inf")
+        if self.simulated_rate is not None:
+            raise ValueError("--speculative-simulate-acceptance-length supports chain drafting only")
+        if spec.header.all_greedy:
+            return greedy_tree_verify(tree, logits, depth_limit, max_depth), depth_limit
+        sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
+        result = rejection_tree_verify(tree, logits, *sampling, spec.seeds, depth_limit, max_depth)
+        if any_seeded:
+            seeded = seeded_tree_verify(
+                tree, logits, *sampling, spec.request_seeds, spec.output_index, depth_limit, max_depth
+            )
+            use = spec.seeded.bool()[:, None]
+            result = TreeVerifyResult(
+                torch.where(use[:, 0], seeded.num_accepted, result.num_accepted),
+                torch.where(use, seeded.token_ids, result.token_ids),
+                torch.where(use, seeded.path_nodes, result.path_nodes),
+            )
+        return result, depth_limit
 
     @staticmethod
     def _to_host(result: VerifyResult, counts: torch.Tensor) -> tuple[list[list[int]], list[int], list[int]]:

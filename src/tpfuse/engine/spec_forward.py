@@ -16,6 +16,7 @@ import torch
 from tpfuse.engine.spec_inputs import SpecInputs, read_spec_header, unpack_spec
 from tpfuse.engine.step_inputs import StepInputs, read_header, unpack_step
 from tpfuse.spec.drafter import DraftProposal
+from tpfuse.spec.tree import DraftTree, ancestor_matrix, tree_attention_bits
 
 
 @dataclass
@@ -24,7 +25,19 @@ class SpecForward:
     spec: SpecInputs
     sample_logits: torch.Tensor | None  # [N, V] float32: prefill rows that reached their end
     verify_logits: torch.Tensor | None  # [D, k+1, V] float32
-    proposal: DraftProposal | None  # device drafters' proposal for the verify rows
+    proposal: DraftProposal | DraftTree | None  # device drafters' proposal for the verify rows
+
+
+def _place_tree(step: StepInputs, spec: SpecInputs, tree: DraftTree, max_depth: int) -> torch.Tensor:
+    """Writes the tree's draft tokens and positions (root position + depth) into the verify rows;
+    returns the [T] tree mask (-1, plain causal, outside the verify rows)."""
+    rows = spec.verify_indices.view(tree.parents.shape)
+    step.input_ids[rows[:, 1:].reshape(-1)] = tree.token_ids[:, 1:].reshape(-1)
+    root_positions = step.positions[rows[:, 0]]
+    step.positions[rows.reshape(-1)] = (root_positions[:, None] + tree.depths).reshape(-1)
+    mask = torch.full_like(step.input_ids, -1)
+    mask[rows.reshape(-1)] = tree_attention_bits(ancestor_matrix(tree.parents, max_depth))
+    return mask
 
 
 @torch.inference_mode()
@@ -36,18 +49,23 @@ def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
     step = unpack_step(header, device_packed)
     spec = unpack_spec(header, spec_header, device_packed)
     k, num_decode = spec_header.num_draft_tokens, spec_header.num_decode
+    runner.spec.apply_kv_moves(spec, runner.kv_caches)
     proposal = runner.spec.propose(step, spec, runner.block_size)
-    if proposal is not None and k > 0:
+    attn = step.attention_metadata()
+    if isinstance(proposal, DraftTree):
+        attn.tree_mask = _place_tree(step, spec, proposal, runner.spec.max_num_draft_tokens)
+    elif proposal is not None and k > 0:
         draft_at = spec.verify_indices.view(num_decode, k + 1)[:, 1:].reshape(-1)
         step.input_ids[draft_at] = proposal.token_ids.reshape(-1)
     graphs = runner.graphs
     model = runner.model
-    if graphs is not None and spec_header.pure_decode and graphs.has(header.num_seqs, k):
+    tree = spec_header.tree and k > 0  # tree verify runs eagerly in this first version
+    if graphs is not None and spec_header.pure_decode and not tree and graphs.has(header.num_seqs, k):
         out = graphs.run(step, k)
         rows = out.index_select(0, spec.verify_indices)
         verify = rows if graphs.graph_logits else model.compute_logits(rows)
         return SpecForward(step, spec, None, verify.view(num_decode, k + 1, -1), proposal)
-    hidden, aux = model(step.input_ids, step.positions, step.attention_metadata(), runner.kv_caches)
+    hidden, aux = model(step.input_ids, step.positions, attn, runner.kv_caches)
     runner.spec.write_features(aux, step.slot_mapping)
     indices = torch.cat([step.sample_indices, spec.verify_indices])
     if indices.numel() == 0:

@@ -23,7 +23,7 @@ from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
 
-SPEC_HEADER_LEN = 12
+SPEC_HEADER_LEN = 14
 
 
 @dataclass
@@ -40,6 +40,8 @@ class SpecHeader:
     sampled_drafts: int  # some row samples without a seed: model drafters draw drafts (and keep q)
     ext_max_query_len: int  # longest drafter-extend run
     ext_max_seq_len: int  # largest extended position + 1
+    tree: int = 0  # verify rows are draft trees of k + 1 nodes (positions and tree mask set on device)
+    num_kv_moves: int = 0  # KV slots to copy before the forward (the last tree step's accepted path)
 
     def sizes(self) -> list[tuple[str, int]]:
         d, k, r, e = self.num_decode, self.num_draft_tokens, self.num_drafter_rows, self.num_extend
@@ -64,6 +66,8 @@ class SpecHeader:
             ("draft_ids", d * k if self.host_drafts else 0),
             ("temperatures", d),
             ("top_ps", d),
+            ("kv_move_src", self.num_kv_moves),
+            ("kv_move_dst", self.num_kv_moves),
         ]
 
 
@@ -92,6 +96,8 @@ class SpecInputs:
     draft_ids: torch.Tensor  # [D * k] host drafts, or empty
     temperatures: torch.Tensor  # [D]
     top_ps: torch.Tensor  # [D]
+    kv_move_src: torch.Tensor  # [M] slots whose KV (and EAGLE-3 features) move to kv_move_dst
+    kv_move_dst: torch.Tensor  # [M]
 
 
 def draft_limit(seq: Sequence, num_draft_tokens: int, max_model_len: int) -> int:
@@ -117,12 +123,18 @@ def pack_spec_step(
     host_drafts: dict[int, list[int]] | None = None,
     extend_drafter: bool = True,
     pad_to: int | None = None,
+    tree_depth: int | None = None,
+    kv_moves: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Packs a speculative step into a CPU int64 tensor.
 
     host_drafts: batch row -> drafts (n-gram), already cut to draft_limit; None: the drafter proposes
     num_draft_tokens on every rank (each row then uses draft_limit of them). extend_drafter: list the
     drafter rows (model drafters). pad_to: pad a pure decode batch to this many rows (graph bucket).
+    tree_depth: tree drafting (verify rows are trees of num_draft_tokens + 1 nodes, every node stores
+    KV, num_drafts is each row's deepest acceptable depth, at most tree_depth; min_tokens bans cover
+    every node and the verifier keeps those shallower than the remaining count). kv_moves: (src, dst)
+    slot pairs copied on every rank before the forward.
     """
     k, bs = num_draft_tokens, block_size
     ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
@@ -155,7 +167,11 @@ def pack_spec_step(
                 decode_drafter.append(len(drafter_rows) - 1)
             drafts = host_drafts.get(row, []) if host_drafts is not None else []
             used = len(drafts) if host_drafts is not None else draft_limit(seq, k, max_model_len)
-            num_drafts.append(used)
+            if tree_depth is not None:
+                num_drafts.append(draft_limit(seq, tree_depth, max_model_len))
+                used = k
+            else:
+                num_drafts.append(used)
             if host_drafts is not None:
                 draft_ids += drafts + [0] * (k - len(drafts))
             ids.append(tokens[begin])
@@ -175,7 +191,8 @@ def pack_spec_step(
             v_seeded.append(int(p.seed is not None))
             if p.min_tokens:
                 banned = banned_token_ids(seq)
-                for i in range(min(k + 1, p.min_tokens - seq.num_output_tokens)):
+                remaining = p.min_tokens - seq.num_output_tokens
+                for i in range(k + 1 if tree_depth is not None and remaining > 0 else min(k + 1, remaining)):
                     v_brow += [d * (k + 1) + i] * len(banned)
                     v_bid += banned
             continue
@@ -237,6 +254,8 @@ def pack_spec_step(
         sampled_drafts=int(any(t > 0.0 and not s for t, s in zip(v_temp, v_seeded, strict=True))),
         ext_max_query_len=max((b - a for a, b in pairwise(ext_starts)), default=0),
         ext_max_seq_len=max(ext_pos, default=-1) + 1,
+        tree=int(tree_depth is not None),
+        num_kv_moves=len(kv_moves or []),
     )
     tail = encode_step(
         spec,
@@ -244,7 +263,7 @@ def pack_spec_step(
         + [ext_slots, ext_starts if drafter_rows else [], v_topk, v_seed, v_request_seed, v_index]
         + [v_seeded, v_brow, v_bid, draft_ids],
         v_temp + v_topp,
-        [],
+        [[src for src, _ in kv_moves or []], [dst for _, dst in kv_moves or []]],
     )
     values.extend(tail)
     return torch.frombuffer(values, dtype=torch.int64)

@@ -20,6 +20,7 @@ from tpfuse.engine.spec_inputs import SpecInputs
 from tpfuse.engine.step_inputs import StepInputs
 from tpfuse.model.config import ModelConfig
 from tpfuse.spec.drafter import DraftInputs, DraftProposal
+from tpfuse.spec.tree import DraftTree, check_tree_settings, num_lookahead_tokens
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -45,11 +46,16 @@ class SpecWorker:
         self.target_vocab_size = model_config.vocab_size
         self.drafter = None
         self.features: torch.Tensor | None = None
-        if spec.eagle_topk > 1:
-            raise ValueError(
-                f"--speculative-eagle-topk {spec.eagle_topk}: tree drafting is not implemented yet; "
-                "use --speculative-eagle-topk 1 (chain drafting)"
-            )
+        self.tree_topk = spec.eagle_topk if spec.eagle_topk > 1 else None
+        self.num_tree_nodes = spec.num_draft_tokens
+        self.lookahead = num_lookahead_tokens(spec)
+        if self.tree_topk is not None:
+            if self.algorithm != "eagle3":
+                raise ValueError(
+                    f"--speculative-eagle-topk {spec.eagle_topk}: tree drafting needs "
+                    f"--speculative-algorithm eagle3 (got {self.algorithm}); use --speculative-eagle-topk 1"
+                )
+            check_tree_settings(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
         if self.algorithm in ("eagle3", "draft") and not spec.draft_model_path:
             raise ValueError(
                 f"--speculative-algorithm {self.algorithm} needs --speculative-draft-model-path "
@@ -110,7 +116,7 @@ class SpecWorker:
     @property
     def position_margin(self) -> int:
         """Positions past max_model_len that drafts may occupy (the sizing keeps them in range)."""
-        return self.max_num_draft_tokens + 1
+        return self.lookahead + 1
 
     def bytes_per_block(self, tp_size: int, block_size: int) -> int:
         """Drafter KV plus feature store for one KV block on this rank."""
@@ -151,10 +157,24 @@ class SpecWorker:
         index = torch.where(slot_mapping < 0, spare, slot_mapping)
         self.features.index_copy_(0, index, self.head.combine_features(aux))
 
-    def propose(self, step: StepInputs, spec: SpecInputs, block_size: int) -> DraftProposal | None:
+    def apply_kv_moves(self, spec: SpecInputs, kv_caches) -> None:
+        """Copies the KV of slots spec.kv_move_src to kv_move_dst in every target layer's cache (and
+        the EAGLE-3 feature rows): the previous tree step's accepted path, moved to its positions."""
+        if spec.header.num_kv_moves == 0:
+            return
+        src, dst = spec.kv_move_src, spec.kv_move_dst
+        for cache in (c for pair in kv_caches for c in pair):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst] = flat[src]  # the right side is gathered first: overlapping pairs are safe
+        if self.features is not None:
+            self.features[dst] = self.features[src]
+
+    def propose(
+        self, step: StepInputs, spec: SpecInputs, block_size: int
+    ) -> DraftProposal | DraftTree | None:
         """Every rank: extends the drafter over the drafter rows and proposes k drafts; returns the
-        verify rows' proposal ([D, k] ids, [D] counts, [D, k, V] probs or None), None without a
-        device drafter or drafter rows."""
+        verify rows' proposal ([D, k] ids, [D] counts, [D, k, V] probs or None), or their DraftTree
+        ([D, k + 1] nodes) in tree steps; None without a device drafter or drafter rows."""
         h = spec.header
         if self.drafter is None or h.num_drafter_rows == 0:
             return None
@@ -181,6 +201,9 @@ class SpecWorker:
             max_seq_len=h.ext_max_seq_len,
         )
         k = h.num_draft_tokens if h.num_decode else 0
+        if h.tree and k > 0:
+            tree = self.drafter.propose_tree(inputs, self.max_num_draft_tokens, self.tree_topk, k + 1)
+            return DraftTree(*(x.index_select(0, rows) for x in (tree.token_ids, tree.parents, tree.depths)))
         proposal = self.drafter.propose(inputs, k)
         if not h.num_decode:
             return None

@@ -29,6 +29,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode: bool  # every sequence has exactly one query token
+    tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
 
 
 class Attention(nn.Module):
@@ -96,5 +97,6 @@ class Attention(nn.Module):
                 attn.query_start_loc,
                 attn.max_query_len,
                 self.scale,
+                tree_mask=attn.tree_mask,
             )
         return self.o_proj(out.view(num_tokens, self.num_heads * d))

@@ -159,6 +159,7 @@ class Eagle3Attention(nn.Module):
                 attn.query_start_loc,
                 attn.max_query_len,
                 self.scale,
+                tree_mask=attn.tree_mask,
             )
         return self.o_proj(out.reshape(t, self.num_heads * d))
 

@@ -96,6 +96,15 @@ class Eagle3Drafter(Drafter):
         self.target_vocab_size = target_vocab_size
 
     @torch.inference_mode()
+    def propose_tree(self, inputs: DraftInputs, num_steps: int, topk: int, num_nodes: int):
+        """Tree drafting (spec/eagle3_tree.py): a DraftTree of num_nodes nodes per sequence."""
+        from tpfuse.spec.eagle3_tree import eagle3_tree_draft
+
+        return eagle3_tree_draft(
+            self.head, self.embed_tokens, self.kv_cache, inputs, num_steps, topk, num_nodes
+        )
+
+    @torch.inference_mode()
     def propose(self, inputs: DraftInputs, num_draft_tokens: int) -> DraftProposal:
         return eagle3_chain_draft(
             self.head, self.embed_tokens, self.kv_cache, inputs, num_draft_tokens, self.target_vocab_size

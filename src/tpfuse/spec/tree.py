@@ -163,3 +163,12 @@ class TreeCandidates:
         """The best num_draft_tokens - 1 candidates as a DraftTree (select_tree)."""
         cat = [torch.cat(x, 1) for x in (self.tokens, self.scores, self.parents, self.depths)]
         return select_tree(*cat, num_draft_tokens)
+
+
+def num_lookahead_tokens(spec) -> int:
+    """Positions past a decode's newest token that one speculative step writes (KV blocks the
+    scheduler reserves): chain num_steps; a tree its num_draft_tokens - 1 verify nodes or its
+    drafter entries (eagle_topk per depth past the first), whichever reaches further."""
+    if spec.eagle_topk <= 1:
+        return spec.num_steps
+    return max(spec.num_steps, spec.num_draft_tokens - 1, spec.eagle_topk * (spec.num_steps - 1))

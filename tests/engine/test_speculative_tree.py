@@ -1,0 +1,51 @@
+"""EAGLE-3 tree drafting through the engine (--speculative-eagle-topk > 1): greedy output equals plain
+greedy token for token at batch 1, in mixed batches with a late arrival, and at TP=2 over gloo."""
+
+import pytest
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.llm import LLM
+
+from .spec_helpers import ENGINE, PROMPTS, greedy, run_with_late_arrival, spec_config, write_eagle3_head
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return write_eagle3_head(str(tmp_path_factory.mktemp("eagle3_tree")))
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    return run_with_late_arrival(LLMEngine(EngineConfig(**ENGINE)), greedy(14))
+
+
+def tree_config(head_dir, topk, nodes, **kw):
+    return spec_config("eagle3", head_dir, eagle_topk=topk, num_draft_tokens=nodes, adaptive=False, **kw)
+
+
+@pytest.mark.parametrize("topk,nodes", [(2, 6), (3, 8), (4, 10)])
+def test_tree_greedy_equals_plain_greedy_at_batch_one(head_dir, topk, nodes):
+    prompt = LLM(config=EngineConfig(**ENGINE)).tokenizer.encode(PROMPTS[2])
+    expected = LLM(config=EngineConfig(**ENGINE)).generate(prompt, greedy(max_tokens=17))[0].token_ids
+    llm = LLM(config=EngineConfig(**ENGINE, speculative=tree_config(head_dir, topk, nodes)))
+    assert llm.generate(prompt, greedy(max_tokens=17))[0].token_ids == expected
+    assert llm.engine.stats().spec_num_drafts_total > 0
+
+
+@pytest.mark.parametrize("topk,nodes", [(2, 6), (4, 9)])
+def test_tree_greedy_equals_plain_greedy_in_mixed_batches_with_a_late_arrival(
+    plain_tokens, head_dir, topk, nodes
+):
+    engine = LLMEngine(EngineConfig(**ENGINE, speculative=tree_config(head_dir, topk, nodes)))
+    assert run_with_late_arrival(engine, greedy(14)) == plain_tokens
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_tree_greedy_at_tp2_equals_plain_greedy_at_tp1(plain_tokens, head_dir):
+    engine = LLMEngine(EngineConfig(**ENGINE, tp_size=2, speculative=tree_config(head_dir, 3, 7)))
+    try:
+        assert run_with_late_arrival(engine, greedy(14)) == plain_tokens
+        assert engine.stats().spec_num_drafts_total > 0
+    finally:
+        engine.shutdown()
