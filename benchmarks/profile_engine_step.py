@@ -34,23 +34,27 @@ from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
 
 STEP = "engine_step_"
-PHASES = {  # label: (object attribute path on the engine, method name)
-    "schedule": ("scheduler", "schedule"),
-    "pack": ("executor", "pack"),
-    "execute": ("executor", "execute"),
-    "sample": ("executor", "sample"),
-    "postprocess": ("scheduler", "postprocess"),
+PHASES = {  # label: (attribute path from the engine, method names tried in order)
+    "schedule": ("scheduler", ("schedule",)),
+    "pack": ("executor.runner", ("pack",)),
+    "execute": ("executor.runner", ("_forward", "execute")),  # H2D copy, replay or eager forward
+    "sample": ("executor.runner", ("sample",)),  # sampler path (non-greedy, banned ids, eager)
+    "read_tokens": ("executor.runner", ("_to_host_list",)),  # D2H copy of the ids and its wait
+    "postprocess": ("scheduler", ("postprocess",)),
 }
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def instrument_phases(engine: LLMEngine) -> None:
     """Wraps the engine's step phases in record_function ranges (instance attributes only)."""
-    for label, (owner_name, method) in PHASES.items():
-        owner = getattr(engine, owner_name)
-        original = getattr(owner, method, None)
-        if original is None:
+    for label, (path, methods) in PHASES.items():
+        owner = engine
+        for name in path.split("."):
+            owner = getattr(owner, name)
+        method = next((m for m in methods if hasattr(owner, m)), None)
+        if method is None:
             continue
+        original = getattr(owner, method)
 
         def wrapped(*args, _original=original, _label=label, **kwargs):
             with record_function(f"phase_{_label}"):

@@ -1,16 +1,21 @@
 """Decode steps captured as CUDA graphs, one per batch-size bucket (and per number of draft tokens).
 
-Each graph runs the model's forward and compute_logits on static input buffers; a step copies its
-(padded) inputs into them and replays the graph of its bucket. All graphs share one memory pool and
-one logits buffer. Capture happens after the KV cache is allocated and after the communicator has
-made its per-size choices, so the fused all-reduce is captured inside.
+Plain decode graphs (k = 0) read the packed step itself: the runner copies the packed step into the
+static buffer `packed` (one host-to-device copy), and the graph takes the input ids, positions and KV
+slots as views of it, converts the context lengths and gathers the block table (at the step's width,
+read from the packed header on the device) inside the graph, runs the forward and compute_logits,
+and writes the argmax of every row to `token_ids`. So a greedy decode step is: H2D copy, replay, D2H
+copy of the ids. Verify graphs (k > 0) read static input buffers that `run` fills from a step.
+All graphs share one memory pool and one logits buffer. Capture happens after the KV cache is
+allocated and after the communicator has made its per-size choices, so the fused all-reduce is
+captured inside.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tpfuse.engine.step_inputs import StepInputs
+from tpfuse.engine.step_inputs import MAX_BLOCKS_INDEX, StepInputs, decode_capacity, decode_offsets
 from tpfuse.model.attention import AttentionMetadata
 
 
@@ -30,6 +35,8 @@ class DecodeGraphs:
     caches; max_blocks_per_seq: the block-table width every graph is captured with (a step's
     narrower table fills its left part; columns past a sequence's length are never read).
     write_features(aux, slot_mapping): called inside each graph on the model's aux output (EAGLE-3).
+    max_banned: room in `packed` for a step's banned (row, token) pairs (min_tokens); a step that
+    does not fit goes through `run`.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class DecodeGraphs:
         graph_logits: bool = True,
         max_num_draft_tokens: int = 0,
         write_features=None,
+        max_banned: int = 4096,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -63,6 +71,13 @@ class DecodeGraphs:
             for k in range(max_num_draft_tokens + 1)
         ]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # The packed step of a plain decode (k = 0) graph; its rows never outgrow the static address.
+        self.packed = torch.zeros(
+            decode_capacity(n, max_blocks_per_seq, max_banned), dtype=torch.int64, device=device
+        )
+        self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)  # argmax of each row (k = 0)
+        self._table_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_logits = graph_logits
         self.logits = (
             torch.empty(tokens, vocab_size, dtype=torch.float32, device=device) if graph_logits else None
@@ -81,11 +96,41 @@ class DecodeGraphs:
         """Whether a graph for exactly this (padded) batch size and k was captured."""
         return (batch_size, num_draft_tokens) in self.graphs
 
+    def _packed_views(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """Views of `packed` laid out as a decode step of batch_size rows."""
+        at = decode_offsets(batch_size)
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens")
+        return {name: self.packed[at[name] : at[name] + batch_size] for name in names}
+
+    def _load_from_packed(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inside a k = 0 graph: context lengths and block table from `packed` into the static
+        int32 buffers; returns (input_ids, positions, slot_mapping), views of `packed`."""
+        views = self._packed_views(batch_size)
+        self.seq_lens[:batch_size].copy_(views["seq_lens"])
+        if batch_size not in self._table_index:
+            device = self.packed.device
+            start = decode_offsets(batch_size)["block_tables"]
+            columns = start + torch.arange(self.max_blocks_per_seq, device=device).view(1, -1)
+            rows = torch.arange(batch_size, device=device).view(-1, 1)
+            self._table_index[batch_size] = (columns, rows)
+        columns, rows = self._table_index[batch_size]
+        # Row b of a width-M table starts at start + b * M. Columns >= M read other values: attention
+        # never reads past a context's own blocks, and `packed` is sized so every index stays inside.
+        index = torch.addcmul(columns, rows, self.packed[MAX_BLOCKS_INDEX])
+        self.block_tables[:batch_size].copy_(self.packed.take(index))
+        return views["input_ids"], views["positions"], views["slot_mapping"]
+
     def _forward(self, batch_size: int, k: int) -> torch.Tensor:
         """Logits [batch_size * (k+1), vocab] (hidden [.., H] when logits are computed after replay)."""
         tokens = batch_size * (k + 1)
+        if k == 0:
+            input_ids, positions, slot_mapping = self._load_from_packed(batch_size)
+        else:
+            input_ids = self.input_ids[:tokens]
+            positions = self.positions[:tokens]
+            slot_mapping = self.slot_mapping[:tokens]
         attn = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:tokens],
+            slot_mapping=slot_mapping,
             block_tables=self.block_tables[:batch_size],
             seq_lens=self.seq_lens[:batch_size],
             query_start_loc=self.query_start_locs[k][: batch_size + 1],
@@ -93,9 +138,9 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len + k,
             is_decode=k == 0,
         )
-        hidden, aux = self.model(self.input_ids[:tokens], self.positions[:tokens], attn, self.kv_caches)
+        hidden, aux = self.model(input_ids, positions, attn, self.kv_caches)
         if self.write_features is not None:
-            self.write_features(aux, self.slot_mapping[:tokens])
+            self.write_features(aux, slot_mapping)
         return self.model.compute_logits(hidden) if self.graph_logits else hidden
 
     @torch.inference_mode()
@@ -104,6 +149,11 @@ class DecodeGraphs:
         pool = None
         for k in reversed(range(self.max_num_draft_tokens + 1)):
             for size in reversed(self.sizes):
+                if k == 0:  # warm-up and capture: one-token contexts in block 0 that store no KV
+                    views = self._packed_views(size)
+                    self.packed.zero_()
+                    views["seq_lens"].fill_(1)
+                    views["slot_mapping"].fill_(-1)
                 out = self._forward(
                     size, k
                 )  # warm-up: autotuning and lazy allocations happen outside capture
@@ -113,7 +163,10 @@ class DecodeGraphs:
                 target = self.logits if self.graph_logits else self.hidden
 
                 def body(size=size, k=k, target=target):
-                    target[: size * (k + 1)].copy_(self._forward(size, k))
+                    out = target[: size * (k + 1)]
+                    out.copy_(self._forward(size, k))
+                    if k == 0 and self.graph_logits:
+                        torch.argmax(out, dim=-1, out=self.token_ids[:size])
 
                 self.graphs[(size, k)], pool = self._capture_graph(body, pool)
         self._synchronize()
@@ -130,13 +183,41 @@ class DecodeGraphs:
         if self.input_ids.is_cuda:
             torch.cuda.synchronize(self.input_ids.device)
 
+    def replay_packed(self, batch_size: int) -> torch.Tensor:
+        """Replays the k = 0 graph of batch_size rows on the decode step already in `packed` (its
+        first values, as pack_step laid them out). Returns logits [B, vocab] (hidden [B, H] without
+        graph_logits), a view of a shared buffer valid until the next replay; with graph_logits,
+        token_ids[:B] holds each row's argmax."""
+        self.graphs[(batch_size, 0)].replay()
+        return self.logits[:batch_size] if self.graph_logits else self.hidden[:batch_size]
+
+    def _copy_to_packed(self, step: StepInputs) -> None:
+        """Writes a decode step held elsewhere into `packed` at its layout (5 copies and a fill)."""
+        size, width = step.header.num_seqs, step.header.max_blocks
+        if step.input_ids.data_ptr() == self.packed[decode_offsets(size)["input_ids"]].data_ptr():
+            return  # step is a view of packed already
+        for name, view in self._packed_views(size).items():
+            view.copy_(getattr(step, name))
+        start = decode_offsets(size)["block_tables"]
+        self.packed[start : start + size * width].copy_(step.block_tables.reshape(-1))
+        self.packed[MAX_BLOCKS_INDEX].fill_(width)
+
     def run(self, step: StepInputs, num_draft_tokens: int = 0) -> torch.Tensor:
         """Replays the graph of step's (already padded) batch size and k; returns logits
         [B * (k+1), vocab] (hidden [.., H] without graph_logits), a view of a shared buffer valid
-        until the next replay."""
+        until the next replay. Raises ValueError when a k = 0 step's block table is wider than the
+        graphs'."""
         size = step.header.num_seqs
         tokens = step.header.num_tokens
         width = step.header.max_blocks
+        if num_draft_tokens == 0:
+            if width > self.max_blocks_per_seq or tokens != size:
+                raise ValueError(
+                    f"decode step of {size} rows, {tokens} tokens and {width} block-table columns does "
+                    f"not fit the graphs ({self.max_blocks_per_seq} columns, one token per row)"
+                )
+            self._copy_to_packed(step)
+            return self.replay_packed(size)
         self.input_ids[:tokens].copy_(step.input_ids)
         self.positions[:tokens].copy_(step.positions)
         self.slot_mapping[:tokens].copy_(step.slot_mapping)

@@ -3,7 +3,10 @@
 Every rank runs `execute(packed)` on the same packed step (step_inputs.py), so tensor-parallel ranks
 stay in lock step without any per-sequence state of their own. Rank 0 builds the packed step from a
 scheduler Batch (`pack`) and samples from the logits (`sample`). On CUDA the packed step reaches the
-device in one copy from a pinned buffer, and decode steps replay CUDA graphs (cuda_graphs.py).
+device in one copy from a pinned buffer, and decode steps replay CUDA graphs (cuda_graphs.py): the
+copy lands in the graphs' static packed buffer, which the graph reads itself, and for an all-greedy
+step without banned tokens the graph also takes the argmax, so the host issues one H2D copy, one
+replay and one D2H copy of the token ids (into pinned memory, then an event wait).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
 from tpfuse.engine.spec_worker import SpecWorker
-from tpfuse.engine.step_inputs import StepInputs, pack_step, read_header, unpack_step
+from tpfuse.engine.step_inputs import StepHeader, StepInputs, pack_step, read_header, unpack_step
 from tpfuse.kernels import sample
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext
@@ -98,6 +101,8 @@ class ModelRunner:
             self.spec.allocate(num_blocks, self.block_size, config.tp_size)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._tokens_host: torch.Tensor | None = None  # pinned landing place of sampled ids
+        self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
@@ -168,36 +173,81 @@ class ModelRunner:
             pad_to = self.graphs.bucket(len(batch.seqs))
         return pack_step(batch, self.block_size, engine_seed, banned_token_ids, pad_to)
 
-    def _to_device(self, packed: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return packed
+    def _stage(self, packed: torch.Tensor) -> torch.Tensor:
+        """packed copied into the pinned staging buffer (CUDA only)."""
         if self._staging is None or self._staging.numel() < packed.numel():
             self._staging = torch.empty(max(packed.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
         self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer
         staging = self._staging[: packed.numel()]
         staging.copy_(packed)
-        out = staging.to(self.device, non_blocking=True)
+        return staging
+
+    def _to_device(self, packed: torch.Tensor) -> torch.Tensor:
+        """A device copy of the CPU packed step (packed itself on CPU), in a new tensor."""
+        if self.device.type != "cuda":
+            return packed
+        out = self._stage(packed).to(self.device, non_blocking=True)
         self._copy_done.record()
         return out
 
+    def _to_graph_input(self, packed: torch.Tensor) -> torch.Tensor | None:
+        """Copies a packed decode step into the graphs' static packed buffer (the one host-to-device
+        copy of the step); returns the view that holds it, None when it does not fit."""
+        target_buffer = self.graphs.packed
+        if packed.numel() > target_buffer.numel():
+            return None
+        target = target_buffer[: packed.numel()]
+        if self.device.type != "cuda":
+            target.copy_(packed)
+            return target
+        target.copy_(self._stage(packed), non_blocking=True)
+        self._copy_done.record()
+        return target
+
+    def _uses_decode_graph(self, header: StepHeader) -> bool:
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and bool(header.is_decode)
+            and graphs.has(header.num_seqs)
+            and header.num_tokens == header.num_seqs
+            and header.max_blocks <= graphs.max_blocks_per_seq
+        )
+
     @torch.inference_mode()
-    def execute(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None]:
-        """Every rank: runs the forward of a packed step. Returns the step's device views and the
-        logits [N, vocab] float32 of its sampled rows (None when no row samples)."""
-        if self.spec is not None:
-            return self.execute_spec(packed)
+    def _forward(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None, bool]:
+        """(step, logits of the sampled rows or None, whether the graph chose every row's token:
+        an all-greedy decode graph step without banned tokens; its ids are in graphs.token_ids)."""
         header = read_header(packed)
-        step = unpack_step(header, self._to_device(packed))
-        if self.graphs is not None and header.is_decode and self.graphs.has(header.num_seqs):
-            out = self.graphs.run(step)
+        if self._uses_decode_graph(header):
+            graphs = self.graphs
+            device_packed = self._to_graph_input(packed)
+            if device_packed is None:  # too many banned pairs for the static buffer
+                step = unpack_step(header, self._to_device(packed))
+                out = graphs.run(step)
+            else:
+                step = unpack_step(header, device_packed)
+                out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
-                return step, None
+                return step, None, False
+            if graphs.graph_logits and header.all_greedy and not header.num_banned:
+                return step, None, True
             rows = out.index_select(0, step.sample_indices)
-            return step, rows if self.graphs.graph_logits else self.model.compute_logits(rows)
+            return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
+        step = unpack_step(header, self._to_device(packed))
         hidden, _ = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if not header.num_samples:
-            return step, None
-        return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices))
+            return step, None, False
+        return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
+
+    def execute(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None]:
+        """Every rank: runs the forward of a packed step. Returns the step's device views and the
+        logits [N, vocab] float32 of its sampled rows (None when no row samples, or when a decode
+        graph already took every row's argmax into graphs.token_ids)."""
+        if self.spec is not None:
+            return self.execute_spec(packed)
+        step, logits, _ = self._forward(packed)
+        return step, logits
 
     def execute_spec(self, packed: torch.Tensor) -> SpecForward:
         """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py)."""
@@ -212,7 +262,21 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
-        return tokens.tolist()
+        return self._to_host_list(tokens)
+
+    def _to_host_list(self, tokens: torch.Tensor) -> list[int]:
+        """tokens [N] int64 as Python ints: on CUDA one non-blocking copy into pinned memory and an
+        event wait (cheaper than a synchronous pageable copy)."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist()
+        n = tokens.numel()
+        if self._tokens_host is None or self._tokens_host.numel() < n:
+            self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host = self._tokens_host[:n]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_ready.record()
+        self._tokens_ready.synchronize()
+        return host.tolist()
 
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[int | None]:
         """Single-process step: pack, forward, sample. Returns one entry per batch sequence: the
@@ -221,6 +285,9 @@ class ModelRunner:
 
     def run_packed(self, batch: Batch, packed: torch.Tensor) -> list[int | None]:
         """Rank 0: forward and sample an already packed step of batch (see run)."""
-        step, logits = self.execute(packed)
+        step, logits, chosen_in_graph = self._forward(packed)
+        if chosen_in_graph:
+            tokens = self._to_host_list(self.graphs.token_ids[: step.header.num_seqs])
+            return [tokens[i] if batch.samples(i) else None for i in range(len(batch.seqs))]
         tokens = iter(self.sample(step, logits) if logits is not None else [])
         return [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]

@@ -190,6 +190,31 @@ def packed_length(header: StepHeader) -> int:
     return HEADER_LEN + sum(size for _, size in header.sizes())
 
 
+MAX_BLOCKS_INDEX = list(StepHeader.__dataclass_fields__).index("max_blocks")  # header slot of M
+
+
+def decode_offsets(num_seqs: int) -> dict[str, int]:
+    """Where input_ids, positions, slot_mapping, seq_lens and block_tables start in a packed decode
+    step of num_seqs rows (one token per row, padding included). The offsets do not depend on the
+    block-table width M (header slot MAX_BLOCKS_INDEX), which comes last among them, so a CUDA graph
+    can read a step of any width from one static buffer."""
+    offsets, offset = {}, HEADER_LEN
+    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1)
+    for name, size in probe.sizes():
+        offsets[name] = offset
+        if name == "block_tables":
+            return offsets
+        offset += size
+    raise AssertionError("block_tables is missing from StepHeader.sizes")
+
+
+def decode_capacity(max_num_seqs: int, max_blocks: int, max_banned: int) -> int:
+    """Values a packed decode step of at most max_num_seqs rows, block-table width max_blocks and
+    max_banned banned (row, token) pairs can take (the step proper: no speculative section)."""
+    n = max_num_seqs
+    return HEADER_LEN + 5 * n + 1 + n * max_blocks + 5 * n + 2 * max_banned
+
+
 def read_header(packed: torch.Tensor) -> StepHeader:
     """The header of a packed step (packed: the CPU tensor)."""
     return StepHeader(*packed[:HEADER_LEN].tolist())

@@ -1,0 +1,134 @@
+"""Plain decode graphs read the packed step from one static buffer: the graph body (replayed eagerly
+on CPU) must hand the model exactly the step's ids, positions, slots, context lengths and block table
+at any table width, and leave each row's argmax in token_ids."""
+
+import torch
+
+from tpfuse.engine.block_manager import BlockManager
+from tpfuse.engine.cuda_graphs import DecodeGraphs
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.sequence import Sequence
+from tpfuse.engine.step_inputs import decode_capacity, pack_step, read_header, unpack_step
+
+BLOCK = 4
+VOCAB = 97
+MAX_BLOCKS = 9
+
+
+class RecordingModel:
+    """Records the inputs of every forward; logits peak at a token derived from (id, position)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, positions, attn, kv_caches):
+        seen = {"input_ids": input_ids, "positions": positions, "slots": attn.slot_mapping}
+        seen |= {"seq_lens": attn.seq_lens, "block_tables": attn.block_tables}
+        self.seen.append({name: value.clone() for name, value in seen.items()})
+        return (input_ids * 31 + positions * 7).double().unsqueeze(1), None
+
+    def compute_logits(self, hidden):
+        target = hidden[:, 0].long() % VOCAB
+        logits = torch.randn(hidden.shape[0], VOCAB, dtype=torch.float64).float()
+        logits[torch.arange(hidden.shape[0]), target] = 1e4
+        return logits
+
+
+class EagerGraph:
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self):
+        self.body()
+
+
+class EagerGraphs(DecodeGraphs):
+    def _capture_graph(self, body, pool):
+        return EagerGraph(body), pool
+
+
+def _graphs():
+    kv = [(torch.zeros(64, BLOCK, 1, 2), torch.zeros(64, BLOCK, 1, 2))]
+    graphs = EagerGraphs(RecordingModel(), kv, 4, MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB)
+    graphs.capture()
+    graphs.model.seen.clear()
+    return graphs
+
+
+def _decode_step(lengths: list[int], pad_to: int, first_block: int = 0) -> tuple[Batch, torch.Tensor]:
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=False)
+    for _ in range(first_block):  # shifts which blocks the sequences get
+        bm.allocate(Sequence("filler", [1] * BLOCK, SamplingParams(), BLOCK))
+    seqs = []
+    for i, n in enumerate(lengths):
+        seq = Sequence(
+            f"r{i}", [(3 * i + j) % VOCAB for j in range(n)], SamplingParams(temperature=0.0), BLOCK
+        )
+        bm.allocate(seq)
+        seq.num_computed_tokens = n - 1
+        seqs.append(seq)
+    batch = Batch(seqs, [1] * len(seqs))
+    return batch, pack_step(batch, BLOCK, 0, lambda s: [], pad_to=pad_to)
+
+
+def _poison(graphs):
+    graphs.block_tables.fill_(-7)
+    graphs.seq_lens.fill_(-7)
+    graphs.token_ids.fill_(-7)
+
+
+def _assert_model_saw(graphs, packed):
+    step = unpack_step(read_header(packed), packed)
+    seen = graphs.model.seen[-1]
+    width = step.header.max_blocks
+    assert torch.equal(seen["input_ids"], step.input_ids)
+    assert torch.equal(seen["positions"], step.positions)
+    assert torch.equal(seen["slots"], step.slot_mapping)
+    assert seen["seq_lens"].tolist() == step.seq_lens.tolist()
+    assert seen["block_tables"][:, :width].tolist() == step.block_tables.tolist()
+    expected = (step.input_ids * 31 + step.positions * 7) % VOCAB
+    assert graphs.token_ids[: step.header.num_seqs].tolist() == expected.tolist()
+
+
+def test_decode_graph_reads_a_wide_then_a_narrow_step_from_the_packed_buffer():
+    graphs = _graphs()
+    for lengths, pad_to, first_block in [([30, 3, 9], 4, 0), ([2, 5], 2, 5), ([7], 1, 11)]:
+        _, packed = _decode_step(lengths, pad_to, first_block)
+        _poison(graphs)
+        graphs.packed[: packed.numel()].copy_(packed)
+        graphs.replay_packed(pad_to)
+        _assert_model_saw(graphs, packed)
+
+
+def test_run_copies_a_step_held_elsewhere_into_the_packed_layout():
+    graphs = _graphs()
+    _, wide = _decode_step([30, 30, 30, 30], 4)
+    graphs.packed[: wide.numel()].copy_(wide)
+    graphs.replay_packed(4)
+    _, packed = _decode_step([6, 2, 11], 4, first_block=3)
+    _poison(graphs)
+    graphs.run(unpack_step(read_header(packed), packed.clone()))
+    _assert_model_saw(graphs, packed)
+
+
+def test_capture_stores_no_kv_and_sees_one_token_contexts():
+    graphs = EagerGraphs(RecordingModel(), [(torch.zeros(2, BLOCK, 1, 2),) * 2], 2, MAX_BLOCKS, 36, VOCAB)
+    graphs.capture()
+    for seen in graphs.model.seen:
+        assert seen["slots"].tolist() == [-1] * len(seen["slots"])
+        assert seen["seq_lens"].tolist() == [1] * len(seen["seq_lens"])
+        assert seen["block_tables"].eq(0).all()
+
+
+def test_decode_capacity_holds_the_largest_step_with_its_banned_pairs():
+    bm = BlockManager(64, BLOCK, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, min_tokens=5)
+    seqs = []
+    for i in range(4):
+        seq = Sequence(f"r{i}", [1] * (MAX_BLOCKS * BLOCK - 1), params, BLOCK)
+        bm.allocate(seq)
+        seq.num_computed_tokens = len(seq) - 1
+        seqs.append(seq)
+    packed = pack_step(Batch(seqs, [1] * 4), BLOCK, 0, lambda s: [0, 1, 2])
+    assert packed.numel() == decode_capacity(4, MAX_BLOCKS, 12)
