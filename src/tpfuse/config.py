@@ -100,6 +100,11 @@ class EngineConfig:
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must lie in (0, 1), got {self.mem_fraction_static}")
+        if self.speculative.enabled and self.speculative.eagle_topk > 1:
+            # Tree drafting moves the accepted path's KV into place at the start of the next step; a
+            # sequence that finishes or is preempted first leaves blocks whose KV was never moved, so
+            # they must not be shared through the prefix cache.
+            self.enable_prefix_caching = False
 
     def resolved_device(self) -> str:
         if self.device != "auto":

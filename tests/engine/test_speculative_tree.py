@@ -79,3 +79,14 @@ def test_tree_accepting_a_non_first_branch_moves_its_kv_and_stays_lossless(head_
     assert llm.generate(prompt, greedy(max_tokens=17))[0].token_ids == expected
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens_total >= 3 * (stats.spec_num_drafts_total - 1)
+
+
+def test_tree_drafting_turns_prefix_caching_off():
+    # accepted-path KV is moved lazily (next step), so blocks of a sequence that ends first must
+    # never be shared through the prefix cache
+    from tpfuse.config import EngineConfig, SpeculativeConfig
+
+    spec = SpeculativeConfig(algorithm="eagle3", num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    assert EngineConfig(speculative=spec).enable_prefix_caching is False
+    chain = SpeculativeConfig(algorithm="eagle3", num_steps=3)
+    assert EngineConfig(speculative=chain).enable_prefix_caching is True

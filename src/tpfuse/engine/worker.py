@@ -53,10 +53,14 @@ def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
     plain = 64 + 3 * tokens + seqs * (max_blocks + 2) + 1 + 7 * seqs + (1 << 20)
     if not config.speculative.enabled:
         return plain
-    # Verify rows (k + 1 tokens each, padding included), drafter catch-up of the last step's tokens.
-    k = config.speculative.num_steps
+    # Verify rows (k + 1 tokens each, or a tree's nodes; padding included), drafter catch-up of the
+    # last step's tokens, and a tree step's KV moves (src, dst pairs of the accepted path).
+    from tpfuse.spec.tree import num_lookahead_tokens
+
+    k = num_lookahead_tokens(config.speculative)
     extend = 4 * (tokens + seqs * (k + 1))
-    return plain + 3 * seqs * (k + 1) * 2 + seqs * (max_blocks + 2) + extend + 16 * seqs
+    kv_moves = 2 * seqs * (k + 1)
+    return plain + 3 * seqs * (k + 1) * 2 + seqs * (max_blocks + 2) + extend + kv_moves + 16 * seqs
 
 
 def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device], store=None):
