@@ -39,7 +39,7 @@ PHASES = {  # label: (attribute path from the engine, method names tried in orde
     "pack": ("executor.runner", ("pack",)),
     "execute": ("executor.runner", ("_forward", "execute")),  # H2D copy, replay or eager forward
     "sample": ("executor.runner", ("sample",)),  # sampler path (non-greedy, banned ids, eager)
-    "read_tokens": ("executor.runner", ("_to_host_list",)),  # D2H copy of the ids and its wait
+    "read_tokens": ("executor.runner", ("wait",)),  # waits for the ids (D2H copy and event)
     "postprocess": ("scheduler", ("postprocess",)),
 }
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -76,13 +76,13 @@ def test_greedy_graph_steps_take_the_argmax_inside_the_graph_without_the_sampler
     runner = llm.engine.executor
     _install_graphs(runner)
     sampled_rows = []
-    original = runner.sample
-    runner.sample = lambda step, logits: sampled_rows.append(len(logits)) or original(step, logits)
+    original = runner._choose_tokens
+    runner._choose_tokens = lambda step, logits: sampled_rows.append(len(logits)) or original(step, logits)
     try:
         tokens = [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
     finally:
         runner.graphs = None
-        del runner.sample
+        del runner._choose_tokens
     assert tokens == expected[:3]
     assert ReplayingGraphs.replays[0] >= 9
     assert sampled_rows == [3]  # the prefill step only; every decode step took the graph's argmax

@@ -21,6 +21,7 @@ from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
 from tpfuse.engine.spec_worker import SpecWorker
 from tpfuse.engine.step_inputs import StepHeader, StepInputs, pack_step, read_header, unpack_step
+from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext
@@ -101,8 +102,7 @@ class ModelRunner:
             self.spec.allocate(num_blocks, self.block_size, config.tp_size)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._tokens_host: torch.Tensor | None = None  # pinned landing place of sampled ids
-        self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.readback = TokenReadback(self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
@@ -215,18 +215,24 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _forward(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None, bool]:
+    def _forward(
+        self, packed: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, logits of the sampled rows or None, whether the graph chose every row's token:
-        an all-greedy decode graph step without banned tokens; its ids are in graphs.token_ids)."""
+        an all-greedy decode graph step without banned tokens; its ids are in graphs.token_ids).
+        input_ids: device ids [R] that replace the first R packed input ids (the overlap schedule
+        feeds the previous step's sampled ids this way, without waiting for them)."""
         header = read_header(packed)
         if self._uses_decode_graph(header):
             graphs = self.graphs
             device_packed = self._to_graph_input(packed)
             if device_packed is None:  # too many banned pairs for the static buffer
                 step = unpack_step(header, self._to_device(packed))
+                _patch_input_ids(step, input_ids)
                 out = graphs.run(step)
             else:
                 step = unpack_step(header, device_packed)
+                _patch_input_ids(step, input_ids)
                 out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
                 return step, None, False
@@ -235,6 +241,7 @@ class ModelRunner:
             rows = out.index_select(0, step.sample_indices)
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
         step = unpack_step(header, self._to_device(packed))
+        _patch_input_ids(step, input_ids)
         hidden, _ = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if not header.num_samples:
             return step, None, False
@@ -254,29 +261,34 @@ class ModelRunner:
         return run_spec_forward(self, packed)
 
     @torch.inference_mode()
-    def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:
-        """Rank 0: the next token of each sampled row, as Python ints."""
+    def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+        """Device ids [N] of the sampled rows: banned ids masked, then argmax or the sampler."""
         if step.header.num_banned:
             logits[step.banned_rows, step.banned_ids] = float("-inf")
         if step.header.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
-        return self._to_host_list(tokens)
+            return logits.argmax(dim=-1)
+        return sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
 
-    def _to_host_list(self, tokens: torch.Tensor) -> list[int]:
-        """tokens [N] int64 as Python ints: on CUDA one non-blocking copy into pinned memory and an
-        event wait (cheaper than a synchronous pageable copy)."""
-        if tokens.device.type != "cuda":
-            return tokens.tolist()
-        n = tokens.numel()
-        if self._tokens_host is None or self._tokens_host.numel() < n:
-            self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-        host = self._tokens_host[:n]
-        host.copy_(tokens, non_blocking=True)
-        self._tokens_ready.record()
-        self._tokens_ready.synchronize()
-        return host.tolist()
+    def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:
+        """Rank 0: the next token of each sampled row, as Python ints."""
+        return self.readback.to_list(self._choose_tokens(step, logits))
+
+    def launch(self, batch: Batch, packed: torch.Tensor, previous: PendingStep | None = None) -> PendingStep:
+        """Rank 0: enqueues the forward and sampling of packed (a step of batch) and the copy of its
+        ids to the host; returns without waiting (see wait). previous: the step before, whose
+        sampled ids become this step's input ids on the device (every row of both steps samples)."""
+        input_ids = previous.next_input_ids() if previous is not None else None
+        step, logits, chosen_in_graph = self._forward(packed, input_ids)
+        rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        if chosen_in_graph:
+            tokens = self.graphs.token_ids[: step.header.num_seqs]
+        else:
+            tokens = self._choose_tokens(step, logits) if logits is not None else None
+        return self.readback.start(tokens, rows, chosen_in_graph, len(batch.seqs))
+
+    def wait(self, pending: PendingStep) -> list[int | None]:
+        """Rank 0: the ids of a launched step, one entry per batch row (None: the row did not sample)."""
+        return self.readback.wait(pending)
 
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[int | None]:
         """Single-process step: pack, forward, sample. Returns one entry per batch sequence: the
@@ -285,9 +297,9 @@ class ModelRunner:
 
     def run_packed(self, batch: Batch, packed: torch.Tensor) -> list[int | None]:
         """Rank 0: forward and sample an already packed step of batch (see run)."""
-        step, logits, chosen_in_graph = self._forward(packed)
-        if chosen_in_graph:
-            tokens = self._to_host_list(self.graphs.token_ids[: step.header.num_seqs])
-            return [tokens[i] if batch.samples(i) else None for i in range(len(batch.seqs))]
-        tokens = iter(self.sample(step, logits) if logits is not None else [])
-        return [next(tokens) if batch.samples(i) else None for i in range(len(batch.seqs))]
+        return self.wait(self.launch(batch, packed))
+
+
+def _patch_input_ids(step: StepInputs, input_ids: torch.Tensor | None) -> None:
+    if input_ids is not None:
+        step.input_ids[: input_ids.numel()].copy_(input_ids)
