@@ -34,27 +34,28 @@ from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
 
 STEP = "engine_step_"
-PHASES = {  # label: (attribute path from the engine, method names tried in order)
-    "schedule": ("scheduler", ("schedule",)),
-    "pack": ("executor.runner", ("pack",)),
-    "execute": ("executor.runner", ("_forward", "execute")),  # H2D copy, replay or eager forward
-    "sample": ("executor.runner", ("sample",)),  # sampler path (non-greedy, banned ids, eager)
-    "read_tokens": ("executor.runner", ("wait",)),  # waits for the ids (D2H copy and event)
-    "postprocess": ("scheduler", ("postprocess",)),
-}
+PHASES = [  # (label, attribute path from the engine, method); a label may wrap several methods
+    ("schedule", "scheduler", "schedule"),
+    ("schedule", "scheduler", "schedule_next_decode"),  # overlap: the next step planned ahead
+    ("pack", "executor.runner", "pack"),
+    ("pack", "executor.runner", "pack_next_decode"),
+    ("execute", "executor.runner", "_forward"),  # H2D copy, replay or eager forward
+    ("sample", "executor.runner", "_choose_tokens"),  # sampler path (non-greedy, banned ids, eager)
+    ("read_tokens", "executor.runner", "wait"),  # waits for the ids (D2H copy and event)
+    ("postprocess", "scheduler", "postprocess"),
+]
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def instrument_phases(engine: LLMEngine) -> None:
     """Wraps the engine's step phases in record_function ranges (instance attributes only)."""
-    for label, (path, methods) in PHASES.items():
+    for label, path, method in PHASES:
         owner = engine
         for name in path.split("."):
             owner = getattr(owner, name)
-        method = next((m for m in methods if hasattr(owner, m)), None)
-        if method is None:
+        original = getattr(owner, method, None)
+        if original is None:
             continue
-        original = getattr(owner, method)
 
         def wrapped(*args, _original=original, _label=label, **kwargs):
             with record_function(f"phase_{_label}"):
@@ -216,9 +217,6 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     cuda = args.device == "cuda"
     tokens_per_request = 2 + args.warmups + 2 * args.steps
-    extra = {}
-    if args.disable_overlap_schedule and "disable_overlap_schedule" in EngineConfig.__dataclass_fields__:
-        extra["disable_overlap_schedule"] = True
     config = EngineConfig(
         model=args.model,
         device=args.device,
@@ -231,17 +229,17 @@ def main() -> None:
         num_kv_blocks=None
         if cuda
         else max(batch_sizes) * (-(-(args.context + tokens_per_request) // 16) + 1),
-        **extra,
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
-    print(f"engine ready in {time.perf_counter() - start:.1f} s; graphs: "
-          f"{getattr(engine.executor, 'graphs', None) is not None}")  # fmt: skip
+    graphs = getattr(engine.executor, "graphs", None) is not None
+    print(f"engine ready in {time.perf_counter() - start:.1f} s; graphs: {graphs}; overlap: {engine.overlap}")
     instrument_phases(engine)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     record = {"model": args.model, "dtype": args.dtype, "device": args.device, "context": args.context,
-              "steps": args.steps, "results": {}}  # fmt: skip
+              "steps": args.steps, "graphs": graphs, "overlap": engine.overlap, "results": {}}  # fmt: skip
     for b in batch_sizes:
         start_decode_batch(engine, b, args.context, tokens_per_request, f"b{b}")
         for _ in range(args.warmups):

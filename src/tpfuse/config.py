@@ -72,6 +72,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_bs: int = 256
+    disable_overlap_schedule: bool = False  # TP=1 decode: prepare step N+1 while step N runs
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -155,6 +156,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run every step synchronously (by default, TP=1 decode steps launch the next step "
+        "before reading this one's tokens)",
+    )
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None, choices=list(SPECULATIVE_ALGORITHMS))
     s.add_argument("--speculative-draft-model-path", default=None)

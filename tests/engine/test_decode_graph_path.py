@@ -52,7 +52,10 @@ def test_graph_batch_sizes_are_powers_of_two_then_steps_of_eight_up_to_the_maxim
 @pytest.fixture(scope="module")
 def llm_and_eager_tokens():
     llm = LLM("tiny", device="cpu", num_kv_blocks=256, max_model_len=MAX_LEN, enable_prefix_caching=False)
-    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    llm.engine.overlap = False  # the reference: eager and synchronous
+    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    llm.engine.overlap = True  # graph steps below also chain their input ids on the device
+    return llm, expected
 
 
 @pytest.mark.parametrize("graph_logits", [True, False])

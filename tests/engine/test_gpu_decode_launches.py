@@ -36,3 +36,21 @@ def test_greedy_graph_decode_step_launches_only_the_graph(batch_size):
         llm.shutdown()
     assert launches.count("cudaGraphLaunch") == 5
     assert [name for name in launches if name != "cudaGraphLaunch"] == []
+
+
+def test_overlap_schedule_gives_the_synchronous_tokens_with_cuda_graphs():
+    kw = dict(device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=256, cuda_graph_max_bs=4)
+    prompts = ["The quick brown fox", "hi", "a longer prompt that spans several KV blocks"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=25, min_tokens=5),
+    ]
+    outputs = []
+    for disable in (True, False):
+        llm = LLM("tiny", disable_overlap_schedule=disable, **kw)
+        try:
+            outputs.append([(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)])
+        finally:
+            llm.shutdown()
+    assert outputs[1] == outputs[0]

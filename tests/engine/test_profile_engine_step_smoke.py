@@ -6,16 +6,24 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "profile_engine_step.py")
 
 
-def test_profile_engine_step_smoke_run_reports_three_decode_steps_with_phases_and_host_functions(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_profile_engine_step_smoke_run_reports_three_decode_steps_with_phases_and_host_functions(
+    tmp_path, overlap
+):
     out = tmp_path / "profile.json"
     args = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--steps", "3",
             "--context", "20", "--warmups", "1", "--out", str(out)]  # fmt: skip
+    args += [] if overlap else ["--disable-overlap-schedule"]
     proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())["results"]["1"]
+    record = json.loads(out.read_text())
+    assert record["overlap"] is overlap
+    result = record["results"]["1"]
     assert len(result["per_step"]) == 3
     for step in result["per_step"]:
         assert step["wall_us"] > 0 and step["gpu_busy_us"] == 0 and step["gpu_idle_us"] == step["wall_us"]

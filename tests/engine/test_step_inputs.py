@@ -6,7 +6,7 @@ from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
-from tpfuse.engine.step_inputs import pack_step, read_header, row_seed, unpack_step
+from tpfuse.engine.step_inputs import pack_next_decode, pack_step, read_header, row_seed, unpack_step
 
 BLOCK = 4
 
@@ -70,3 +70,33 @@ def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
     assert step.query_start_loc.tolist() == list(range(9))
     assert step.block_tables[3:].abs().sum() == 0
     assert step.header.all_greedy == 1 and step.header.is_decode == 1
+
+
+def test_pack_next_decode_equals_pack_step_after_the_tokens_arrive_but_for_the_input_ids():
+    bm = BlockManager(32, BLOCK)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=4),
+        SamplingParams(temperature=1.0),
+    ]
+    seqs = [
+        Sequence(f"r{i}", list(range(1, n + 1)), p, BLOCK)
+        for i, (n, p) in enumerate(zip([3, 4, 9], params, strict=True))
+    ]
+    for s in seqs:
+        bm.allocate(s)
+        s.num_computed_tokens = len(s) - 1
+        bm.append_slot(s, 1)  # the next position's block (r1 crosses into a new one)
+    batch = Batch(seqs, [1, 1, 1])
+    ahead = pack_next_decode(batch, BLOCK, engine_seed=9, pad_to=4)
+    for s, token in zip(seqs, [50, 51, 52], strict=True):
+        s.token_ids.append(token)
+        s.num_computed_tokens += 1
+    after = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, engine_seed=9, banned_token_ids=lambda s: [], pad_to=4)
+    assert read_header(ahead) == read_header(after)
+    expected = unpack_step(read_header(after), after.clone())
+    expected.input_ids[:3] = 0
+    got = unpack_step(read_header(ahead), ahead)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables",
+                 "sample_indices", "top_ks", "seeds", "temperatures", "top_ps"):  # fmt: skip
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name

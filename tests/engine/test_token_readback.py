@@ -31,3 +31,11 @@ def test_next_input_ids_are_the_real_rows_of_a_decode_step():
     readback = TokenReadback(torch.device("cpu"))
     pending = readback.start(torch.tensor([5, 6, 0, 0]), rows=[0, 1], by_row=True, num_rows=2)
     assert pending.next_input_ids().tolist() == [5, 6]
+
+
+def test_ids_are_copied_when_started_so_a_later_step_may_overwrite_the_device_buffer():
+    readback = TokenReadback(torch.device("cpu"))
+    buffer = torch.tensor([7, 8])
+    pending = readback.start(buffer, rows=[0, 1], by_row=True, num_rows=2)
+    buffer.fill_(-1)
+    assert readback.wait(pending) == [7, 8]

@@ -3,6 +3,13 @@
 The engine owns the scheduler and block manager and drives a model executor: a ModelRunner in this
 process for TP=1, or the tensor-parallel group (worker.py) for TP > 1. It deals in token ids only;
 text (and stop strings) belongs to whoever holds a Detokenizer.
+
+Overlap schedule (TP=1, no speculation, unless --disable-overlap-schedule): when the batch after a
+decode step is known before its tokens are (the same requests, none due to finish by length or
+still banning ids, nothing waiting, KV blocks free), the next step is packed and launched before
+this step's ids are read, taking them as input ids on the device; the GPU runs the two steps back
+to back while the host postprocesses. If a request then finishes, arrives or is aborted, the
+launched step is dropped and the batch scheduled again, so tokens equal the synchronous path's.
 """
 
 from __future__ import annotations
@@ -91,6 +98,8 @@ class LLMEngine:
             from tpfuse.engine.spec_decoder import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config, self.executor, self.max_model_len)
+        self.overlap = config.tp_size == 1 and not spec.enabled and not config.disable_overlap_schedule
+        self._in_flight = None  # (batch, PendingStep) launched ahead, not yet read
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -137,6 +146,12 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Runs one batch; returns an output for every request that got a token (finished ones last
         time they appear). Returns [] when there is nothing to do."""
+        if self._in_flight is not None:
+            batch, pending = self._in_flight
+            self._in_flight = None
+            if self._still_scheduled(batch):
+                return self._complete(batch, pending)
+            self.executor.wait(pending)  # dropped: a request finished, arrived or was aborted
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -145,10 +160,36 @@ class LLMEngine:
         seed, banned = self.config.seed, self.scheduler.banned_token_ids
         if self.spec_decoder is not None:
             emitted = self.spec_decoder.run(batch, seed, banned)
-            updates = self.scheduler.postprocess_multi(batch, emitted)
-        else:
-            sampled = self.executor.run(batch, seed, banned)
-            updates = [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
+            return self._outputs(self.scheduler.postprocess_multi(batch, emitted))
+        if self.overlap:
+            return self._complete(batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)))
+        sampled = self.executor.run(batch, seed, banned)
+        return self._outputs(
+            [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
+        )
+
+    def _still_scheduled(self, batch) -> bool:
+        """Whether schedule() would return batch (launched ahead) now."""
+        running = self.scheduler.running
+        return (
+            not self.scheduler.waiting
+            and len(running) == len(batch.seqs)
+            and all(a is b for a, b in zip(running, batch.seqs, strict=True))
+        )
+
+    def _complete(self, batch, pending) -> list[StepOutput]:
+        """Launches the step after batch when it is known already, then reads batch's ids and
+        postprocesses them."""
+        following = self.scheduler.schedule_next_decode(batch)
+        if following is not None:
+            packed = self.executor.pack_next_decode(following, self.config.seed)
+            self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
+        sampled = self.executor.wait(pending)
+        return self._outputs(
+            [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
+        )
+
+    def _outputs(self, updates) -> list[StepOutput]:
         outputs = []
         for seq, tokens in updates:
             self.num_generated_tokens += len(tokens)
@@ -194,6 +235,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Releases the executor (worker processes for TP > 1). Safe to call twice."""
+        if self._in_flight is not None:
+            self.executor.wait(self._in_flight[1])
+            self._in_flight = None
         close = getattr(self.executor, "shutdown", None)
         if close is not None:
             close()

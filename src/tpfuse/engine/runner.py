@@ -20,7 +20,14 @@ from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
 from tpfuse.engine.spec_worker import SpecWorker
-from tpfuse.engine.step_inputs import StepHeader, StepInputs, pack_step, read_header, unpack_step
+from tpfuse.engine.step_inputs import (
+    StepHeader,
+    StepInputs,
+    pack_next_decode,
+    pack_step,
+    read_header,
+    unpack_step,
+)
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
 from tpfuse.model.attention import AttentionMetadata
@@ -172,6 +179,12 @@ class ModelRunner:
         if self.graphs is not None and batch.is_decode:
             pad_to = self.graphs.bucket(len(batch.seqs))
         return pack_step(batch, self.block_size, engine_seed, banned_token_ids, pad_to)
+
+    def pack_next_decode(self, batch: Batch, engine_seed: int) -> torch.Tensor:
+        """Rank 0: the packed decode step that follows batch, its input ids left to the device
+        (step_inputs.pack_next_decode), padded to its CUDA-graph bucket."""
+        pad_to = self.graphs.bucket(len(batch.seqs)) if self.graphs is not None else None
+        return pack_next_decode(batch, self.block_size, engine_seed, pad_to)
 
     def _stage(self, packed: torch.Tensor) -> torch.Tensor:
         """packed copied into the pinned staging buffer (CUDA only)."""

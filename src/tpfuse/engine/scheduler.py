@@ -116,6 +116,36 @@ class Scheduler:
             budget -= n
         return Batch(seqs, counts) if seqs else None
 
+    def schedule_next_decode(self, batch: Batch) -> Batch | None:
+        """Overlap schedule: the batch schedule() will return after batch (not yet postprocessed)
+        when no sequence finishes, nothing arrives and nothing is aborted: the same sequences, one
+        decode token each. Reserves the KV block of each one's next position. None when that batch
+        cannot be known now: batch is not a decode of every running request in which each row
+        samples, a request waits, a row is due to finish by length, a row still bans ids
+        (min_tokens), a row has a draft lookahead, or blocks would have to be freed (preemption)."""
+        if self.waiting or self.num_lookahead_tokens or len(batch.seqs) != len(self.running):
+            return None
+        if len(batch.seqs) > self.max_num_batched_tokens:
+            return None
+        bm = self.block_manager
+        capacity = bm.block_size
+        new_blocks = 0
+        for seq, running, n in zip(batch.seqs, self.running, batch.num_new_tokens, strict=True):
+            length = len(seq.token_ids)
+            if seq is not running or n != 1 or seq.num_computed_tokens + 1 != length:
+                return None
+            p = seq.params
+            num_output = length + 1 - seq.num_prompt_tokens  # once this step's id is appended
+            if num_output < p.min_tokens or num_output >= p.max_tokens or length + 1 >= self.max_model_len:
+                return None
+            new_blocks += length + 1 > len(seq.block_table) * capacity
+        if new_blocks > bm.num_free_blocks:
+            return None
+        for seq in batch.seqs:
+            if len(seq.token_ids) + 1 > len(seq.block_table) * capacity:
+                bm.append_slot(seq, 1)
+        return Batch(list(batch.seqs), [1] * len(batch.seqs))
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

@@ -173,6 +173,55 @@ def pack_step(
     return torch.frombuffer(values, dtype=torch.int64)
 
 
+def pack_next_decode(
+    batch: Batch, block_size: int, engine_seed: int, pad_to: int | None = None
+) -> torch.Tensor:
+    """Packs the decode step that follows batch (a decode in which every row samples), as pack_step
+    would once each sequence has its next token, except that the input ids are 0: the caller
+    fills them on the device from this step's sampled ids. Rows must have no banned ids then
+    (min_tokens reached) and KV blocks for the new position."""
+    input_ids, positions, slots, seq_lens, tables, seeds, temps, top_ps, top_ks = ([] for _ in range(9))
+    max_blocks = max(len(s.block_table) for s in batch.seqs)
+    bs = block_size
+    for seq in batch.seqs:
+        position = len(seq.token_ids)  # the id sampled now sits here next step
+        table = seq.block_table
+        input_ids.append(0)
+        positions.append(position)
+        slots.append(table[position // bs] * bs + position % bs)
+        seq_lens.append(position + 1)
+        tables += table
+        if len(table) < max_blocks:
+            tables += [0] * (max_blocks - len(table))
+        p = seq.params
+        temps.append(p.temperature)
+        top_ps.append(p.top_p)
+        top_ks.append(p.top_k)
+        output_index = position + 1 - seq.num_prompt_tokens
+        seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, output_index) if p.temperature > 0.0 else 0)
+    num_real = len(seq_lens)
+    pad = max(0, (pad_to or 0) - num_real)
+    input_ids += [0] * pad
+    positions += [0] * pad
+    slots += [-1] * pad
+    seq_lens += [1] * pad
+    tables += [0] * (pad * max_blocks)
+    header = StepHeader(
+        num_seqs=num_real + pad,
+        num_tokens=num_real + pad,
+        num_samples=num_real,
+        max_blocks=max_blocks,
+        is_decode=1,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        num_banned=0,
+        all_greedy=int(all(t == 0.0 for t in temps)),
+    )
+    starts = list(range(num_real + pad + 1))
+    ints = [input_ids, positions, slots, seq_lens, starts, tables, list(range(num_real)), top_ks, seeds]
+    return torch.frombuffer(encode_step(header, ints, temps + top_ps, [[], []]), dtype=torch.int64)
+
+
 def encode_step(header: StepHeader, int_parts: list, floats: list[float], tail_parts: list) -> array:
     """The packed values: header, int_parts, floats (as float64 bits), tail_parts, in that order
     (the order of StepHeader.sizes). Callers may append more sections to the returned array."""

@@ -47,7 +47,10 @@ class TokenReadback:
     def start(self, tokens: torch.Tensor | None, rows: list[int], by_row: bool, num_rows: int) -> PendingStep:
         """Enqueues the copy of tokens [R] int64 (see PendingStep) and returns without waiting."""
         pending = PendingStep(tokens, rows, by_row, num_rows)
-        if tokens is None or not self.cuda:
+        if tokens is None:
+            return pending
+        if not self.cuda:  # the copy is taken now, as on the device (a later step may reuse tokens)
+            pending.host = tokens.clone()
             return pending
         i, n = self._next, tokens.numel()
         self._next ^= 1
@@ -65,9 +68,8 @@ class TokenReadback:
         return self._read(pending)
 
     def _read(self, pending: PendingStep) -> list[int]:
-        if pending.host is None:
-            return pending.tokens.tolist()
-        pending.event.synchronize()
+        if pending.event is not None:
+            pending.event.synchronize()
         return pending.host.tolist()
 
     def wait(self, pending: PendingStep) -> list[int | None]:

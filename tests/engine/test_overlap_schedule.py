@@ -1,0 +1,124 @@
+"""The overlap schedule (the next decode step launched before this one's ids are read) gives exactly
+the synchronous engine's tokens and finish reasons: greedy and seeded sampling, stop ids, EOS,
+max_tokens and min_tokens in the middle of a batch, requests arriving and aborted mid-run, and
+preemption under a tiny KV budget."""
+
+import pytest
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.sampling_params import SamplingParams
+
+PROMPT_LENGTHS = [5, 19, 37, 3, 11]
+
+
+def _prompt(i: int) -> list[int]:
+    return [(17 * i + 5 * j + 1) % 200 + 50 for j in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])]
+
+
+def _engine(overlap: bool, **kw) -> LLMEngine:
+    config = EngineConfig(model="tiny", device="cpu", disable_overlap_schedule=not overlap, **kw)
+    engine = LLMEngine(config)
+    launches = engine.chained_launches = [0]
+    launch = engine.executor.launch
+
+    def counting_launch(batch, packed, previous=None):
+        launches[0] += previous is not None
+        return launch(batch, packed, previous)
+
+    engine.executor.launch = counting_launch
+    return engine
+
+
+def _run(engine: LLMEngine, arrivals: dict, aborts: dict) -> dict:
+    """arrivals: step -> [(request id, params)]; aborts: step -> [request id]. Returns
+    request id -> (token ids, finish reason)."""
+    tokens, reasons, step = {}, {}, 0
+    while engine.has_unfinished() or any(s >= step for s in arrivals):
+        for request_id, params in arrivals.get(step, []):
+            engine.add_request(request_id, _prompt(int(request_id[1:])), params)
+            tokens[request_id] = []
+        for request_id in aborts.get(step, []):
+            engine.abort_request(request_id)
+            reasons[request_id] = "abort"
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        step += 1
+    return {r: (tokens[r], reasons.get(r)) for r in tokens}
+
+
+def _both(arrivals, aborts=None, **kw) -> tuple[dict, dict, int]:
+    results = []
+    for overlap in (False, True):
+        engine = _engine(overlap, **kw)
+        results.append((_run(engine, arrivals, aborts or {}), engine.chained_launches[0]))
+        engine.shutdown()
+    (sync, sync_chained), (overlapped, chained) = results
+    assert sync_chained == 0
+    return sync, overlapped, chained
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def seeded(n, seed, **kw):
+    return SamplingParams(
+        temperature=0.9, top_k=40, top_p=0.9, seed=seed, max_tokens=n, ignore_eos=True, **kw
+    )
+
+
+def test_greedy_and_seeded_batch_with_max_tokens_and_min_tokens_mid_batch_matches_sync():
+    params = [greedy(20), seeded(9, 1), greedy(14, min_tokens=6), seeded(25, 2), greedy(3)]
+    sync, overlapped, chained = _both({0: [(f"r{i}", p) for i, p in enumerate(params)]}, num_kv_blocks=256)
+    assert overlapped == sync
+    assert [len(sync[f"r{i}"][0]) for i in range(5)] == [20, 9, 14, 25, 3]
+    assert chained > 10
+
+
+def test_stop_token_and_eos_finishing_mid_batch_match_sync():
+    base = _both({0: [(f"r{i}", greedy(30)) for i in range(3)]}, num_kv_blocks=256)[0]
+    stop_at = base["r1"][0][7]  # r1 stops on its eighth token
+    eos_like = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[base["r2"][0][4]])
+    arrivals = {0: [("r0", greedy(30)), ("r1", greedy(30, stop_token_ids=[stop_at])), ("r2", eos_like)]}
+    sync, overlapped, chained = _both(arrivals, num_kv_blocks=256)
+    assert overlapped == sync
+    assert sync["r1"][1] == "stop" and len(sync["r1"][0]) <= 8 and sync["r2"][1] == "stop"
+    assert chained > 10
+
+
+def test_requests_arriving_and_aborted_mid_run_match_sync():
+    arrivals = {
+        0: [("r0", greedy(24)), ("r1", seeded(24, 5))],
+        4: [("r2", greedy(10))],
+        9: [("r3", seeded(12, 8)), ("r4", greedy(6))],
+    }
+    aborts = {6: ["r1"], 11: ["r3"]}
+    sync, overlapped, chained = _both(arrivals, aborts, num_kv_blocks=256)
+    assert overlapped == sync
+    assert sync["r1"][1] == "abort" and len(sync["r1"][0]) < 24
+    assert chained > 10
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_under_a_tiny_kv_budget_matches_sync(prefix_caching):
+    arrivals = {0: [(f"r{i}", greedy(40) if i % 2 else seeded(40, i)) for i in range(4)]}
+    kw = dict(num_kv_blocks=10, block_size=16, enable_prefix_caching=prefix_caching)
+    results = []
+    for overlap in (False, True):
+        engine = _engine(overlap, **kw)
+        results.append(
+            (_run(engine, arrivals, {}), engine.scheduler.num_preemptions, engine.chained_launches[0])
+        )
+        engine.shutdown()
+    (sync, sync_preempted, _), (overlapped, preempted, chained) = results
+    assert overlapped == sync
+    assert sync_preempted > 0 and preempted > 0
+    assert chained > 10
+
+
+def test_overlap_schedule_is_on_by_default_and_off_with_the_flag():
+    assert _engine(True, num_kv_blocks=64).overlap
+    assert not _engine(False, num_kv_blocks=64).overlap
