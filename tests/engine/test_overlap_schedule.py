@@ -122,3 +122,14 @@ def test_preemption_under_a_tiny_kv_budget_matches_sync(prefix_caching):
 def test_overlap_schedule_is_on_by_default_and_off_with_the_flag():
     assert _engine(True, num_kv_blocks=64).overlap
     assert not _engine(False, num_kv_blocks=64).overlap
+
+
+def test_disable_overlap_schedule_flag_reaches_the_engine_config():
+    import argparse
+
+    from tpfuse.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--disable-overlap-schedule"])).disable_overlap_schedule
+    assert not engine_config_from_args(parser.parse_args([])).disable_overlap_schedule

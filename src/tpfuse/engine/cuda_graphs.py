@@ -116,7 +116,7 @@ class DecodeGraphs:
         columns, rows = self._table_index[batch_size]
         # Row b of a width-M table starts at start + b * M. Columns >= M read other values: attention
         # never reads past a context's own blocks, and `packed` is sized so every index stays inside.
-        index = torch.addcmul(columns, rows, self.packed[MAX_BLOCKS_INDEX])
+        index = columns + rows * self.packed[MAX_BLOCKS_INDEX]
         self.block_tables[:batch_size].copy_(self.packed.take(index))
         return views["input_ids"], views["positions"], views["slot_mapping"]
 
