@@ -9,6 +9,7 @@ Prints one line per kernel variant and exits non-zero if any fails.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import traceback
@@ -93,12 +94,14 @@ def _variants(dtype: str):
         {},
         dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
     )
-    for block_m, block_n, num_warps, num_stages in {prefill_tile_config(q, 128) for q in (5, 64, 4096)}:
+    prefill_tiles = {prefill_tile_config(q, 128) for q in (5, 64, 4096)}
+    for (block_m, block_n, num_warps, num_stages), tree in itertools.product(prefill_tiles, (False, True)):
         yield (
             prefill_attention._prefill_kernel,
-            {**kv, "query_start_loc_ptr": "*i32"},
+            {**kv, "query_start_loc_ptr": "*i32", "tree_mask_ptr": "*i64"},
             attention,
             dict(
+                HAS_TREE_MASK=tree,
                 GROUP=4,
                 HEAD_DIM=128,
                 BLOCK_SIZE=16,
