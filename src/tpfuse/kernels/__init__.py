@@ -15,6 +15,7 @@ import torch
 from tpfuse.kernels import (
     activation,
     decode_attention,
+    gemv,
     kv_store,
     prefill_attention,
     rmsnorm,
@@ -26,6 +27,7 @@ from tpfuse.kernels import (
 __all__ = [
     "decode_attention_op",
     "fused_add_rmsnorm",
+    "linear_small_batch",
     "prefill_attention_op",
     "rmsnorm_op",
     "rope_op",
@@ -96,3 +98,15 @@ def prefill_attention_op(
 
 def sample(logits, temperatures, top_ks, top_ps, seeds):
     return _pick(sampling, "sample", logits)(logits, temperatures, top_ks, top_ps, seeds)
+
+
+def linear_small_batch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] of x.dtype (an nn.Linear without bias).
+
+    Opt-in until the H200 shows it beats cuBLAS (benchmarks/gemv.py): the Triton GEMV
+    (kernels/gemv.py) runs only when TPFUSE_GEMV=triton, M <= 16, x is bf16/fp16 and Triton is in
+    use for x (x on CUDA, or TPFUSE_KERNELS=triton); otherwise torch.matmul (cuBLAS on CUDA)."""
+    small = x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    if os.environ.get("TPFUSE_GEMV") == "triton" and small and use_triton(x):
+        return gemv.gemv_triton(x, weight)
+    return torch.matmul(x, weight.t())
