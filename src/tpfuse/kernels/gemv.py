@@ -56,7 +56,7 @@ def _column_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 @triton.jit
-def _partial_product(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_start, k_end, stride_xm,
+def _partial_product(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_start, k_end, hidden, stride_xm,
                      stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32: x[rows, k_start:k_end] @ weight[cols, k_start:k_end].T."""
@@ -65,7 +65,9 @@ def _partial_product(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_start, k_en
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
+        # Tiles never straddle a split (k_per_split is a multiple of BLOCK_K), so only the end of K
+        # is masked: with K a multiple of 16 (specialised at launch) the loads stay 16-byte vectors.
+        k_mask = ks < hidden
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if USE_DOT:
@@ -108,7 +110,7 @@ def _gemv_kernel(
     col_mask = cols < num_cols
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, hidden)
-    acc = _partial_product(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_start, k_end, stride_xm,
+    acc = _partial_product(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_start, k_end, hidden, stride_xm,
                            stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_IN_FP32)  # fmt: skip
     out_mask = row_mask[:, None] & col_mask[None, :]
     out_offsets = rows[:, None] * stride_om + cols[None, :]
