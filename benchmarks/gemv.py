@@ -13,15 +13,16 @@ Usage (device machine, repo root): python benchmarks/gemv.py   # JSON to $OUT/ge
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 import triton
 
+from tpfuse.bench import gpu_timing
 from tpfuse.kernels import gemv
 
 SHAPES = {  # name: (N, K), per layer count
@@ -44,33 +45,7 @@ DTYPE = torch.bfloat16
 ROWS: list[dict] = []
 
 
-def graph_us(calls, min_launches: int = 32, replays: int = 5) -> float:
-    """Microseconds per call: the calls captured round-robin into one CUDA graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:  # compile outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    launches = triton.cdiv(min_launches, len(calls)) * len(calls)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * launches))
-    del graph
-    return statistics.median(samples)
+graph_us = functools.partial(gpu_timing.graph_us, replays=5, samples=3)
 
 
 def copy_tbps() -> float:

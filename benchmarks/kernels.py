@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.bench.gpu_timing import graph_us
 from tpfuse.kernels.activation import silu_and_mul_launch, silu_and_mul_triton
 from tpfuse.kernels.decode_attention import DECODE_BLOCK_N, choose_num_splits, decode_attention_launch
 from tpfuse.kernels.kv_store import store_kv_triton
@@ -42,35 +42,6 @@ SCALE, EPS = HEAD_DIM**-0.5, 1e-5
 L2_DEFEAT_BYTES = 192 << 20  # H200 L2 is 60 MB
 DEVICE = "cuda"  # tests/kernels/test_kernels_benchmark.py runs this file on CPU at tiny shapes
 ROWS: list[dict] = []
-
-
-def graph_us(calls, min_launches: int = 64, replays: int = 10) -> float:
-    """Microseconds per call: the calls captured round-robin into one CUDA graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:  # compile and autotune outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    launches = triton.cdiv(min_launches, len(calls)) * len(calls)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * launches))
-    del graph
-    return statistics.median(samples)
 
 
 def record(op: str, shape: str, us: float, nbytes: float | None = None, **extra) -> None:
