@@ -32,6 +32,32 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
 
 
+def paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn: AttentionMetadata, scale: float):
+    """Rotary embedding, KV-cache store and attention over the paged cache, for one layer.
+
+    positions: [T]; q: [T, Hq, D] (rotated in place); k, v: [T, Hk, D] (not modified; their rotated k
+    and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping). Returns [T, Hq, D]:
+    decode attention when every sequence has one query token, else prefill attention (causal, or the
+    speculative tree mask).
+    """
+    k_cache, v_cache = kv_cache
+    # One launch: q rotated in place, rotated k and v written to their slots (k itself untouched).
+    rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
+    if attn.is_decode:
+        return decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
+    return prefill_attention_op(
+        q,
+        k_cache,
+        v_cache,
+        attn.block_tables,
+        attn.seq_lens,
+        attn.query_start_loc,
+        attn.max_query_len,
+        scale,
+        tree_mask=attn.tree_mask,
+    )
+
+
 class Attention(nn.Module):
     """Self-attention of one decoder layer over the paged KV cache, heads split over ranks.
 
@@ -82,21 +108,5 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d)
-        k_cache, v_cache = kv_cache
-        # One launch: q rotated in place, rotated k and v written to their slots (k itself untouched).
-        rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
-        if attn.is_decode:
-            out = decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
-        else:
-            out = prefill_attention_op(
-                q,
-                k_cache,
-                v_cache,
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                attn.max_query_len,
-                self.scale,
-                tree_mask=attn.tree_mask,
-            )
+        out = paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn, self.scale)
         return self.o_proj(out.view(num_tokens, self.num_heads * d))

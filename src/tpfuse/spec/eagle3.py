@@ -17,14 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.kernels import (
-    decode_attention_op,
     fused_add_rmsnorm,
-    prefill_attention_op,
     rope_cos_sin_cache,
-    rope_op,
-    store_kv,
 )
-from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.attention import AttentionMetadata, paged_attention
 from tpfuse.model.config import ModelConfig, resolve_dtype
 from tpfuse.model.layers import RMSNorm
 from tpfuse.model.llama import default_eagle3_aux_layers
@@ -144,23 +140,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, d)
         k = self.k_proj(x).view(t, self.num_kv_heads, d)
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        rope_op(positions, q, k, cos_sin_cache)
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        if attn.is_decode:
-            out = decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
-        else:
-            out = prefill_attention_op(
-                q,
-                k_cache,
-                v_cache,
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                attn.max_query_len,
-                self.scale,
-                tree_mask=attn.tree_mask,
-            )
+        out = paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
