@@ -1,4 +1,5 @@
-"""Run a function on N ranks of a gloo process group (CPU), for tests of tensor-parallel logic."""
+"""Run a function on N ranks of a process group: gloo (CPU, for tests of tensor-parallel logic), or
+NCCL with one GPU per rank (multigpu tests on the device machine)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, backend):
+    import torch
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group(
+                "nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank)
+            )
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:
@@ -31,15 +39,15 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """Runs fn(rank, world_size, *args) in world_size spawned processes over gloo and returns the
-    results in rank order. fn must be a module-level function; its result must be picklable.
-    A rank that raises fails the call with that rank's traceback."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Runs fn(rank, world_size, *args) in world_size spawned processes and returns the results in
+    rank order. backend "gloo" (CPU) or "nccl" (rank r on GPU r). fn must be a module-level function;
+    its result must be picklable. A rank that raises fails the call with that rank's traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
