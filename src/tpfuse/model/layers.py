@@ -8,6 +8,7 @@ fused all-reduce + residual + RMSNorm, never inside a layer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import rmsnorm_op
+from tpfuse.kernels import linear_small_batch, rmsnorm_op
+
+# TPFUSE_GEMV=triton: decode-sized projections (<= 16 rows) go through tpfuse's Triton GEMV instead of
+# cuBLAS. Opt-in until the H200 shows it is faster (benchmarks/gemv.py); read once, so the default hot
+# path is plain F.linear.
+GEMV_OPT_IN = os.environ.get("TPFUSE_GEMV") == "triton"
+GEMV_MAX_ROWS = 16
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if GEMV_OPT_IN and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        out = linear_small_batch(x, weight)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
 
 
 @dataclass
@@ -94,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
         return ShardSlot(self.weight, (full, self.input_size), 0, start, local, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -149,7 +163,7 @@ class RowParallelLinear(nn.Module):
         return ShardSlot(self.weight, self.full_shape, 1, self.start, self.local_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
