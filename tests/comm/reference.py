@@ -45,3 +45,26 @@ def run_ranks_in_phases(call, world_size: int, phases=PHASES_IN_ORDER, ranks=Non
     for phase in phases:
         for rank in ranks:
             call(rank, phase)
+
+
+def repeat_and_replay_mismatches(comm, x, residual, weight, eps, calls=10_000, replays=1000):
+    """(elements differing from the first call over `calls` back-to-back calls, the same over `replays`
+    replays of the call captured in a CUDA graph): both 0 when the protocol is exact under repetition."""
+    import torch
+
+    first = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+    mismatches = torch.zeros((), dtype=torch.int64, device=x.device)
+    for _ in range(calls):
+        normed, new_residual = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+        mismatches += (normed != first[0]).sum() + (new_residual != first[1]).sum()
+    torch.cuda.synchronize()
+    back_to_back = int(mismatches)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+    mismatches.zero_()
+    for _ in range(replays):
+        graph.replay()
+        mismatches += (graph_out[0] != first[0]).sum() + (graph_out[1] != first[1]).sum()
+    torch.cuda.synchronize()
+    return back_to_back, int(mismatches)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.comm.reference import assert_close_to, fused64
+from tests.comm.reference import assert_close_to, fused64, repeat_and_replay_mismatches
 from tests.helpers.dist import run_distributed
 
 # Processes time-slice the GPU (about 2.3 ms per call at 2 ranks, 6.8 ms at 4), so the module fixture's
@@ -78,22 +78,9 @@ def _communicator_rank(rank, world_size):
     # 10,000 back-to-back calls and 1,000 graph replays, each checked against the first call's bits
     xs_all, residual_cpu, weight_cpu = _inputs(world_size, 4, 0)
     x, residual, weight = xs_all[rank].cuda(), residual_cpu.cuda(), weight_cpu.cuda()
-    first = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-    mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
-    for _ in range(10_000):
-        normed, new_residual = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-        mismatches += (normed != first[0]).sum() + (new_residual != first[1]).sum()
-    torch.cuda.synchronize()
-    result["back_to_back_mismatches"] = int(mismatches)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-    mismatches.zero_()
-    for _ in range(1000):
-        graph.replay()
-        mismatches += (graph_out[0] != first[0]).sum() + (graph_out[1] != first[1]).sum()
-    torch.cuda.synchronize()
-    result["graph_mismatches"] = int(mismatches)
+    result["back_to_back_mismatches"], result["graph_mismatches"] = repeat_and_replay_mismatches(
+        comm, x, residual, weight, EPS
+    )
     comm.check()
     dist.barrier()  # peers' memory stays mapped until every rank is done with it
     return _packed(result)

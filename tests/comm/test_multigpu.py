@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm.reference import assert_close_to, fused64, sum64
+from tests.comm.reference import assert_close_to, fused64, repeat_and_replay_mismatches, sum64
 from tests.comm.test_gpu_shared_processes import _inputs, _packed, _unpacked
 from tests.helpers.dist import run_distributed
 
@@ -39,22 +39,9 @@ def _rank(rank, world_size, mode):
     result["gathered"] = gathered.cpu()
     xs, residual_cpu, weight_cpu = _inputs(world_size, 4, 0)
     x, residual, weight = xs[rank].to(device), residual_cpu.to(device), weight_cpu.to(device)
-    first = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-    mismatches = torch.zeros((), dtype=torch.int64, device=device)
-    for _ in range(10_000):
-        normed, new_residual = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-        mismatches += (normed != first[0]).sum() + (new_residual != first[1]).sum()
-    torch.cuda.synchronize()
-    result["back_to_back_mismatches"] = int(mismatches)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = comm.fused_add_rmsnorm_all_reduce(x, residual, weight, EPS)
-    mismatches.zero_()
-    for _ in range(1000):
-        graph.replay()
-        mismatches += (graph_out[0] != first[0]).sum() + (graph_out[1] != first[1]).sum()
-    torch.cuda.synchronize()
-    result["graph_mismatches"] = int(mismatches)
+    result["back_to_back_mismatches"], result["graph_mismatches"] = repeat_and_replay_mismatches(
+        comm, x, residual, weight, EPS
+    )
     if hasattr(comm, "check"):
         comm.check()
     torch.distributed.barrier()  # peers' memory stays mapped until every rank is done with it

@@ -52,3 +52,25 @@ def run_with_late_arrival(engine: LLMEngine, params: SamplingParams, steps_befor
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))] + [tokens["late"]]
+
+
+def rig_drafter(monkeypatch, full: list[int]) -> None:
+    """Every tree: root, decoy, t1, decoy, t2, t3 with parents -1, 0, 0, 2, 2, 4: the true path is
+    nodes 0, 2, 4, 5, so accepting 3 drafts moves slots L+2, L+4, L+5 to L+1, L+2, L+3."""
+    import torch
+
+    from tpfuse.spec.eagle3_drafter import Eagle3Drafter
+    from tpfuse.spec.tree import DraftTree
+
+    real = Eagle3Drafter.propose_tree
+
+    def rigged(self, inputs, num_steps, topk, num_nodes):
+        real(self, inputs, num_steps, topk, num_nodes)  # keeps the head's KV and shapes real
+        root = int(inputs.positions[inputs.last_index()][0]) + 1
+        t1, t2, t3 = full[root + 1], full[root + 2], full[root + 3]
+        tokens = [full[root], (t1 + 1) % 256, t1, (t2 + 1) % 256, t2, t3]
+        return DraftTree(
+            torch.tensor([tokens]), torch.tensor([[-1, 0, 0, 2, 2, 4]]), torch.tensor([[0, 1, 1, 2, 2, 3]])
+        )
+
+    monkeypatch.setattr(Eagle3Drafter, "propose_tree", rigged)

@@ -7,7 +7,15 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.llm import LLM
 
-from .spec_helpers import ENGINE, PROMPTS, greedy, run_with_late_arrival, spec_config, write_eagle3_head
+from .spec_helpers import (
+    ENGINE,
+    PROMPTS,
+    greedy,
+    rig_drafter,
+    run_with_late_arrival,
+    spec_config,
+    write_eagle3_head,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,27 +62,12 @@ def test_tree_greedy_at_tp2_equals_plain_greedy_at_tp1(plain_tokens, head_dir):
 def test_tree_accepting_a_non_first_branch_moves_its_kv_and_stays_lossless(head_dir, monkeypatch):
     """A rigged drafter puts the target's true continuation on the second child of the root (decoys on
     first children): every step accepts 3 drafts whose KV sits at non-path slots and must be moved."""
-    import torch
-
-    from tpfuse.spec.eagle3_drafter import Eagle3Drafter
-    from tpfuse.spec.tree import DraftTree
 
     plain = LLM(config=EngineConfig(**ENGINE))
     prompt = plain.tokenizer.encode(PROMPTS[2])
     expected = plain.generate(prompt, greedy(max_tokens=17))[0].token_ids
     full = prompt + expected + [0] * 8
-    real = Eagle3Drafter.propose_tree
-
-    def rigged(self, inputs, num_steps, topk, num_nodes):
-        real(self, inputs, num_steps, topk, num_nodes)  # keeps the head's KV and shapes real
-        root = int(inputs.positions[inputs.last_index()][0]) + 1
-        t1, t2, t3 = full[root + 1], full[root + 2], full[root + 3]
-        tokens = [full[root], (t1 + 1) % 256, t1, (t2 + 1) % 256, t2, t3]
-        return DraftTree(
-            torch.tensor([tokens]), torch.tensor([[-1, 0, 0, 2, 2, 4]]), torch.tensor([[0, 1, 1, 2, 2, 3]])
-        )
-
-    monkeypatch.setattr(Eagle3Drafter, "propose_tree", rigged)
+    rig_drafter(monkeypatch, full)
     llm = LLM(config=EngineConfig(**ENGINE, speculative=tree_config(head_dir, 2, 6)))
     assert llm.generate(prompt, greedy(max_tokens=17))[0].token_ids == expected
     stats = llm.engine.stats()

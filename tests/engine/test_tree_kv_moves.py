@@ -14,10 +14,8 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.spec_worker import SpecWorker
-from tpfuse.spec.eagle3_drafter import Eagle3Drafter
-from tpfuse.spec.tree import DraftTree
 
-from .spec_helpers import ENGINE, PROMPTS, greedy, spec_config, write_eagle3_head
+from .spec_helpers import ENGINE, PROMPTS, greedy, rig_drafter, spec_config, write_eagle3_head
 
 CONFIG = dict(ENGINE, dtype="float32")
 NUM_OUTPUT = 20  # tokens to generate before the final step, whose start applies the last moves
@@ -33,23 +31,6 @@ def prompt_and_continuation():
     plain = LLM(config=EngineConfig(**CONFIG))
     prompt = plain.tokenizer.encode(PROMPTS[2])
     return prompt, plain.generate(prompt, greedy(max_tokens=NUM_OUTPUT + 16))[0].token_ids
-
-
-def rig_drafter(monkeypatch, full: list[int]) -> None:
-    """Every tree: root, decoy, t1, decoy, t2, t3 with parents -1, 0, 0, 2, 2, 4: the true path is
-    nodes 0, 2, 4, 5, so accepting 3 drafts moves slots L+2, L+4, L+5 to L+1, L+2, L+3."""
-    real = Eagle3Drafter.propose_tree
-
-    def rigged(self, inputs, num_steps, topk, num_nodes):
-        real(self, inputs, num_steps, topk, num_nodes)  # keeps the head's KV and shapes real
-        root = int(inputs.positions[inputs.last_index()][0]) + 1
-        t1, t2, t3 = full[root + 1], full[root + 2], full[root + 3]
-        tokens = [full[root], (t1 + 1) % 256, t1, (t2 + 1) % 256, t2, t3]
-        return DraftTree(
-            torch.tensor([tokens]), torch.tensor([[-1, 0, 0, 2, 2, 4]]), torch.tensor([[0, 1, 1, 2, 2, 3]])
-        )
-
-    monkeypatch.setattr(Eagle3Drafter, "propose_tree", rigged)
 
 
 def cache_rows(engine: LLMEngine, block_table: list[int], positions: int) -> torch.Tensor:
