@@ -19,6 +19,8 @@ from tests.comm.reference import (
     sum64,
 )
 from tpfuse.comm import launch
+from tpfuse.comm.hybrid import CustomCommunicator
+from tpfuse.comm.plan import unmeasured_plan
 from tpfuse.comm.sync import PHASE_FINISH, PHASE_PUSH
 from tpfuse.comm.workspace import create_virtual_workspaces
 
@@ -133,13 +135,78 @@ def test_back_to_back_calls_alternate_buffers_and_stay_correct(algorithm):
         assert [int(ws.words[0]) for ws in wss] == [call + 1] * 2, "the epoch advances once per launch"
 
 
-def test_all_gather_stacks_every_rank_in_rank_order():
-    wss = _workspaces(3, 2, 13)
-    xs = [torch.randn(2, 13) for _ in range(3)]
-    outs = [poisoned((3, 2, 13), torch.float32) for _ in range(3)]
-    run_ranks_in_phases(lambda r, ph: launch.all_gather(wss[r], xs[r], out=outs[r], phases=ph), 3)
-    for out in outs:
-        assert torch.equal(out, torch.stack(xs))
+def _all_gather(wss, xs, dim):
+    shape = launch.gathered_shape(xs[0].shape, len(wss), dim)
+    outs = [poisoned(shape, xs[0].dtype) for _ in wss]
+    run_ranks_in_phases(
+        lambda r, ph: launch.all_gather(wss[r], xs[r], out=outs[r], dim=dim, phases=ph), len(wss)
+    )
+    return outs
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize(
+    ("world_size", "rows", "hidden", "dtype"),
+    [(2, 3, 37, torch.float32), (3, 5, 13, torch.bfloat16), (4, 1, 70, torch.float16)],
+)
+def test_all_gather_writes_the_concatenation_along_dim_in_rank_order(world_size, rows, hidden, dtype, dim):
+    wss = _workspaces(world_size, rows, hidden, dtype)
+    xs = [torch.randn(rows, hidden).to(dtype) for _ in range(world_size)]
+    for out in _all_gather(wss, xs, dim):
+        assert torch.equal(out, torch.cat(xs, dim=dim))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_all_gather_of_a_3d_tensor_concatenates_along_any_dim(dim):
+    wss = _workspaces(3, 2 * 3, 5)
+    xs = [torch.randn(2, 3, 5) for _ in range(3)]
+    for out in _all_gather(wss, xs, dim):
+        assert torch.equal(out, torch.cat(xs, dim=dim))
+
+
+def test_all_gather_of_a_vector_concatenates_it():
+    wss = _workspaces(2, 1, 11)
+    xs = [torch.randn(11) for _ in range(2)]
+    for out in _all_gather(wss, xs, 0):
+        assert torch.equal(out, torch.cat(xs))
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_all_gather_rows_beyond_the_program_count_each_land_in_their_place(dim):
+    wss = _workspaces(2, 7, 9, max_programs=3)
+    xs = [torch.randn(7, 9) for _ in range(2)]
+    for out in _all_gather(wss, xs, dim):
+        assert torch.equal(out, torch.cat(xs, dim=dim))
+
+
+def test_all_gather_refuses_an_out_of_the_wrong_shape():
+    wss = _workspaces(2, 2, 8)
+    with pytest.raises(ValueError, match=r"must be a contiguous \(2, 16\)"):
+        launch.all_gather(wss[0], torch.randn(2, 8), out=torch.empty(4, 8), dim=-1)
+
+
+def test_communicator_all_gather_concatenates_along_dim_in_rank_order():
+    # the interpreter runs one rank at a time: the peers push first, rank 0 then runs its whole call
+    wss = _workspaces(3, 4, 6)
+    comm = CustomCommunicator(wss[0], unmeasured_plan("none", 3, 24, 4, "test"), None)
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    for dim in (0, -1):
+        peer_outs = [torch.empty(launch.gathered_shape(xs[0].shape, 3, dim)) for _ in range(3)]
+        run_ranks_in_phases(
+            lambda r, ph: launch.all_gather(wss[r], xs[r], out=peer_outs[r], dim=dim, phases=ph),  # noqa: B023
+            3,
+            phases=(PHASE_PUSH.value,),
+            ranks=(1, 2),
+        )
+        out = comm.all_gather(xs[0], dim=dim)
+        run_ranks_in_phases(
+            lambda r, ph: launch.all_gather(wss[r], xs[r], out=peer_outs[r], dim=dim, phases=ph),  # noqa: B023
+            3,
+            phases=(PHASE_FINISH.value,),
+            ranks=(1, 2),
+        )
+        assert torch.equal(out, torch.cat(xs, dim=dim))
+    comm.check()
 
 
 def test_a_peer_that_never_pushes_is_named_in_the_error_word_and_check_raises():

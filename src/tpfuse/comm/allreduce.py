@@ -37,7 +37,7 @@ from tpfuse.kernels.rmsnorm import rmsnorm_row
 EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
 EPILOGUE_NORM = tl.constexpr(1)  # + residual, RMSNorm
 EPILOGUE_NORM_FP8 = tl.constexpr(2)  # + residual, RMSNorm, FP8 e4m3 with a per-tensor scale
-EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: copy every rank's rows out (one-shot only)
+EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: every rank's rows into the concatenated output (one-shot)
 FP8_E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float32 to a multiple of 2^-9
@@ -71,16 +71,24 @@ def _norm_store(s, row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, ep
 # Every rank must run the same compiled binary: an integer argument equal to 1 or divisible by 16 is
 # specialised by Triton, so without this rank 0, rank 1 and rank 2 would each compile (and load) their own
 # variant, and loading a module while a peer's kernel spins on this GPU waits for that kernel to end.
+# Row counts vary with the batch, so they are not specialised either (one binary for every batch size).
 NO_RANK_SPECIALIZATION = ("rank", "num_rows", "timeout")
 
 
-@triton.jit(do_not_specialize=NO_RANK_SPECIALIZATION)
+@triton.jit(do_not_specialize=(*NO_RANK_SPECIALIZATION, "gather_rows"))
 def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
                     peer_table, buffer_ptr, rank, num_rows, hidden, eps, timeout,
                     flag_off, data_off, slot_bytes, max_programs,
+                    gather_rows, gather_source_stride, gather_row_stride,
                     WS: tl.constexpr, WS_P2: tl.constexpr, BLOCK: tl.constexpr, EPILOGUE: tl.constexpr,
                     PHASES: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """x: [num_rows, hidden] contiguous; see one_shot() for the outputs."""
+    """x: [num_rows, hidden] contiguous; out_ptr as the epilogue says (launch.py).
+
+    EPILOGUE_GATHER writes row `row` of source rank s to element offset
+    (row // gather_rows) * WS * gather_source_stride + s * gather_source_stride
+    + (row % gather_rows) * gather_row_stride of out_ptr: the rows form blocks of gather_rows, and each
+    block holds every rank's block in rank order, which is torch.cat along any dim. The gather_* strides
+    are ignored by the other epilogues."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -100,10 +108,12 @@ def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
                        WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
             if EPILOGUE == EPILOGUE_GATHER:
+                block_start = (row // gather_rows) * WS * gather_source_stride
+                out_row = out_ptr + block_start + (row % gather_rows) * gather_row_stride
                 for s in tl.static_range(WS):
                     src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
                     v = tl.load(src + row * hidden + cols, mask=in_row, volatile=True)
-                    tl.store(out_ptr + (s * num_rows + row) * hidden + cols, v, mask=in_row)
+                    tl.store(out_row + s * gather_source_stride + cols, v, mask=in_row)
             else:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for s in tl.static_range(WS):

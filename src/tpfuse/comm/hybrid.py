@@ -92,8 +92,8 @@ class CustomCommunicator(Communicator):
         # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise
         if x.device != self.workspace.device or not launch.fits(self.workspace, x):
             return self._fallback("all_gather", x).all_gather(x, dim)
-        stacked = self._done(launch.all_gather(self.workspace, x))
-        return torch.cat(stacked.unbind(0), dim=dim)
+        # the kernel writes the concatenation itself: no op after it (see create_virtual_communicators)
+        return self._done(launch.all_gather(self.workspace, x, dim=dim))
 
     def check(self) -> None:
         self.workspace.check()
@@ -120,7 +120,12 @@ def create_virtual_communicators(
 ) -> list[CustomCommunicator]:
     """world_size communicators of one process sharing one workspace (for tests and comm-bench on one
     GPU). Call rank r's operations on its own CUDA stream; all ranks must make the same calls. Messages
-    up to max_tokens x hidden_size of dtype fit; there is no fallback."""
+    up to max_tokens x hidden_size of dtype fit; there is no fallback.
+
+    Between the ranks' launches of one collective, run only kernels already loaded: with lazy CUDA module
+    loading (the default), the first use of a kernel loads its module, and loading waits until running
+    kernels end, while rank 0's kernel spins until the host launches the other ranks, so it times out.
+    Run each torch op once beforehand (outside any rank launch) to load it."""
     device = torch.device(device)
     row_bytes = hidden_size * torch.tensor([], dtype=dtype).element_size()
     if max_programs is None:

@@ -8,6 +8,8 @@ for every rank in turn (push on all ranks, then reduce, then finish). On the GPU
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -16,6 +18,7 @@ from tpfuse.comm.sync import ALL_PHASES, interpreting
 from tpfuse.comm.workspace import RankWorkspace
 
 ALGORITHMS = ("one_shot", "two_shot")
+NO_GATHER = (1, 0, 0)  # one_shot_kernel's gather layout arguments, unused by the all-reduce epilogues
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +64,8 @@ def _launch(ws, algorithm, rows, residual, weight, out, residual_out, scale, eps
     if algorithm == "one_shot":
         k.one_shot_kernel[grid](
             *tensors, ws.rank, num_rows, hidden, eps, timeout, lay.flag_off, lay.data_off, lay.slot_bytes,
-            lay.max_programs, BLOCK=block, EPILOGUE=epilogue, PHASES=phases, num_warps=k.num_warps_for(block),
-            **meta,
+            lay.max_programs, *NO_GATHER, BLOCK=block, EPILOGUE=epilogue, PHASES=phases,
+            num_warps=k.num_warps_for(block), **meta,
         )  # fmt: skip
     else:
         chunk = (hidden + ws.world_size - 1) // ws.world_size
@@ -129,17 +132,55 @@ def fused_add_rmsnorm(
     return normed.view(x.shape), res_out.view(x.shape)
 
 
+def gathered_shape(shape: torch.Size | tuple[int, ...], world_size: int, dim: int) -> tuple[int, ...]:
+    """Shape of torch.cat of world_size tensors of `shape` along dim. Raises ValueError for a 0-d shape
+    or a dim out of range."""
+    if len(shape) == 0:
+        raise ValueError("all_gather needs a tensor of at least one dimension; reshape a scalar to (1,)")
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"all_gather dim {dim} is out of range for a tensor of shape {tuple(shape)}")
+    dim %= len(shape)
+    return tuple(n * world_size if d == dim else n for d, n in enumerate(shape))
+
+
+def _gather_layout(shape: tuple[int, ...], world_size: int, dim: int) -> tuple[int, int, int]:
+    """(gather_rows, gather_source_stride, gather_row_stride) of one_shot_kernel for a contiguous output
+    concatenated along dim (already in range). Rows are x flattened to [-1, shape[-1]]."""
+    hidden = shape[-1]
+    num_rows = math.prod(shape[:-1])
+    if dim == len(shape) - 1:  # rank s owns columns [s * hidden, (s + 1) * hidden) of each output row
+        return num_rows, hidden, world_size * hidden
+    block_rows = math.prod(shape[dim:-1])  # the rows of x under one index of the dims before dim
+    return block_rows, block_rows * hidden, hidden
+
+
 def all_gather(
-    ws: RankWorkspace, x: torch.Tensor, out: torch.Tensor | None = None, phases: int = ALL_PHASES
+    ws: RankWorkspace,
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    dim: int = -1,
+    phases: int = ALL_PHASES,
 ) -> torch.Tensor:
-    """Every rank's x stacked in rank order: returns [world_size, *x.shape] (new unless given)."""
+    """Every rank's x concatenated along dim in rank order, as torch.cat would give, written by the
+    kernel straight into `out`: no torch op runs after the kernel.
+
+    x: at least 1-D, any dtype the kernels take, on the workspace's device, unchanged; every rank passes
+    the same shape. out: new unless given; if given it must be contiguous, of gathered_shape(x.shape,
+    world_size, dim) and of x's dtype and device. Returns out; all_gather(ws, x.unsqueeze(0), dim=0)
+    gives the stacked form [world_size, *x.shape]. Raises ValueError if x does not fit a slot,
+    dim is out of range, or out does not match.
+    """
+    shape = gathered_shape(x.shape, ws.world_size, dim)
+    dim %= x.dim()
     rows = _as_rows(x)
     _check_fits(ws, rows, "all_gather input")
-    out = (
-        torch.empty((ws.world_size, *rows.shape), dtype=rows.dtype, device=rows.device)
-        if out is None
-        else out
-    )
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif (tuple(out.shape), out.dtype, out.device, out.is_contiguous()) != (shape, x.dtype, x.device, True):
+        raise ValueError(
+            f"all_gather out is {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: "
+            f"{out.is_contiguous()}); it must be a contiguous {shape} {x.dtype} on {x.device}"
+        )
     num_rows, hidden = rows.shape
     if rows.numel():
         grid, meta = _common(ws, num_rows)
@@ -148,7 +189,7 @@ def all_gather(
         k.one_shot_kernel[grid](
             rows, rows, rows, out, out, rows, ws.peer_table, ws.words, ws.rank, num_rows, hidden, 0.0,
             ws.timeout_for_kernel(meta["INTERPRET"]), lay.flag_off, lay.data_off, lay.slot_bytes,
-            lay.max_programs, BLOCK=block, EPILOGUE=k.EPILOGUE_GATHER.value, PHASES=phases,
-            num_warps=k.num_warps_for(block), **meta,
+            lay.max_programs, *_gather_layout(tuple(x.shape), ws.world_size, dim), BLOCK=block,
+            EPILOGUE=k.EPILOGUE_GATHER.value, PHASES=phases, num_warps=k.num_warps_for(block), **meta,
         )  # fmt: skip
-    return out.view(ws.world_size, *x.shape)
+    return out
