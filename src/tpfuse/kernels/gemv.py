@@ -121,7 +121,15 @@ def _gemv_kernel(
         part_offsets = rows[:, None] * num_cols + cols[None, :]
         split_stride = num_rows * num_cols
         tl.store(part_ptr + split * split_stride + part_offsets, acc, mask=out_mask)
-        # Every thread's partial stores happen before the release below (barrier, then one atomic).
+        # Hand-off, ordered under the PTX memory model by one chain of base causality order:
+        # each thread's partial stores -> bar.sync (synchronises the CTA) -> thread 0's
+        # atom.acq_rel.gpu (release: cumulative, so it carries the stores the barrier ordered
+        # before it) -> the last arriver's same atomic (acquire; same address and scope, so it
+        # synchronises with every earlier release in the counter's RMW chain) -> bar.sync ->
+        # each reader thread's loads. Causality order is transitive, so every load sees its
+        # split's store (the pattern of CUTLASS's split-K semaphore). The two barriers are written
+        # here rather than left to how Triton broadcasts a scalar atomic's result. .cg loads
+        # read L2, the point of coherence, never an L1 line.
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + col_block, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
