@@ -93,3 +93,47 @@ def test_scheduler_reserves_lookahead_blocks_for_decodes_and_charges_them_to_the
     batch = scheduler.schedule()
     assert len(batch.seqs) == 1 and batch.num_new_tokens == [1]
     assert len(batch.seqs[0].block_table) * BLOCK >= len(batch.seqs[0]) + K
+
+
+def _decode_only_batch(lags=(1, 4), lengths=(9, 12)):
+    bm = BlockManager(64, BLOCK)
+    seqs = []
+    for i, (lag, length) in enumerate(zip(lags, lengths, strict=True)):
+        seq = Sequence(
+            f"w{i}",
+            list(range(100 * i + 1, 100 * i + 1 + length)),
+            SamplingParams(max_tokens=32, temperature=0.0),
+            BLOCK,
+        )
+        bm.allocate(seq)
+        bm.append_slot(seq, K)
+        seq.num_prompt_tokens = length - 2
+        seq.num_computed_tokens = length - 1
+        seq.num_drafter_tokens = length - 1 - lag
+        seqs.append(seq)
+    return Batch(seqs, [1] * len(seqs))
+
+
+def test_a_window_step_gives_every_row_the_window_ending_at_its_newest_verified_position():
+    batch = _decode_only_batch()
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, pad_to=3, ext_window=K + 1))
+    h = spec.header
+    assert h.ext_window == K + 1 and h.num_extend == 3 * (K + 1)
+    for row, seq in enumerate(batch.seqs):
+        begin, window = seq.num_computed_tokens, slice(row * (K + 1), (row + 1) * (K + 1))
+        assert spec.ext_positions[window].tolist() == list(range(begin - K - 1, begin))
+        assert spec.ext_next_ids[window].tolist() == seq.token_ids[begin - K : begin + 1]
+        table = seq.block_table
+        assert spec.ext_slots[window].tolist() == [
+            table[p // BLOCK] * BLOCK + p % BLOCK for p in range(begin - K - 1, begin)
+        ]
+    padding = slice(2 * (K + 1), 3 * (K + 1))
+    assert spec.ext_slots[padding].tolist() == [-1] * (K + 1)  # the padding row stores nothing
+    assert spec.ext_positions[padding].tolist() == list(range(K + 1))
+
+
+def test_a_step_that_cannot_be_a_window_step_keeps_the_lagging_ranges():
+    for batch in (_decode_only_batch(lags=(1, 5)), _decode_only_batch(lengths=(4, 12)), _batch()):
+        packed = pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, ext_window=K + 1)
+        _, spec = _unpack(packed)
+        assert spec.header.ext_window == 0

@@ -35,6 +35,9 @@ class DecodeGraphs:
     caches; max_blocks_per_seq: the block-table width every graph is captured with (a step's
     narrower table fills its left part; columns past a sequence's length are never read).
     write_features(aux, slot_mapping): called inside each graph on the model's aux output (EAGLE-3).
+    drafter: an Eagle3WindowDrafter whose window extension and k drafts run inside every graph before
+    the target forward (the drafts go into the verify rows' input ids); its window must be loaded
+    before each replay. None: the caller places drafts before `run`.
     max_banned: room in `packed` for a step's banned (row, token) pairs (min_tokens); a step that
     does not fit goes through `run`.
     """
@@ -51,6 +54,7 @@ class DecodeGraphs:
         max_num_draft_tokens: int = 0,
         write_features=None,
         max_banned: int = 4096,
+        drafter=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -58,6 +62,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_num_draft_tokens = max_num_draft_tokens
         self.write_features = write_features
+        self.drafter = drafter
         device = kv_caches[0][0].device
         n = self.sizes[-1]
         tokens = n * (max_num_draft_tokens + 1)
@@ -129,6 +134,10 @@ class DecodeGraphs:
             input_ids = self.input_ids[:tokens]
             positions = self.positions[:tokens]
             slot_mapping = self.slot_mapping[:tokens]
+        if self.drafter is not None:
+            drafts = self.drafter.draft(batch_size, k, self.block_tables[:batch_size])
+            if k:
+                input_ids.view(batch_size, k + 1)[:, 1:].copy_(drafts)
         attn = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=self.block_tables[:batch_size],

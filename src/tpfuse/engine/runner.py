@@ -106,7 +106,10 @@ class ModelRunner:
             self.model_config, config.tp_size, num_blocks, self.block_size, self.device
         )
         if self.spec is not None:
-            self.spec.allocate(num_blocks, self.block_size, config.tp_size)
+            self.spec.allocate(
+                num_blocks, self.block_size, config.tp_size, config.max_running_requests,
+                self.max_model_len + margin,
+            )  # fmt: skip
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.readback = TokenReadback(self.device)
@@ -123,6 +126,7 @@ class ModelRunner:
                 graph_logits,
                 max_num_draft_tokens=self.spec.max_num_draft_tokens if self.spec is not None else 0,
                 write_features=self.spec.write_features if self.spec is not None else None,
+                drafter=self.spec.window_drafter if self.spec is not None else None,
             )
             self.graphs.capture()
 

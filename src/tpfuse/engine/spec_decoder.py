@@ -80,6 +80,8 @@ class SpecDecoder:
             else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests))
         )
         self.policy_buckets = buckets
+        window_drafter = self.runner.spec.window_drafter if self.runner.spec is not None else None
+        self.ext_window = window_drafter.window if window_drafter is not None else 0
         self.tree = spec.eagle_topk > 1
         self.num_tree_nodes = spec.num_draft_tokens
         self.pending_moves: dict[int, tuple] = {}  # seq_id -> (seq, num_computed, [(src, dst) positions])
@@ -136,6 +138,7 @@ class SpecDecoder:
             pad_to=None if self.tree else pad_to,
             tree_depth=self.max_num_draft_tokens if self.tree else None,
             kv_moves=self._take_kv_moves(batch) if self.tree else None,
+            ext_window=self.ext_window,
         )
         if not self.ngram:
             for seq in batch.seqs:

@@ -49,6 +49,9 @@ def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
     step = unpack_step(header, device_packed)
     spec = unpack_spec(header, spec_header, device_packed)
     k, num_decode = spec_header.num_draft_tokens, spec_header.num_decode
+    graphs = runner.graphs
+    if spec_header.ext_window:
+        return _run_window_step(runner, step, spec, k)
     runner.spec.apply_kv_moves(spec, runner.kv_caches)
     proposal = runner.spec.propose(step, spec, runner.block_size)
     attn = step.attention_metadata()
@@ -57,21 +60,48 @@ def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
     elif proposal is not None and k > 0:
         draft_at = spec.verify_indices.view(num_decode, k + 1)[:, 1:].reshape(-1)
         step.input_ids[draft_at] = proposal.token_ids.reshape(-1)
-    graphs = runner.graphs
-    model = runner.model
     tree = spec_header.tree and k > 0  # tree verify runs eagerly in this first version
-    if graphs is not None and spec_header.pure_decode and not tree and graphs.has(header.num_seqs, k):
-        out = graphs.run(step, k)
-        rows = out.index_select(0, spec.verify_indices)
-        verify = rows if graphs.graph_logits else model.compute_logits(rows)
-        return SpecForward(step, spec, None, verify.view(num_decode, k + 1, -1), proposal)
+    # graphs that draft inside (graphs.drafter) need a window step
+    graphable = spec_header.pure_decode and not tree and graphs is not None and graphs.drafter is None
+    if graphable and graphs.has(header.num_seqs, k):
+        return _replay(graphs, runner.model, step, spec, k, proposal)
+    return _eager_forward(runner, step, spec, attn, proposal)
+
+
+def _replay(graphs, model, step: StepInputs, spec: SpecInputs, k: int, proposal) -> SpecForward:
+    out = graphs.run(step, k)
+    rows = out.index_select(0, spec.verify_indices)
+    verify = rows if graphs.graph_logits else model.compute_logits(rows)
+    return SpecForward(step, spec, None, verify.view(spec.header.num_decode, k + 1, -1), proposal)
+
+
+def _eager_forward(runner, step: StepInputs, spec: SpecInputs, attn, proposal) -> SpecForward:
+    model, header, k = runner.model, step.header, spec.header.num_draft_tokens
     hidden, aux = model(step.input_ids, step.positions, attn, runner.kv_caches)
     runner.spec.write_features(aux, step.slot_mapping)
     indices = torch.cat([step.sample_indices, spec.verify_indices])
     if indices.numel() == 0:
         return SpecForward(step, spec, None, None, proposal)
     logits = model.compute_logits(hidden.index_select(0, indices))
-    num_samples = header.num_samples
+    num_samples, num_decode = header.num_samples, spec.header.num_decode
     sample_logits = logits[:num_samples] if num_samples else None
     verify = logits[num_samples:].view(num_decode, k + 1, -1) if num_decode else None
     return SpecForward(step, spec, sample_logits, verify, proposal)
+
+
+def _run_window_step(runner, step: StepInputs, spec: SpecInputs, k: int) -> SpecForward:
+    """A window step (pure decode, EAGLE-3 chain): the window drafter extends and drafts, then the
+    target verifies; all inside one graph replay when the (bucket, k) graph exists."""
+    drafter, graphs = runner.spec.window_drafter, runner.graphs
+    num_rows, num_decode = step.header.num_seqs, spec.header.num_decode
+    drafter.load(spec, num_rows)
+    if graphs is not None and graphs.drafter is drafter and graphs.has(num_rows, k):
+        forward = _replay(graphs, runner.model, step, spec, k, None)
+    else:
+        drafts = drafter.draft(num_rows, k, step.block_tables)
+        if k:
+            step.input_ids.view(num_rows, k + 1)[:, 1:].copy_(drafts)
+        forward = _eager_forward(runner, step, spec, step.attention_metadata(), None)
+    if k:
+        forward.proposal = DraftProposal(drafter.drafts[:num_decode, :k], spec.num_drafts)
+    return forward

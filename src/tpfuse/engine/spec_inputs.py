@@ -10,6 +10,10 @@ their logits are ignored. Other rows are prefill chunks, sampled as in a plain s
 *Drafter rows* are the rows whose drafter KV lags the target's: positions [d0, computed) with their
 tokens, the token after each, and the target slots where their features are stored. Every decode row
 is a drafter row (model drafters); prefill chunks catch up one step after they are computed.
+
+A *window* step (ext_window W > 0: pure decode, EAGLE-3 chain drafting, every row at least W
+positions long and lagging by at most W) lays the drafter section out as W entries per row, padding
+rows included, ending at each row's newest verified position: fixed shapes for the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
 
-SPEC_HEADER_LEN = 14
+SPEC_HEADER_LEN = 15
 
 
 @dataclass
@@ -42,6 +46,7 @@ class SpecHeader:
     ext_max_seq_len: int  # largest extended position + 1
     tree: int = 0  # verify rows are draft trees of k + 1 nodes (positions and tree mask set on device)
     num_kv_moves: int = 0  # KV slots to copy before the forward (the last tree step's accepted path)
+    ext_window: int = 0  # W > 0: the drafter section is one window of W positions per row (eagle3_window.py)
 
     def sizes(self) -> list[tuple[str, int]]:
         d, k, r, e = self.num_decode, self.num_draft_tokens, self.num_drafter_rows, self.num_extend
@@ -113,6 +118,19 @@ def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
     return num_new_tokens == 1 and computed + 1 == len(seq.token_ids) and computed >= 1
 
 
+def window_step_ok(batch: Batch, window: int) -> bool:
+    """Whether batch can be a window step: only decode rows, each at least `window` positions long,
+    whose drafter lags by at most `window` positions, none drawing sampled drafts (temperature > 0
+    without a seed: the window drafter drafts by argmax only)."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        begin = seq.num_computed_tokens
+        if not is_decode_row(seq, n) or begin < window or seq.num_drafter_tokens < begin - window:
+            return False
+        if seq.params.temperature > 0.0 and seq.params.seed is None:
+            return False
+    return True
+
+
 def pack_spec_step(
     batch: Batch,
     block_size: int,
@@ -125,6 +143,7 @@ def pack_spec_step(
     pad_to: int | None = None,
     tree_depth: int | None = None,
     kv_moves: list[tuple[int, int]] | None = None,
+    ext_window: int = 0,
 ) -> torch.Tensor:
     """Packs a speculative step into a CPU int64 tensor.
 
@@ -134,9 +153,11 @@ def pack_spec_step(
     tree_depth: tree drafting (verify rows are trees of num_draft_tokens + 1 nodes, every node stores
     KV, num_drafts is each row's deepest acceptable depth, at most tree_depth; min_tokens bans cover
     every node and the verifier keeps those shallower than the remaining count). kv_moves: (src, dst)
-    slot pairs copied on every rank before the forward.
+    slot pairs copied on every rank before the forward. ext_window: lay the drafter section out as
+    windows of this many positions when the step qualifies (window_step_ok), else as usual.
     """
     k, bs = num_draft_tokens, block_size
+    window = ext_window if ext_window and window_step_ok(batch, ext_window) else 0
     ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, s_topk, s_seed, s_temp, s_topp, s_brow, s_bid = [], [], [], [], [], [], []
     decode_rows, verify_idx, num_drafts, drafter_rows, decode_drafter = [], [], [], [], []
@@ -151,6 +172,8 @@ def pack_spec_step(
         decode = is_decode_row(seq, n)
         if extend_drafter and (seq.num_drafter_tokens < begin or decode):
             d0 = min(seq.num_drafter_tokens, begin - 1) if decode else seq.num_drafter_tokens
+            if window:
+                d0 = begin - window
             drafter_rows.append(row)
             ext_ids += tokens[d0:begin]
             ext_pos += range(d0, begin)
@@ -224,6 +247,11 @@ def pack_spec_step(
             seq_lens.append(k + 1)
             starts.append(starts[-1] + k + 1)
             tables += [0] * max_blocks
+            if window:  # the padding row's window: positions 0..W-1 that store nothing
+                ext_ids += [0] * window
+                ext_pos += range(window)
+                ext_next += [0] * window
+                ext_slots += [-1] * window
     header = StepHeader(
         num_seqs=len(seq_lens),
         num_tokens=len(ids),
@@ -256,6 +284,7 @@ def pack_spec_step(
         ext_max_seq_len=max(ext_pos, default=-1) + 1,
         tree=int(tree_depth is not None),
         num_kv_moves=len(kv_moves or []),
+        ext_window=window,
     )
     tail = encode_step(
         spec,

@@ -45,6 +45,7 @@ class SpecWorker:
         self.draft_config: ModelConfig | None = None
         self.target_vocab_size = model_config.vocab_size
         self.drafter = None
+        self.window_drafter = None  # EAGLE-3 chain drafting with static shapes (graph-safe), else None
         self.features: torch.Tensor | None = None
         self.tree_topk = spec.eagle_topk if spec.eagle_topk > 1 else None
         self.num_tree_nodes = spec.num_draft_tokens
@@ -128,10 +129,15 @@ class SpecWorker:
             return kv_cache.bytes_per_block(self.draft_config, tp_size, block_size)
         return 0
 
-    def allocate(self, num_blocks: int, block_size: int, tp_size: int) -> None:
-        """Allocates the drafter's KV (indexed by the target's block tables) and builds the drafter."""
+    def allocate(
+        self, num_blocks: int, block_size: int, tp_size: int, max_rows: int = 1, max_seq_len: int = 1
+    ) -> None:
+        """Allocates the drafter's KV (indexed by the target's block tables) and builds the drafter.
+        max_rows, max_seq_len: the most rows of a window step and a bound of any position + 1 (the
+        EAGLE-3 window drafter's static buffers and launch sizes)."""
         if self.head is not None:
             from tpfuse.spec.eagle3_drafter import Eagle3Drafter, target_embedding
+            from tpfuse.spec.eagle3_window import Eagle3WindowDrafter
 
             c = self.head.config
             shape = self.head.kv_cache_shape(num_blocks, block_size)
@@ -141,6 +147,11 @@ class SpecWorker:
             self.drafter = Eagle3Drafter(
                 self.head, target_embedding(self.target_model), kv, self.target_vocab_size
             )
+            if self.tree_topk is None:
+                self.window_drafter = Eagle3WindowDrafter(
+                    self.head, self.drafter.embed_tokens, kv, self.features, block_size, max_rows,
+                    self.max_num_draft_tokens, max_seq_len,
+                )  # fmt: skip
         elif self.draft_model is not None:
             from tpfuse.spec.draft_model import DraftModelDrafter
 
