@@ -139,6 +139,20 @@ def test_acceptance_estimates_track_per_position_rates():
     assert policy.expected_accepted(2) == pytest.approx(0.75 + 0.75 / 3)
 
 
+def test_a_fresh_policy_leaves_its_prior_within_a_few_batch_one_steps():
+    # rate 0.9 per position against the 0.7 prior: 30 single-row steps must get close, where a plain
+    # EMA of weight 0.02 per row would still sit near the prior (0.7 + 0.2 * (1 - 0.98**30) = 0.81)
+    policy = AdaptivePolicy(3, BUCKETS)
+    rng = random.Random(1)
+    for _ in range(30):
+        n = 0
+        while n < 3 and rng.random() < 0.9:
+            n += 1
+        policy.record_acceptance(3, [n])
+    assert policy.acceptance_rates[0] == pytest.approx(0.9, abs=0.08)
+    assert policy.acceptance_rates[0] > 0.84
+
+
 def test_rows_with_fewer_drafts_only_count_for_the_positions_they_drafted():
     policy = AdaptivePolicy(3, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
     policy.record_acceptance([1, 3], [1, 2])  # row 0 drafted one token: positions 2, 3 are row 1's

@@ -8,7 +8,9 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
   CUDA-graph batch size the decode batch is padded to, so the cost of a bucket does not depend on
   the exact batch inside it;
 - per draft position i an EMA of the conditional acceptance rate r_i = P(draft i accepted | drafts
-  before it accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i;
+  before it accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i; until a position has seen
+  about 1 / alpha rows the estimate is the running mean of what it saw (the prior counting as
+  `prior_acceptance_rows` rows), so a fresh policy leaves its prior within a few steps;
 
 and picks the k that maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost.
 Guards against the ways such controllers fail in practice:
@@ -40,6 +42,7 @@ class AdaptivePolicy:
         acceptance_ema_alpha: float = 0.02,
         max_acceptance_step_weight: float = 0.25,
         prior_acceptance_rate: float = 0.7,
+        prior_acceptance_rows: int = 4,
         switch_margin: float = 0.05,
         switch_patience: int = 16,
         min_cost_samples: int = 2,
@@ -73,6 +76,7 @@ class AdaptivePolicy:
         self.min_cost_samples = min_cost_samples
         self.probe_interval = probe_interval
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
+        self._rows_seen = [max(prior_acceptance_rows, 1)] * max_num_draft_tokens  # prior included
         self.acceptance_length: float | None = None  # EMA of tokens per step, steps with k > 0
         self.current_num_draft_tokens = max_num_draft_tokens  # the last choice, for /metrics
         self._cost: dict[tuple[int, int], float] = {}
@@ -162,9 +166,9 @@ class AdaptivePolicy:
                     passed += a >= i
             if tested == 0:
                 break
-            self.acceptance_rates[i - 1] += self._weight(tested) * (
-                passed / tested - self.acceptance_rates[i - 1]
-            )
+            self._rows_seen[i - 1] += tested
+            weight = max(self._weight(tested), tested / self._rows_seen[i - 1])  # running mean at first
+            self.acceptance_rates[i - 1] += weight * (passed / tested - self.acceptance_rates[i - 1])
         mean_length = 1.0 + sum(rows) / len(rows)
         old = self.acceptance_length
         weight = self._weight(len(rows))
