@@ -48,9 +48,11 @@ def _floats(text: str) -> list[float]:
 def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int, seed: int) -> dict:
     """concurrency requests start together; returns tok/s, seconds, steps and the k of each step."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     vocab = engine.vocab_size
     for i in range(concurrency):
+        # a request seed keys the simulated acceptance draws by (request, output index), so every
+        # mode sees the same draws: comparisons between modes are paired, not two random samples
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, seed=seed * 100_003 + i)
         engine.add_request(f"s{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
     chosen: list[int] = []
     decoder = engine.spec_decoder

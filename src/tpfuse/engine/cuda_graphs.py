@@ -35,9 +35,10 @@ class DecodeGraphs:
     caches; max_blocks_per_seq: the block-table width every graph is captured with (a step's
     narrower table fills its left part; columns past a sequence's length are never read).
     write_features(aux, slot_mapping): called inside each graph on the model's aux output (EAGLE-3).
-    drafter: an Eagle3WindowDrafter whose window extension and k drafts run inside every graph before
-    the target forward (the drafts go into the verify rows' input ids); its window must be loaded
-    before each replay. None: the caller places drafts before `run`.
+    drafter: an Eagle3WindowDrafter whose window extension and k drafts run inside every verify graph
+    (k > 0) before the target forward (the drafts go into the verify rows' input ids); its window
+    must be loaded before each replay. k = 0 graphs stay plain decodes. None: the caller places
+    drafts before `run`.
     max_banned: room in `packed` for a step's banned (row, token) pairs (min_tokens); a step that
     does not fit goes through `run`.
     """
@@ -134,10 +135,9 @@ class DecodeGraphs:
             input_ids = self.input_ids[:tokens]
             positions = self.positions[:tokens]
             slot_mapping = self.slot_mapping[:tokens]
-        if self.drafter is not None:
+        if self.drafter is not None and k:
             drafts = self.drafter.draft(batch_size, k, self.block_tables[:batch_size])
-            if k:
-                input_ids.view(batch_size, k + 1)[:, 1:].copy_(drafts)
+            input_ids.view(batch_size, k + 1)[:, 1:].copy_(drafts)
         attn = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=self.block_tables[:batch_size],

@@ -14,6 +14,7 @@ launched step is dropped and the batch scheduled again, so tokens equal the sync
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tpfuse.config import EngineConfig
@@ -99,6 +100,11 @@ class LLMEngine:
 
             self.spec_decoder = SpecDecoder(config, self.executor, self.max_model_len)
         self.overlap = config.tp_size == 1 and not spec.enabled and not config.disable_overlap_schedule
+        # Adaptive speculation at TP=1: a decode step the policy gives k = 0 runs as a plain,
+        # overlapped decode (no drafter work), so not speculating costs what plain decoding costs.
+        self.plain_when_k_is_zero = (
+            config.tp_size == 1 and spec.enabled and spec.adaptive and not config.disable_overlap_schedule
+        )
         self._in_flight = None  # (batch, PendingStep) launched ahead, not yet read
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
@@ -146,6 +152,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Runs one batch; returns an output for every request that got a token (finished ones last
         time they appear). Returns [] when there is nothing to do."""
+        started = time.perf_counter()
         if self._in_flight is not None:
             batch, pending = self._in_flight
             self._in_flight = None
@@ -158,15 +165,21 @@ class LLMEngine:
                 raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
             return []
         seed, banned = self.config.seed, self.scheduler.banned_token_ids
-        if self.spec_decoder is not None:
+        if self.spec_decoder is not None and not self._runs_plain(batch):
             emitted = self.spec_decoder.run(batch, seed, banned)
-            return self._outputs(self.scheduler.postprocess_multi(batch, emitted))
-        if self.overlap:
+            outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
+            self.spec_decoder.step_finished(time.perf_counter() - started)
+            return outputs
+        if self.overlap or self.spec_decoder is not None:
             return self._complete(batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)))
         sampled = self.executor.run(batch, seed, banned)
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )
+
+    def _runs_plain(self, batch) -> bool:
+        """Whether this step of a speculative engine runs as a plain (overlapped) decode."""
+        return self.plain_when_k_is_zero and self.spec_decoder.chooses_plain_decode(batch)
 
     def _still_scheduled(self, batch) -> bool:
         """Whether schedule() would return batch (launched ahead) now."""
@@ -180,11 +193,16 @@ class LLMEngine:
     def _complete(self, batch, pending) -> list[StepOutput]:
         """Launches the step after batch when it is known already, then reads batch's ids and
         postprocesses them."""
-        following = self.scheduler.schedule_next_decode(batch)
+        plain = self.spec_decoder is not None
+        following = self.scheduler.schedule_next_decode(batch, plain=plain)
+        if following is not None and plain and not self._runs_plain(following):
+            following = None  # the next step speculates: it is scheduled (and packed) synchronously
         if following is not None:
             packed = self.executor.pack_next_decode(following, self.config.seed)
             self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
         sampled = self.executor.wait(pending)
+        if plain:
+            self.spec_decoder.plain_step_finished(len(batch.seqs))
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )

@@ -116,14 +116,15 @@ class Scheduler:
             budget -= n
         return Batch(seqs, counts) if seqs else None
 
-    def schedule_next_decode(self, batch: Batch) -> Batch | None:
+    def schedule_next_decode(self, batch: Batch, plain: bool = False) -> Batch | None:
         """Overlap schedule: the batch schedule() will return after batch (not yet postprocessed)
         when no sequence finishes, nothing arrives and nothing is aborted: the same sequences, one
         decode token each. Reserves the KV block of each one's next position. None when that batch
         cannot be known now: batch is not a decode of every running request in which each row
         samples, a request waits, a row is due to finish by length, a row still bans ids
-        (min_tokens), a row has a draft lookahead, or blocks would have to be freed (preemption)."""
-        if self.waiting or self.num_lookahead_tokens or len(batch.seqs) != len(self.running):
+        (min_tokens), a row has a draft lookahead (unless `plain`: the caller runs the next step as a
+        plain decode, which needs none), or blocks would have to be freed (preemption)."""
+        if self.waiting or (self.num_lookahead_tokens and not plain) or len(batch.seqs) != len(self.running):
             return None
         if len(batch.seqs) > self.max_num_batched_tokens:
             return None

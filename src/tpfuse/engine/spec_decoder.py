@@ -100,6 +100,9 @@ class SpecDecoder:
             print(f"tpfuse: WARNING: {SIMULATED_ACCEPTANCE_NOTICE}", file=sys.stderr, flush=True)
         self.stats = SpecStats(spec.num_steps)
         self.current_num_draft_tokens = spec.num_steps
+        self._chosen: int | None = None  # k chosen by chooses_plain_decode for the coming run()
+        self._timed_step: tuple[int, int] | None = None  # (decode rows, k) of the step being timed
+        self._last_plain_done: float | None = None  # when the last plain decode step completed
 
     def choose_num_draft_tokens(self, num_decode: int) -> int:
         if num_decode == 0:
@@ -110,11 +113,47 @@ class SpecDecoder:
             return self.max_num_draft_tokens
         return self.policy.choose(num_decode)
 
+    def chooses_plain_decode(self, batch: Batch) -> bool:
+        """Adaptive policy only: whether the policy gives this all-decode batch k = 0, so the engine
+        runs it as a plain decode (no drafter work; the drafter catches up when drafting resumes).
+        Otherwise the chosen k is kept for the run() of this batch. A seeded sampled row keeps every
+        step speculative: its tokens come from seeded_sample_verify's stream, not the plain sampler's."""
+        rows = len(batch.seqs)
+        if self.policy is None or self.tree or not all(map(is_decode_row, batch.seqs, batch.num_new_tokens)):
+            return False
+        if any(s.params.seed is not None and s.params.temperature > 0.0 for s in batch.seqs):
+            return False
+        k = self.choose_num_draft_tokens(rows)
+        if k:
+            self._chosen = k
+            return False
+        self.current_num_draft_tokens = 0
+        return True
+
+    def plain_step_finished(self, num_rows: int) -> None:
+        """A plain decode step of num_rows rows completed: its cost is the time since the previous
+        one completed (steps overlap, so that gap is what one more step costs)."""
+        now = time.perf_counter()
+        if self._last_plain_done is not None and self.policy is not None:
+            self.policy.record_step(num_rows, 0, now - self._last_plain_done)
+        self._last_plain_done = now
+
+    def step_finished(self, seconds: float) -> None:
+        """The engine's wall time of the last run() step, scheduling and postprocessing included."""
+        if self._timed_step is not None and self.policy is not None:
+            self.policy.record_step(*self._timed_step, seconds)
+        self._timed_step = None
+
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[list[int] | None]:
         """One speculative step of batch; returns the tokens of each sequence (None: none)."""
-        start = time.perf_counter()
+        self._last_plain_done = None
         decode_rows = [i for i, n in enumerate(batch.num_new_tokens) if is_decode_row(batch.seqs[i], n)]
-        k = self.choose_num_draft_tokens(len(decode_rows))
+        k = (
+            self._chosen
+            if self._chosen is not None and decode_rows
+            else self.choose_num_draft_tokens(len(decode_rows))
+        )
+        self._chosen = None
         if decode_rows:
             self.current_num_draft_tokens = k
         host_drafts = None
@@ -159,7 +198,7 @@ class SpecDecoder:
                 self._record_kv_moves(batch, decode_rows, result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
             if self.policy is not None and pure_decode:
-                self.policy.record_step(len(decode_rows), k, time.perf_counter() - start)
+                self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)
         out: list[list[int] | None] = [None] * len(batch.seqs)

@@ -61,8 +61,10 @@ def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
         draft_at = spec.verify_indices.view(num_decode, k + 1)[:, 1:].reshape(-1)
         step.input_ids[draft_at] = proposal.token_ids.reshape(-1)
     tree = spec_header.tree and k > 0  # tree verify runs eagerly in this first version
-    # graphs that draft inside (graphs.drafter) need a window step
-    graphable = spec_header.pure_decode and not tree and graphs is not None and graphs.drafter is None
+    # verify graphs that draft inside (graphs.drafter) need a window step; k = 0 graphs never draft
+    graphable = (
+        spec_header.pure_decode and not tree and graphs is not None and (graphs.drafter is None or k == 0)
+    )
     if graphable and graphs.has(header.num_seqs, k):
         return _replay(graphs, runner.model, step, spec, k, proposal)
     return _eager_forward(runner, step, spec, attn, proposal)
@@ -91,11 +93,15 @@ def _eager_forward(runner, step: StepInputs, spec: SpecInputs, attn, proposal) -
 
 def _run_window_step(runner, step: StepInputs, spec: SpecInputs, k: int) -> SpecForward:
     """A window step (pure decode, EAGLE-3 chain): the window drafter extends and drafts, then the
-    target verifies; all inside one graph replay when the (bucket, k) graph exists."""
+    target verifies; all inside one graph replay when the (bucket, k > 0) graph exists (at k = 0 the
+    window extension runs eagerly before the plain decode graph)."""
     drafter, graphs = runner.spec.window_drafter, runner.graphs
     num_rows, num_decode = step.header.num_seqs, spec.header.num_decode
     drafter.load(spec, num_rows)
-    if graphs is not None and graphs.drafter is drafter and graphs.has(num_rows, k):
+    if k == 0 and graphs is not None and graphs.has(num_rows, 0):  # k = 0 graphs are plain decodes
+        drafter.draft(num_rows, 0, step.block_tables)
+        forward = _replay(graphs, runner.model, step, spec, 0, None)
+    elif graphs is not None and graphs.drafter is drafter and graphs.has(num_rows, k):
         forward = _replay(graphs, runner.model, step, spec, k, None)
     else:
         drafts = drafter.draft(num_rows, k, step.block_tables)

@@ -46,7 +46,7 @@ class AdaptivePolicy:
         switch_margin: float = 0.05,
         switch_patience: int = 16,
         min_cost_samples: int = 2,
-        probe_interval: int = 64,
+        probe_interval: int = 256,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
         sorted decode batch sizes with captured CUDA graphs (a batch beyond the last uses the last).
