@@ -94,7 +94,8 @@ def measure(engine, concurrencies, args, label: str, results: dict) -> None:
         run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
         point = run_round(engine, c, args.tokens, args.prompt_len, seed=c)
         results.setdefault(label, {})[c] = point
-        extra = f" L {point['acceptance_length']:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
+        length = point["acceptance_length"]  # None when no step drafted (every step plain)
+        extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
         print(
             f"  {label:>14} C={c:<4} {point['tok_s']:9.1f} tok/s {point['seconds']:6.2f} s{extra}", flush=True
         )
