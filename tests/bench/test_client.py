@@ -148,3 +148,18 @@ def test_closed_loop_keeps_at_most_c_requests_in_flight_and_sends_each_prompt_on
     # The first three are due at once; each later one when a slot frees up.
     assert [r.scheduled_s for r in records[:3]] == [0.0, 0.0, 0.0]
     assert all(r.scheduled_s > 0 for r in records[3:])
+
+
+def test_each_concurrent_stream_gets_its_own_connection_lane_and_lanes_are_reused(fake_server):
+    """One one-connection httpx client per concurrent stream (a shared pool re-scans every connection
+    on every event): 4 streams at a time over 12 requests open 4 lanes, plus the side-request one."""
+    fake_server.behavior.token_delay_s = 0.002
+
+    async def go():
+        async with StreamingClient(ClientConfig(url=fake_server.url, model="m"), 4) as client:
+            records = await run_closed_loop(client, [f"p{i}" for i in range(12)], 4, 5)
+            return records, len(client._lanes)
+
+    records, lanes = asyncio.run(go())
+    assert all(r.ok for r in records) and len(records) == 12
+    assert lanes == 4 + 1
