@@ -1,5 +1,15 @@
 """Tensor parallelism on CUDA: ranks sharing one GPU (gpu mark) and ranks on separate GPUs (multigpu).
-Greedy tokens must equal TP=1 in float32; bf16 real-size presets must run end to end."""
+Greedy tokens must equal TP=1 in float32; bf16 real-size presets must run end to end; a rank killed
+mid-generation ends every process with a clear error.
+
+Ranks sharing one GPU are separate processes that the driver time-slices (~2-7 ms per all-reduce),
+so these tests are slow by nature: the module allows each one 600 s."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -9,6 +19,7 @@ from tpfuse.engine.sampling_params import SamplingParams
 PROMPTS = ["The quick brown fox", "hi", "a longer prompt that spans several KV blocks"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 TINY = dict(device="cuda", dtype="float32", max_model_len=256, mem_fraction_static=0.2, cuda_graph_max_bs=4)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +47,47 @@ def test_two_ranks_sharing_one_gpu_give_the_single_rank_tokens(single_rank_token
 @pytest.mark.gpu
 def test_two_ranks_sharing_one_gpu_eager_give_the_single_rank_tokens(single_rank_tokens):
     assert _tokens(2, [0, 0], enforce_eager=True) == single_rank_tokens
+
+
+@pytest.mark.gpu
+def test_four_ranks_sharing_one_gpu_with_the_fused_path_forced_give_the_single_rank_tokens(
+    single_rank_tokens,
+):
+    assert _tokens(4, [0, 0, 0, 0], allreduce="fused", mem_fraction_static=0.1) == single_rank_tokens
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+    if __name__ == "__main__":
+        llm = LLM("tiny", device="cuda", tp_size=2, devices=[0, 0], allreduce="fused",
+                  mem_fraction_static=0.2, max_model_len=256, cuda_graph_max_bs=4)
+        print(" ".join(str(p.pid) for p in llm.engine.executor.workers), flush=True)
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        while True:
+            llm.generate("keep going", params)
+    """
+)
+
+
+@pytest.mark.gpu
+def test_killing_a_rank_sharing_the_gpu_ends_every_process_with_a_clear_error(tmp_path):
+    script = tmp_path / "tp_kill.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip(), proc.stderr.read()
+        [worker] = [int(pid) for pid in line.split()]
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "tensor-parallel rank 1" in stderr and "died" in stderr
 
 
 @pytest.mark.gpu
