@@ -5,13 +5,14 @@ The target is --model (llama-3.1-8b preset) and the drafter a random EAGLE-3 hea
 shape written with save_random_eagle3_head. Random weights accept almost nothing, so acceptance is
 simulated (--speculative-simulate-acceptance-length L, benchmark-only: timings are real, tokens are
 not the model's). For each concurrency C: C requests of --tokens tokens each (ignore_eos) start
-together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time.
+together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time, the
+median of --rounds rounds. Request seeds key the simulated draws, so modes see the same draws.
 Modes: off (a plain engine), fixed (k = --num-steps every step), adaptive (spec/adaptive.py, a fresh
 policy per L). Prints a table with ratios to off, the crossover concurrency where fixed k stops paying,
 the issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
 writes JSON to $OUT/spec_decode.json.
 
-    python benchmarks/spec_decode.py                          # the issue's sweep (~3-4 min on one H200)
+    python benchmarks/spec_decode.py                          # the issue's sweep (~4-5 min on one H200, 3 rounds a point)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
 """
 
@@ -90,9 +91,15 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
 
 
 def measure(engine, concurrencies, args, label: str, results: dict) -> None:
+    """Per concurrency: a warm-up round, then --rounds measured rounds (the same seeds in every mode,
+    a different seed per round); the point is the round with the median tok/s, all rounds kept."""
     for c in concurrencies:
         run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
-        point = run_round(engine, c, args.tokens, args.prompt_len, seed=c)
+        rounds = [
+            run_round(engine, c, args.tokens, args.prompt_len, seed=c + 7919 * r) for r in range(args.rounds)
+        ]
+        point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
+        point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
         results.setdefault(label, {})[c] = point
         length = point["acceptance_length"]  # None when no step drafted (every step plain)
         extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
@@ -153,6 +160,7 @@ def main() -> int:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--warmup-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per point (median)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, few tokens")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec_decode.json"))
