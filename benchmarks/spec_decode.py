@@ -12,7 +12,7 @@ policy per L). Prints a table with ratios to off, the crossover concurrency wher
 the issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
 writes JSON to $OUT/spec_decode.json.
 
-    python benchmarks/spec_decode.py                          # the issue's sweep (~4-5 min on one H200, 3 rounds a point)
+    python benchmarks/spec_decode.py                          # the issue's sweep (~4-5 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
 """
 

@@ -39,3 +39,17 @@ def test_a_seeded_sampled_request_never_leaves_the_speculative_path(tmp_path):
     executor.launch = lambda *a, **kw: plain_steps.append(1) or launch(*a, **kw)
     llm.generate(PROMPTS[0], SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True))
     assert plain_steps == []
+
+
+def test_only_plain_steps_launched_behind_another_are_timed(tmp_path):
+    """A plain step's cost is the gap since the previous one completed; that gap holds idle time
+    (no requests, a speculative step) unless the step was chained behind the previous one."""
+    path = write_eagle3_head(str(tmp_path))
+    llm = LLM(config=EngineConfig(**ENGINE, speculative=spec_config("eagle3", path, adaptive=True)))
+    decoder = llm.engine.spec_decoder
+    recorded = []
+    decoder.policy.record_step = lambda rows, k, seconds: recorded.append((rows, k))
+    decoder.plain_step_finished(4, chained=False)
+    decoder.plain_step_finished(4, chained=True)
+    decoder.plain_step_finished(4, chained=False)
+    assert recorded == [(4, 0)]

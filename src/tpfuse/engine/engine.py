@@ -157,7 +157,7 @@ class LLMEngine:
             batch, pending = self._in_flight
             self._in_flight = None
             if self._still_scheduled(batch):
-                return self._complete(batch, pending)
+                return self._complete(batch, pending, chained=True)
             self.executor.wait(pending)  # dropped: a request finished, arrived or was aborted
         batch = self.scheduler.schedule()
         if batch is None:
@@ -190,9 +190,9 @@ class LLMEngine:
             and all(a is b for a, b in zip(running, batch.seqs, strict=True))
         )
 
-    def _complete(self, batch, pending) -> list[StepOutput]:
+    def _complete(self, batch, pending, chained: bool = False) -> list[StepOutput]:
         """Launches the step after batch when it is known already, then reads batch's ids and
-        postprocesses them."""
+        postprocesses them. chained: batch was launched while the step before it ran."""
         plain = self.spec_decoder is not None
         following = self.scheduler.schedule_next_decode(batch, plain=plain)
         if following is not None and plain and not self._runs_plain(following):
@@ -202,7 +202,7 @@ class LLMEngine:
             self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
         sampled = self.executor.wait(pending)
         if plain:
-            self.spec_decoder.plain_step_finished(len(batch.seqs))
+            self.spec_decoder.plain_step_finished(len(batch.seqs), chained)
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )

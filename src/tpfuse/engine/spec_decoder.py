@@ -130,11 +130,12 @@ class SpecDecoder:
         self.current_num_draft_tokens = 0
         return True
 
-    def plain_step_finished(self, num_rows: int) -> None:
-        """A plain decode step of num_rows rows completed: its cost is the time since the previous
-        one completed (steps overlap, so that gap is what one more step costs)."""
+    def plain_step_finished(self, num_rows: int, chained: bool) -> None:
+        """A plain decode step of num_rows rows completed. When it was chained (launched while the
+        previous plain step ran) its cost is the time since that one completed: steps overlap, so that
+        gap is what one more step costs. An unchained step's gap may hold idle time: not recorded."""
         now = time.perf_counter()
-        if self._last_plain_done is not None and self.policy is not None:
+        if chained and self._last_plain_done is not None and self.policy is not None:
             self.policy.record_step(num_rows, 0, now - self._last_plain_done)
         self._last_plain_done = now
 
