@@ -7,7 +7,7 @@ GPU: python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy
          --server-args-b="--speculative-algorithm ngram"   (use = so argparse takes the flags as a value)
 CPU smoke: python benchmarks/serve_bench.py --device cpu --model tiny --single-tokens 16 --runs 2 \
          --concurrency 1,2 --sweep-tokens 4 --repeats 1
-Results: $OUT/serve_bench/{single,sweep_a,sweep_b,compare}/ (summary.json, CSV, PNG); tables on stdout.
+Results: $OUT/serve_bench/{single_a,sweep_a,sweep_b,compare}/ (summary.json, CSV, PNG); tables on stdout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ import sys
 from pathlib import Path
 
 
-def _serve_and_bench(args, server_args: list[str], label: str, out: Path, single: bool) -> Path:
+def serve_and_bench(args, server_args: list[str], label: str, out: Path, single: bool) -> Path:
+    """Starts `tpfuse serve` with args' model/device/load format plus server_args, runs the single
+    method (when `single`; into out/single_LABEL) and the sweep (into out/sweep_LABEL), stops the
+    server; returns the sweep directory. args: warmups, runs, single_tokens, concurrency (text),
+    repeats, sweep_tokens, input_len, seed, start_timeout."""
     from rich.console import Console
 
     from tpfuse.bench import (
@@ -47,7 +51,7 @@ def _serve_and_bench(args, server_args: list[str], label: str, out: Path, single
             config = SingleConfig(args.warmups, args.runs, args.single_tokens)
             result = run_single(options, config, on_run=lambda r, n: console.print(format_run_line(r, n)))
             print_single(result, console)
-            write_single(result, out / "single")
+            write_single(result, out / f"single_{label}")
         prompts = PromptConfig("random", input_len=args.input_len, seed=args.seed)
         options = BenchOptions(ClientConfig(url=server.url), prompts, label=label)
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
@@ -77,10 +81,10 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out")) / "serve_bench"
-    sweep_a = _serve_and_bench(args, shlex.split(args.server_args), "a", out, args.single_tokens > 0)
+    sweep_a = serve_and_bench(args, shlex.split(args.server_args), "a", out, args.single_tokens > 0)
     if args.server_args_b is None:
         return 0
-    sweep_b = _serve_and_bench(args, shlex.split(args.server_args_b), "b", out, False)
+    sweep_b = serve_and_bench(args, shlex.split(args.server_args_b), "b", out, False)
     from tpfuse.bench.cli import register
 
     parser = argparse.ArgumentParser(prog="tpfuse")
