@@ -4,13 +4,7 @@
 set -u
 what=${1:-all}
 kexpr=${2:-}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+source benchmarks/device_env.sh  # multicast off, wheels, PYTHONPATH, $OUT
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import torch, triton, subprocess
 p = torch.cuda.get_device_properties(0)

@@ -5,14 +5,7 @@
 # Logs and JSON land in $OUT; each step has its own time limit (env COMM_TIMEOUT, EXPERIMENT_TIMEOUT).
 set -u
 what=${1:-all}
-# NVLink multicast stays off: a program that uses it can take the host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+source benchmarks/device_env.sh  # multicast off, wheels, PYTHONPATH, $OUT
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $gpus" | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1

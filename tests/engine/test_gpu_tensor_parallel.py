@@ -5,14 +5,11 @@ mid-generation ends every process with a clear error.
 Ranks sharing one GPU are separate processes that the driver time-slices (~2-7 ms per all-reduce),
 so these tests are slow by nature: the module allows each one 600 s."""
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.engine.tp_processes import kill_worker_and_read_the_engine_error, start_engine_script
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
 
@@ -73,20 +70,8 @@ KILL_SCRIPT = textwrap.dedent(
 
 @pytest.mark.gpu
 def test_killing_a_rank_sharing_the_gpu_ends_every_process_with_a_clear_error(tmp_path):
-    script = tmp_path / "tp_kill.py"
-    script.write_text(KILL_SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.strip(), proc.stderr.read()
-        [worker] = [int(pid) for pid in line.split()]
-        os.kill(worker, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
+    proc, [worker] = start_engine_script(tmp_path, KILL_SCRIPT)
+    stderr = kill_worker_and_read_the_engine_error(proc, worker)
     assert "tensor-parallel rank 1" in stderr and "died" in stderr
 
 

@@ -2,16 +2,13 @@
 architecture (kv heads fewer than ranks, vocabulary not divisible by the TP size), and no orphans or
 hangs when a rank dies."""
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from tests.engine.checkpoints import ARCHITECTURES, build_checkpoint
+from tests.engine.tp_processes import kill_worker_and_read_the_engine_error, start_engine_script
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
 
@@ -63,17 +60,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _start(tmp_path, mode):
-    script = tmp_path / "tp_engine.py"
-    script.write_text(SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    line = proc.stdout.readline()
-    assert line.strip(), proc.stderr.read()
-    return proc, [int(pid) for pid in line.split()]
-
-
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -83,18 +69,13 @@ def _gone(pid: int) -> bool:
 
 
 def test_engine_exits_with_a_clear_error_when_a_worker_dies(tmp_path):
-    proc, [worker] = _start(tmp_path, "busy")
-    try:
-        os.kill(worker, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
+    proc, [worker] = start_engine_script(tmp_path, SCRIPT, "busy")
+    stderr = kill_worker_and_read_the_engine_error(proc, worker)
     assert "tensor-parallel rank 1" in stderr and "died" in stderr
 
 
 def test_workers_exit_when_the_engine_process_dies(tmp_path):
-    proc, workers = _start(tmp_path, "idle")
+    proc, workers = start_engine_script(tmp_path, SCRIPT, "idle")
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 30
