@@ -137,3 +137,17 @@ def test_a_step_that_cannot_be_a_window_step_keeps_the_lagging_ranges():
         packed = pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, ext_window=K + 1)
         _, spec = _unpack(packed)
         assert spec.header.ext_window == 0
+
+
+def test_decode_rows_lagging_beyond_the_budget_catch_up_only_their_newest_positions():
+    batch = _decode_only_batch(lags=(50, 1), lengths=(60, 12))
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, catch_up_budget=16))
+    begin = batch.seqs[0].num_computed_tokens
+    assert spec.ext_positions[:8].tolist() == list(range(begin - 8, begin))  # 16 positions / 2 rows
+    assert spec.ext_query_start_loc.tolist() == [0, 8, 9]  # the other row lags by one position
+
+
+def test_lags_within_the_budget_are_caught_up_whole():
+    batch = _decode_only_batch(lags=(50, 1), lengths=(60, 12))
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, catch_up_budget=51))
+    assert spec.ext_query_start_loc.tolist() == [0, 50, 51]

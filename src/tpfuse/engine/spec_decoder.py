@@ -70,6 +70,7 @@ class SpecDecoder:
         self.executor = executor
         self.runner = executor.runner
         self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_num_draft_tokens = spec.num_steps
         self.ngram = spec.algorithm == "ngram"
@@ -179,6 +180,7 @@ class SpecDecoder:
             tree_depth=self.max_num_draft_tokens if self.tree else None,
             kv_moves=self._take_kv_moves(batch) if self.tree else None,
             ext_window=self.ext_window,
+            catch_up_budget=self.max_num_batched_tokens,
         )
         if not self.ngram:
             for seq in batch.seqs:

@@ -131,6 +131,20 @@ def window_step_ok(batch: Batch, window: int) -> bool:
     return True
 
 
+def _catch_up_cap(batch: Batch, budget: int | None) -> int | None:
+    """Positions each decode row may catch up on, None when every lag fits the budget."""
+    if budget is None:
+        return None
+    lags = [
+        seq.num_computed_tokens - min(seq.num_drafter_tokens, seq.num_computed_tokens - 1)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        if is_decode_row(seq, n)
+    ]
+    if sum(lags) <= budget:
+        return None
+    return max(1, budget // len(lags))
+
+
 def pack_spec_step(
     batch: Batch,
     block_size: int,
@@ -144,6 +158,7 @@ def pack_spec_step(
     tree_depth: int | None = None,
     kv_moves: list[tuple[int, int]] | None = None,
     ext_window: int = 0,
+    catch_up_budget: int | None = None,
 ) -> torch.Tensor:
     """Packs a speculative step into a CPU int64 tensor.
 
@@ -155,9 +170,14 @@ def pack_spec_step(
     every node and the verifier keeps those shallower than the remaining count). kv_moves: (src, dst)
     slot pairs copied on every rank before the forward. ext_window: lay the drafter section out as
     windows of this many positions when the step qualifies (window_step_ok), else as usual.
+    catch_up_budget: when the decode rows' drafter lags add up to more than this many positions
+    (after a run of plain steps each may lag by hundreds), each row extends only its newest
+    budget / rows positions; older entries stay stale, which costs acceptance, never correctness,
+    and keeps the drafter pass within the engine's activation budget.
     """
     k, bs = num_draft_tokens, block_size
     window = ext_window if ext_window and window_step_ok(batch, ext_window) else 0
+    catch_up_cap = _catch_up_cap(batch, catch_up_budget) if extend_drafter else None
     ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, s_topk, s_seed, s_temp, s_topp, s_brow, s_bid = [], [], [], [], [], [], []
     decode_rows, verify_idx, num_drafts, drafter_rows, decode_drafter = [], [], [], [], []
@@ -172,6 +192,8 @@ def pack_spec_step(
         decode = is_decode_row(seq, n)
         if extend_drafter and (seq.num_drafter_tokens < begin or decode):
             d0 = min(seq.num_drafter_tokens, begin - 1) if decode else seq.num_drafter_tokens
+            if decode and catch_up_cap is not None:
+                d0 = max(d0, begin - catch_up_cap)
             if window:
                 d0 = begin - window
             drafter_rows.append(row)
