@@ -170,7 +170,7 @@ class LLMEngine:
             outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
             self.spec_decoder.step_finished(time.perf_counter() - started)
             return outputs
-        if self.overlap or self.spec_decoder is not None:
+        if self.overlap or self.spec_decoder is not None:  # with a spec decoder: a plain k = 0 step
             return self._complete(batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)))
         sampled = self.executor.run(batch, seed, banned)
         return self._outputs(
