@@ -87,6 +87,7 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
         "steps": steps,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "mean_k": sum(chosen) / len(chosen) if chosen else 0.0,
+        "k_counts": {k: chosen.count(k) for k in sorted(set(chosen))},  # decode steps per chosen k
     }
 
 
@@ -103,6 +104,8 @@ def measure(engine, concurrencies, args, label: str, results: dict) -> None:
         results.setdefault(label, {})[c] = point
         length = point["acceptance_length"]  # None when no step drafted (every step plain)
         extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
+        if len(point["k_counts"]) > 1:
+            extra += " steps per k " + " ".join(f"{k}:{n}" for k, n in point["k_counts"].items())
         print(
             f"  {label:>14} C={c:<4} {point['tok_s']:9.1f} tok/s {point['seconds']:6.2f} s{extra}", flush=True
         )
