@@ -8,9 +8,10 @@ not the model's). For each concurrency C: C requests of --tokens tokens each (ig
 together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time, the
 median of --rounds rounds. Request seeds key the simulated draws, so modes see the same draws.
 Modes: off (a plain engine), fixed (k = --num-steps every step), adaptive (spec/adaptive.py, a fresh
-policy per L). Prints a table with ratios to off, the crossover concurrency where fixed k stops paying,
-the issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
-writes JSON to $OUT/spec_decode.json.
+policy per L); fixed and adaptive rounds alternate, paired by seed, and the adaptive target is the
+median over rounds of adaptive / max(off, fixed of the same round). Prints a table with ratios to
+off, the crossover concurrency where fixed k stops paying, the issue's targets (C=1, L=3: fixed >=
+2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and writes JSON to $OUT/spec_decode.json.
 
     python benchmarks/spec_decode.py                          # the issue's sweep (~4-5 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
@@ -23,6 +24,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -91,30 +93,50 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
     }
 
 
-def measure(engine, concurrencies, args, label: str, results: dict) -> None:
-    """Per concurrency: a warm-up round, then --rounds measured rounds (the same seeds in every mode,
-    a different seed per round); the point is the round with the median tok/s, all rounds kept."""
-    for c in concurrencies:
+def record_point(results: dict, label: str, c: int, rounds: list[dict]) -> None:
+    """The point is the round with the median tok/s; every round is kept."""
+    point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
+    point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
+    results.setdefault(label, {})[c] = point
+    length = point["acceptance_length"]  # None when no step drafted (every step plain)
+    extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
+    if len(point["k_counts"]) > 1:
+        extra += " steps per k " + " ".join(f"{k}:{n}" for k, n in point["k_counts"].items())
+    print(f"  {label:>14} C={c:<4} {point['tok_s']:9.1f} tok/s {point['seconds']:6.2f} s{extra}", flush=True)
+
+
+def measure_off(engine, args, results: dict) -> None:
+    """Speculation off: per concurrency a warm-up round, then --rounds measured rounds."""
+    for c in args.concurrency:
         run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
         rounds = [
             run_round(engine, c, args.tokens, args.prompt_len, seed=c + 7919 * r) for r in range(args.rounds)
         ]
-        point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
-        point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
-        results.setdefault(label, {})[c] = point
-        length = point["acceptance_length"]  # None when no step drafted (every step plain)
-        extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
-        if len(point["k_counts"]) > 1:
-            extra += " steps per k " + " ".join(f"{k}:{n}" for k, n in point["k_counts"].items())
-        print(
-            f"  {label:>14} C={c:<4} {point['tok_s']:9.1f} tok/s {point['seconds']:6.2f} s{extra}", flush=True
-        )
+        record_point(results, "off", c, rounds)
 
 
-def set_mode(engine: LLMEngine, acceptance_length: float, adaptive: bool, num_steps: int) -> None:
+def measure_spec(engine, args, acceptance_length: float, results: dict) -> None:
+    """Fixed k and adaptive side by side: per concurrency each mode's warm-up round, then the
+    measured rounds alternate fixed, adaptive, fixed, ... with the same seeds per pair, so drifts
+    in the machine's state hit both modes alike. One fresh policy per acceptance length, kept across
+    concurrencies as a server keeps it across load."""
     decoder = engine.spec_decoder
-    decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, num_steps)
-    decoder.policy = AdaptivePolicy(num_steps, decoder.policy_buckets) if adaptive else None
+    decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, args.num_steps)
+    modes = {
+        f"fixed L={acceptance_length:g}": None,
+        f"adaptive L={acceptance_length:g}": AdaptivePolicy(args.num_steps, decoder.policy_buckets),
+    }
+    for c in args.concurrency:
+        rounds: dict[str, list[dict]] = {label: [] for label in modes}
+        for policy in modes.values():
+            decoder.policy = policy
+            run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
+        for r in range(args.rounds):
+            for label, policy in modes.items():
+                decoder.policy = policy
+                rounds[label].append(run_round(engine, c, args.tokens, args.prompt_len, seed=c + 7919 * r))
+        for label, measured in rounds.items():
+            record_point(results, label, c, measured)
 
 
 def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> dict:
@@ -136,7 +158,15 @@ def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> 
         losing = [c for c in concurrencies if fixed[c]["tok_s"] < off[c]["tok_s"]]
         summary["crossover_fixed"][f"{L:g}"] = losing[0] if losing else None
         adaptive = results[f"adaptive L={L:g}"]
-        worst = min(adaptive[c]["tok_s"] / max(off[c]["tok_s"], fixed[c]["tok_s"]) for c in concurrencies)
+        # per concurrency: the median over rounds of adaptive / max(off, fixed) of the same round
+        # (fixed and adaptive ran side by side with the same seeds; off is its own engine's median)
+        worst = min(
+            statistics.median(
+                a / max(off[c]["tok_s"], f)
+                for a, f in zip(adaptive[c]["rounds_tok_s"], fixed[c]["rounds_tok_s"], strict=True)
+            )
+            for c in concurrencies
+        )
         summary["targets"][f"adaptive_vs_best_min_ratio L={L:g}"] = worst
         print(
             f"L={L:g}: fixed k stops paying at C={losing[0] if losing else '> ' + str(concurrencies[-1])}; "
@@ -190,7 +220,7 @@ def main() -> int:
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(**base))
     print(f"plain engine ready in {time.perf_counter() - started:.1f} s", flush=True)
-    measure(engine, args.concurrency, args, "off", results)
+    measure_off(engine, args, results)
     engine.shutdown()
     del engine
     gc.collect()
@@ -215,9 +245,7 @@ def main() -> int:
             flush=True,
         )
     for L in args.lengths:
-        for adaptive in (False, True):
-            set_mode(engine, L, adaptive, args.num_steps)
-            measure(engine, args.concurrency, args, f"{'adaptive' if adaptive else 'fixed'} L={L:g}", results)
+        measure_spec(engine, args, L, results)
     engine.shutdown()
     summary = summarize(results, args.concurrency, args.lengths)
     record = {

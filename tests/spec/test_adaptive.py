@@ -92,7 +92,7 @@ def test_noisy_costs_of_nearly_equal_choices_do_not_make_it_oscillate():
     # batch-1 acceptance is a coin flip per step.
     server = SyntheticServer(rate=0.5, weights=4e-3, per_token=0.0, draft=1.0e-3, noise=0.2, seed=3)
     policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
-    choices = run(server, policy, batch=1, steps=2000)[2 * (K + 1) :]
+    choices = run(server, policy, batch=1, steps=2000)[policy.min_cost_samples * (K + 1) :]
     switch_steps = [i for i, (a, b) in enumerate(zip(choices, choices[1:], strict=False)) if a != b]
     assert len(switch_steps) <= 5
     gaps = [b - a for a, b in zip(switch_steps, switch_steps[1:], strict=False)]
@@ -129,6 +129,38 @@ def test_costs_seeded_from_a_profile_need_no_exploration():
     for k in range(K + 1):
         policy.set_cost(1, k, server.cost(1, k))
     assert policy.choose(1) == server.best_k(1, 1)
+
+
+def test_the_first_sample_of_each_choice_is_dropped_and_the_next_ones_averaged():
+    policy = AdaptivePolicy(K, BUCKETS, cost_ema_alpha=0.1)
+    for seconds in (1.0, 0.010, 0.012, 0.014):  # a cold first replay, then steady samples
+        policy.record_step(1, 2, seconds)
+    assert policy.step_cost(1, 2) == pytest.approx(0.012)
+
+
+def test_a_bucket_between_explored_buckets_borrows_interpolated_costs_instead_of_exploring():
+    server = SyntheticServer(rate=0.7, per_token=2e-4)  # costs linear in the bucket: exact interpolation
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    for batch in (4, 64):
+        run(server, policy, batch, steps=policy.min_cost_samples * (K + 1))
+    assert policy.step_cost(16, 2) == pytest.approx(server.cost(16, 2))
+    assert policy.step_cost(1, 2) is None  # below every explored bucket: nothing to interpolate from
+    choices = run(server, policy, batch=16, steps=20)
+    assert set(choices) == {server.best_k(16, 16)}  # no exploration steps in bucket 16
+
+
+def test_a_bucket_leaves_a_choice_that_is_a_few_percent_worse():
+    # seeded costs make k = K look best; the measured ones put every k > 0 3 % behind k = 0: the
+    # bucket must not stay at a worse k for good (a switch margin of 3 % or more would keep it there)
+    policy = AdaptivePolicy(K, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
+    policy.record_acceptance(K, [K])  # every draft accepted: E[accepted | k] = k
+    for k in range(K + 1):
+        policy.set_cost(8, k, 1.0 + 0.5 * k)
+    assert policy.choose(8) == K
+    for _ in range(300):
+        k = policy.choose(8)
+        policy.record_step(8, k, 1.0 if k == 0 else (1 + k) / 0.97)
+    assert policy.choose(8) == 0
 
 
 def test_acceptance_estimates_track_per_position_rates():

@@ -6,7 +6,11 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
 
 - per (batch bucket, k) an exponential moving average (EMA) of the step time; the bucket is the
   CUDA-graph batch size the decode batch is padded to, so the cost of a bucket does not depend on
-  the exact batch inside it;
+  the exact batch inside it. The first sample of each (bucket, k) is dropped (the first replay of a
+  captured graph uploads it to the device, a one-off cost) and the next ones form a running mean
+  until the EMA takes over, so one slow sample cannot bias a choice for long. A bucket where k was
+  never measured borrows a cost interpolated linearly in batch size from the nearest buckets on
+  either side where it was (decode step time grows smoothly with the batch);
 - per draft position i an EMA of the conditional acceptance rate r_i = P(draft i accepted | drafts
   before it accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i; until a position has seen
   about 1 / alpha rows the estimate is the running mean of what it saw (the prior counting as
@@ -15,10 +19,13 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
 and picks the k that maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost.
 Guards against the ways such controllers fail in practice:
 
-- exploration: a k whose cost is not yet measured in this bucket is tried `min_cost_samples`
-  times before the bucket commits to a choice (or seed costs from a start-up profile, `set_cost`);
+- exploration: a k with neither a measured nor an interpolated cost in this bucket is tried
+  `min_cost_samples` times before the bucket commits to a choice (or seed costs from a start-up
+  profile, `set_cost`); a bucket between explored ones needs no exploration;
 - hysteresis: a bucket switches k only after some other k beats the committed one by more than
-  `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs;
+  `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
+  The margin is small (2 %): it bounds how far below the best (by the estimates) a bucket may sit
+  for good, and the patience, not the margin, is what absorbs noise;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
   when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
@@ -43,9 +50,9 @@ class AdaptivePolicy:
         max_acceptance_step_weight: float = 0.25,
         prior_acceptance_rate: float = 0.7,
         prior_acceptance_rows: int = 4,
-        switch_margin: float = 0.05,
+        switch_margin: float = 0.02,
         switch_patience: int = 16,
-        min_cost_samples: int = 2,
+        min_cost_samples: int = 3,
         probe_interval: int = 256,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
@@ -99,14 +106,29 @@ class AdaptivePolicy:
         return total
 
     def step_cost(self, decode_batch_size: int, num_draft_tokens: int) -> float | None:
-        """Measured EMA seconds per step in this batch's bucket, None if never measured."""
-        return self._cost.get((self.bucket_of(decode_batch_size), num_draft_tokens))
+        """Seconds per step in this batch's bucket: measured there, else interpolated from the
+        nearest measured buckets on either side; None when neither exists."""
+        return self._estimated_cost(self.bucket_of(decode_batch_size), num_draft_tokens)
 
     def expected_tokens_per_second(self, decode_batch_size: int, num_draft_tokens: int) -> float | None:
         cost = self.step_cost(decode_batch_size, num_draft_tokens)
         if cost is None or cost <= 0:
             return None
         return (1.0 + self.expected_accepted(num_draft_tokens)) * decode_batch_size / cost
+
+    def _measured(self, bucket: int, k: int) -> bool:
+        return self._samples.get((bucket, k), 0) >= self.min_cost_samples
+
+    def _estimated_cost(self, bucket: int, k: int) -> float | None:
+        if self._measured(bucket, k):
+            return self._cost[(bucket, k)]
+        below = [b for b in self.batch_buckets if b < bucket and self._measured(b, k)]
+        above = [b for b in self.batch_buckets if b > bucket and self._measured(b, k)]
+        if not below or not above:
+            return None
+        lo, hi = below[-1], above[0]
+        t = (bucket - lo) / (hi - lo)
+        return self._cost[(lo, k)] + t * (self._cost[(hi, k)] - self._cost[(lo, k)])
 
     def choose(self, decode_batch_size: int) -> int:
         """The number of draft tokens for the next decode step of this many sequences (0..K)."""
@@ -116,10 +138,11 @@ class AdaptivePolicy:
 
     def _choose(self, batch: int, bucket: int) -> int:
         candidates = range(self.max_num_draft_tokens + 1)
+        costs = {k: self._estimated_cost(bucket, k) for k in candidates}
         for k in candidates:
-            if self._samples.get((bucket, k), 0) < self.min_cost_samples:
-                return k
-        scores = {k: self.expected_tokens_per_second(batch, k) for k in candidates}
+            if costs[k] is None:
+                return k  # explore
+        scores = {k: (1.0 + self.expected_accepted(k)) * batch / costs[k] for k in candidates}
         best = max(candidates, key=lambda k: scores[k])
         committed = self._committed.setdefault(bucket, best)
         if best != committed and scores[best] > scores[committed] * (1.0 + self.switch_margin):
@@ -145,9 +168,12 @@ class AdaptivePolicy:
     def record_step(self, decode_batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """Folds the measured wall time of one decode step (drafting, verifying, draft extend) in."""
         key = (self.bucket_of(decode_batch_size), num_draft_tokens)
+        samples = self._samples[key] = self._samples.get(key, 0) + 1
+        if samples == 1:
+            return  # the first replay of a graph pays its upload: not what the next steps cost
         old = self._cost.get(key)
-        self._cost[key] = seconds if old is None else old + self.cost_ema_alpha * (seconds - old)
-        self._samples[key] = self._samples.get(key, 0) + 1
+        weight = max(self.cost_ema_alpha, 1.0 / (samples - 1))  # a running mean at first
+        self._cost[key] = seconds if old is None else old + weight * (seconds - old)
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
