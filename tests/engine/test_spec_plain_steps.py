@@ -53,3 +53,43 @@ def test_only_plain_steps_launched_behind_another_are_timed(tmp_path):
     decoder.plain_step_finished(4, chained=True)
     decoder.plain_step_finished(4, chained=False)
     assert recorded == [(4, 0)]
+
+
+def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_graphs(tmp_path, monkeypatch):
+    """After plain steps the drafters lag by more than the window: the step the policy gives k > 0
+    runs at k = 0 while the drafter catches up (target in its plain graph, not an eager verify),
+    is not timed as a k = 0 step, and the very next step drafts that k as a window step."""
+    from tpfuse.engine import spec_decoder as spec_decoder_module
+    from tpfuse.engine.spec_inputs import read_spec_header
+    from tpfuse.engine.step_inputs import read_header
+
+    kw = {**ENGINE, "enable_prefix_caching": False}
+    expected = [o.token_ids for o in LLM(**kw).generate(PROMPTS[:2], greedy(40))]
+    path = write_eagle3_head(str(tmp_path))
+    llm = LLM(config=EngineConfig(**kw, speculative=spec_config("eagle3", path, adaptive=True)))
+    decoder = llm.engine.spec_decoder
+    assert decoder.ext_window > 0
+    choices = iter([0] * 16 + [3] * 1000)
+    decoder.policy.choose = lambda num_decode: next(choices)
+    timed = []  # k of each speculative step timed for the policy (plain steps' timing left out)
+    decoder.policy.record_step = lambda rows, k, seconds: timed.append(k)
+    decoder.plain_step_finished = lambda num_rows, chained: None
+    packed_steps = []  # (k, window step) of every speculative step with decode rows
+    pack = spec_decoder_module.pack_spec_step
+
+    def recording_pack(batch, *args, **kwargs):
+        packed = pack(batch, *args, **kwargs)
+        spec = read_spec_header(packed, read_header(packed))
+        if spec.num_decode:
+            packed_steps.append((spec.num_draft_tokens, bool(spec.ext_window)))
+        return packed
+
+    monkeypatch.setattr(spec_decoder_module, "pack_spec_step", recording_pack)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(40))]
+    assert outputs == expected
+    resumed = [i for i, (k, _) in enumerate(packed_steps) if k == 3]
+    assert resumed, "drafting should resume"
+    first = resumed[0]
+    assert packed_steps[first - 1] == (0, False), "a catch-up step at k = 0 comes first"
+    assert all(window for _, window in packed_steps[first:]), "then every step is a window step"
+    assert timed and set(timed) == {3}, "the catch-up step is not timed as a k = 0 step"

@@ -18,7 +18,7 @@ import torch
 from tpfuse.config import EngineConfig
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
-from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, pack_spec_step
+from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length, simulate_acceptance
@@ -104,6 +104,7 @@ class SpecDecoder:
         self._chosen: int | None = None  # k chosen by chooses_plain_decode for the coming run()
         self._timed_step: tuple[int, int] | None = None  # (decode rows, k) of the step being timed
         self._last_plain_done: float | None = None  # when the last plain decode step completed
+        self._after_catch_up: int | None = None  # k chosen for a step that had to catch up first
 
     def choose_num_draft_tokens(self, num_decode: int) -> int:
         if num_decode == 0:
@@ -112,6 +113,9 @@ class SpecDecoder:
             return self.num_tree_nodes - 1
         if self.policy is None:
             return self.max_num_draft_tokens
+        if self._after_catch_up is not None:  # the choice a catch-up step put off (a probe, say)
+            k, self._after_catch_up = self._after_catch_up, None
+            return k
         return self.policy.choose(num_decode)
 
     def chooses_plain_decode(self, batch: Batch) -> bool:
@@ -156,6 +160,9 @@ class SpecDecoder:
             else self.choose_num_draft_tokens(len(decode_rows))
         )
         self._chosen = None
+        catch_up = bool(k) and self.ext_window > 0 and lags_after_plain_steps(batch, self.ext_window)
+        if catch_up:
+            self._after_catch_up, k = k, 0  # drafting resumes next step, inside the window graphs
         if decode_rows:
             self.current_num_draft_tokens = k
         host_drafts = None
@@ -200,7 +207,7 @@ class SpecDecoder:
             if self.tree and k:
                 self._record_kv_moves(batch, decode_rows, result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
-            if self.policy is not None and pure_decode:
+            if self.policy is not None and pure_decode and not catch_up:  # a catch-up is no k = 0 step
                 self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)

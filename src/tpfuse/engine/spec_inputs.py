@@ -131,6 +131,23 @@ def window_step_ok(batch: Batch, window: int) -> bool:
     return True
 
 
+def lags_after_plain_steps(batch: Batch, window: int) -> bool:
+    """Whether batch would be a window step but for drafters that fell more than `window` positions
+    behind during plain decode steps (adaptive k = 0). A k = 0 step catches them up (the drafter
+    extends eagerly, the target replays its plain decode graph), so the steps after it draft inside
+    the window graphs instead of verifying eagerly. (A row's first decode step after its prefill
+    lags by the prompt and still drafts as it does with a fixed k: output tokens > 1 tell them apart.)"""
+    lagging = False
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        begin = seq.num_computed_tokens
+        if not is_decode_row(seq, n) or begin < window:
+            return False
+        if seq.params.temperature > 0.0 and seq.params.seed is None:
+            return False
+        lagging |= seq.num_drafter_tokens < begin - window and seq.num_output_tokens > 1
+    return lagging
+
+
 def _catch_up_cap(batch: Batch, budget: int | None) -> int | None:
     """Positions each decode row may catch up on, None when every lag fits the budget."""
     if budget is None:
