@@ -74,8 +74,11 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
     if engine.executor.runner.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
+    step_seconds = []
     while engine.has_unfinished():
+        t0 = time.perf_counter()
         generated += sum(len(o.new_token_ids) for o in engine.step())
+        step_seconds.append(time.perf_counter() - t0)
         steps += 1
     seconds = time.perf_counter() - start
     if decoder is not None:
@@ -90,6 +93,7 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "mean_k": sum(chosen) / len(chosen) if chosen else 0.0,
         "k_counts": {k: chosen.count(k) for k in sorted(set(chosen))},  # decode steps per chosen k
+        "slowest_steps_ms": sorted((round(1000 * s, 1) for s in step_seconds), reverse=True)[:5],
     }
 
 
@@ -97,6 +101,7 @@ def record_point(results: dict, label: str, c: int, rounds: list[dict]) -> None:
     """The point is the round with the median tok/s; every round is kept."""
     point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
     point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
+    point["rounds"] = [{key: r[key] for key in ("k_counts", "slowest_steps_ms", "steps")} for r in rounds]
     results.setdefault(label, {})[c] = point
     length = point["acceptance_length"]  # None when no step drafted (every step plain)
     extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
