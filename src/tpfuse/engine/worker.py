@@ -13,7 +13,9 @@ stuck inside a collective with the dead rank, prints the reason and exits after 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -125,7 +127,8 @@ def _watch_parent(rank: int, parent_pid: int) -> None:
 def worker_main(
     rank: int, config: EngineConfig, port: int, devices, channel, parent_pid: int, errors
 ) -> None:
-    """Process target of ranks 1..N-1."""
+    """Process target of ranks 1..N-1. `kill -USR1 <pid>` prints every thread's stack (a hang's where)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(rank, parent_pid), daemon=True).start()
     try:
         runner = build_rank(rank, config, port, devices)
