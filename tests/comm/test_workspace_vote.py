@@ -69,3 +69,29 @@ def test_when_no_backend_works_every_rank_raises_with_each_reason(outcomes):
     for message in results:
         assert "no peer-memory backend works" in message
         assert "symm_mem not used" in message and "cuda_ipc not used" in message
+
+
+def _after_an_earlier_group_of_the_same_name(rank, world_size):
+    """Rank 0's process saw symm_mem used by another (since destroyed) group of this group's name,
+    as when a second engine starts in the process of the first; its workers are fresh processes."""
+    import torch.distributed as dist
+
+    from tpfuse.comm import peer_memory, workspace
+
+    peer_memory.open_symmetric = peer_memory.open_ipc = _fake_opener
+    name = dist.group.WORLD.group_name
+    if rank == 0:
+        workspace._SYMMETRIC_GROUPS[name] = object()  # the earlier group
+    stale = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)
+    workspace._SYMMETRIC_GROUPS.pop(name, None)
+    fresh = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)
+    again = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)  # same live group
+    return stale.backend, stale.notes, fresh.backend, again.backend
+
+
+def test_a_group_name_reused_in_a_process_moves_every_rank_off_symmetric_memory():
+    results = run_distributed(_after_an_earlier_group_of_the_same_name, 2)
+    assert [r[0] for r in results] == ["cuda_ipc", "cuda_ipc"]
+    for _, notes, _, _ in results:
+        assert "symm_mem not used: rank 0: group name" in notes[0] and "earlier process group" in notes[0]
+    assert [(r[2], r[3]) for r in results] == [("symm_mem", "symm_mem")] * 2

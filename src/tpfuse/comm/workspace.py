@@ -28,6 +28,13 @@ from tpfuse.comm.sync import CTRL_ERROR, NUM_FLAG_KINDS
 MAX_WORLD = 31  # error word bits name ranks
 DEFAULT_TIMEOUT_S = 30.0
 
+# torch symmetric memory keeps per-group state under the group's *name* for the life of the process.
+# Names restart at "0" after destroy_process_group, so a second engine created in the same process
+# would rendezvous against the first (destroyed) group's store while its fresh workers use the new
+# one: a hang (seen on the H200: a TP engine after another in one process). Group name -> the group
+# that used it here; a name held by another group rules symm_mem out for the whole group.
+_SYMMETRIC_GROUPS: dict[str, object] = {}
+
 
 def _align(n: int, to: int = 256) -> int:
     return (n + to - 1) // to * to
@@ -156,6 +163,11 @@ def create_process_workspace(
     slot_bytes, max_programs = min(s for s, _ in everyone), min(p for _, p in everyone)
     layout = WorkspaceLayout.build(world_size, slot_bytes, max_programs)
     notes: list[str] = []
+    if "symm_mem" in backends:
+        reused = peer_memory.vote_failures(_symmetric_name_taken(group), group)
+        if reused:
+            backends = tuple(b for b in backends if b != "symm_mem")
+            notes.append("symm_mem not used: " + "; ".join(f"rank {r}: {msg}" for r, msg in reused))
     for backend in backends:
         opener = {"symm_mem": peer_memory.open_symmetric, "cuda_ipc": peer_memory.open_ipc}[backend]
         try:
@@ -165,7 +177,20 @@ def create_process_workspace(
             buffer, addresses, keep_alive, error = None, None, None, f"{type(exc).__name__}: {exc}"
         failures = peer_memory.vote_failures(error, group)
         if not failures:
+            if backend == "symm_mem":
+                _SYMMETRIC_GROUPS[group.group_name] = group
             table = torch.tensor(addresses, dtype=torch.int64, device=device)
             return RankWorkspace(rank, layout, buffer, table, backend, timeout_s, notes, keep_alive)
         notes.append(f"{backend} not used: " + "; ".join(f"rank {r}: {msg}" for r, msg in failures))
     raise RuntimeError("no peer-memory backend works for this group: " + " | ".join(notes))
+
+
+def _symmetric_name_taken(group) -> str | None:
+    """Why this process cannot use symm_mem for group (None: it can)."""
+    holder = _SYMMETRIC_GROUPS.get(group.group_name)
+    if holder is None or holder is group:
+        return None
+    return (
+        f"group name {group.group_name!r} was used by an earlier process group in this process "
+        "(torch symmetric memory keeps per-name state); CUDA IPC instead"
+    )
