@@ -13,7 +13,7 @@ median over rounds of adaptive / max(off, fixed of the same round). Prints a tab
 off, the crossover concurrency where fixed k stops paying, the issue's targets (C=1, L=3: fixed >=
 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and writes JSON to $OUT/spec_decode.json.
 
-    python benchmarks/spec_decode.py                          # the issue's sweep (~4-5 min on one H200)
+    python benchmarks/spec_decode.py                          # the issue's sweep (~6 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
 """
 
@@ -46,6 +46,16 @@ def _ints(text: str) -> list[int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
+
+
+def run_lengths(values: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
 
 
 def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int, seed: int) -> dict:
@@ -93,6 +103,7 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "mean_k": sum(chosen) / len(chosen) if chosen else 0.0,
         "k_counts": {k: chosen.count(k) for k in sorted(set(chosen))},  # decode steps per chosen k
+        "k_runs": run_lengths(chosen),  # [[k, consecutive steps], ...] in step order
         "slowest_steps_ms": sorted((round(1000 * s, 1) for s in step_seconds), reverse=True)[:5],
     }
 
@@ -101,7 +112,9 @@ def record_point(results: dict, label: str, c: int, rounds: list[dict]) -> None:
     """The point is the round with the median tok/s; every round is kept."""
     point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
     point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
-    point["rounds"] = [{key: r[key] for key in ("k_counts", "slowest_steps_ms", "steps")} for r in rounds]
+    point["rounds"] = [
+        {key: r[key] for key in ("k_counts", "k_runs", "slowest_steps_ms", "steps")} for r in rounds
+    ]
     results.setdefault(label, {})[c] = point
     length = point["acceptance_length"]  # None when no step drafted (every step plain)
     extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""
@@ -196,8 +209,13 @@ def main() -> int:
         "--lengths", type=_floats, default=[2.0, 3.0, 4.0], help="simulated acceptance lengths"
     )
     parser.add_argument("--num-steps", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--warmup-tokens", type=int, default=48)
+    parser.add_argument(
+        "--tokens", type=int, default=512,
+        help="per request; the prefill and the first verify are one-offs (~5 %% of a 256-token round at C=1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup-tokens", type=int, default=96, help="per request; room to explore new buckets"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per point (median)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, few tokens")

@@ -163,6 +163,31 @@ def test_a_bucket_leaves_a_choice_that_is_a_few_percent_worse():
     assert policy.choose(8) == 0
 
 
+def _drifting_run(policy, steps=600):
+    """k = 0 is truly 4 % ahead of k = 2 (the only other choice worth anything) at every step, but
+    every cost grows 0.1 % a step (the context grows): an estimate measured long ago looks cheap.
+    Returns the choices after exploration."""
+    policy.record_acceptance(K, [K] * 8)  # acceptance known: E[accepted | k] = k
+    base = {0: 1.0, 1: 3.0, 2: 3.0 / 0.96, 3: 5.0, 4: 6.0}  # tokens per second: 1, 0.67, 0.96, 0.8, 0.83
+    choices = []
+    for step in range(steps):
+        k = policy.choose(8)
+        policy.record_step(8, k, base[k] * (1.0 + 0.001 * step))
+        choices.append(k)
+    return choices[policy.min_cost_samples * (K + 1) :]
+
+
+def test_a_challenger_measured_long_ago_is_measured_again_before_the_bucket_switches_to_it():
+    policy = AdaptivePolicy(K, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
+    choices = _drifting_run(policy)
+    assert choices.count(0) >= 0.97 * len(choices)  # a few single refresh steps at k = 2, no switch
+    assert policy.choose(8) == 0
+    blind = AdaptivePolicy(K, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0,
+                           stale_after=10**9)  # fmt: skip
+    blind_choices = _drifting_run(blind)
+    assert blind_choices.count(0) < 0.8 * len(blind_choices)  # the failure this rule prevents
+
+
 def test_acceptance_estimates_track_per_position_rates():
     policy = AdaptivePolicy(3, BUCKETS, acceptance_ema_alpha=1.0, max_acceptance_step_weight=1.0)
     policy.record_acceptance(3, [0, 1, 1, 3])  # position 1: 3 of 4; position 2: 1 of 3; 3: 1 of 1

@@ -26,6 +26,11 @@ Guards against the ways such controllers fail in practice:
   `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
   The margin is small (2 %): it bounds how far below the best (by the estimates) a bucket may sit
   for good, and the patience, not the margin, is what absorbs noise;
+- no switch on stale evidence: the cost of a k that is not being run stops being measured while the
+  context grows and the committed k's cost grows with it, so an old sample makes it look cheaper than
+  it is. When a challenger has won `switch_patience` steps but its cost in this bucket is older than
+  `stale_after` of the bucket's steps (or was only interpolated), the bucket runs it once to measure
+  it afresh (that sample replaces the aged estimate: `refresh_weight` 1) and the streak starts over;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
   when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
@@ -54,6 +59,8 @@ class AdaptivePolicy:
         switch_patience: int = 16,
         min_cost_samples: int = 3,
         probe_interval: int = 256,
+        stale_after: int = 64,
+        refresh_weight: float = 1.0,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
         sorted decode batch sizes with captured CUDA graphs (a batch beyond the last uses the last).
@@ -82,6 +89,8 @@ class AdaptivePolicy:
         self.switch_patience = switch_patience
         self.min_cost_samples = min_cost_samples
         self.probe_interval = probe_interval
+        self.stale_after = stale_after
+        self.refresh_weight = refresh_weight
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self._rows_seen = [max(prior_acceptance_rows, 1)] * max_num_draft_tokens  # prior included
         self.acceptance_length: float | None = None  # EMA of tokens per step, steps with k > 0
@@ -91,6 +100,8 @@ class AdaptivePolicy:
         self._committed: dict[int, int] = {}
         self._better_streak: dict[int, int] = {}
         self._steps_at_zero: dict[int, int] = {}
+        self._clock: dict[int, int] = {}  # choose() calls per bucket
+        self._sampled_at: dict[tuple[int, int], int] = {}  # the bucket's clock at a key's last sample
 
     def bucket_of(self, decode_batch_size: int) -> int:
         """The CUDA-graph batch size a decode batch of this size runs in."""
@@ -136,7 +147,16 @@ class AdaptivePolicy:
         self.current_num_draft_tokens = choice
         return choice
 
+    def _aged(self, bucket: int, k: int) -> bool:
+        """Measured in this bucket, but not within its last stale_after steps."""
+        age = self._clock.get(bucket, 0) - self._sampled_at.get((bucket, k), 0)
+        return self._measured(bucket, k) and age > self.stale_after
+
+    def _stale(self, bucket: int, k: int) -> bool:
+        return not self._measured(bucket, k) or self._aged(bucket, k)  # interpolated or aged
+
     def _choose(self, batch: int, bucket: int) -> int:
+        self._clock[bucket] = self._clock.get(bucket, 0) + 1
         candidates = range(self.max_num_draft_tokens + 1)
         costs = {k: self._estimated_cost(bucket, k) for k in candidates}
         for k in candidates:
@@ -148,8 +168,10 @@ class AdaptivePolicy:
         if best != committed and scores[best] > scores[committed] * (1.0 + self.switch_margin):
             self._better_streak[bucket] = self._better_streak.get(bucket, 0) + 1
             if self._better_streak[bucket] >= self.switch_patience:
-                self._committed[bucket] = committed = best
                 self._better_streak[bucket] = 0
+                if self._stale(bucket, best):
+                    return best  # measure the challenger afresh before switching to it
+                self._committed[bucket] = committed = best
         else:
             self._better_streak[bucket] = 0
         if committed == 0:
@@ -167,12 +189,17 @@ class AdaptivePolicy:
 
     def record_step(self, decode_batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """Folds the measured wall time of one decode step (drafting, verifying, draft extend) in."""
-        key = (self.bucket_of(decode_batch_size), num_draft_tokens)
+        bucket = self.bucket_of(decode_batch_size)
+        key = (bucket, num_draft_tokens)
+        aged = self._aged(bucket, num_draft_tokens)
         samples = self._samples[key] = self._samples.get(key, 0) + 1
+        self._sampled_at[key] = self._clock.get(bucket, 0)
         if samples == 1:
             return  # the first replay of a graph pays its upload: not what the next steps cost
         old = self._cost.get(key)
         weight = max(self.cost_ema_alpha, 1.0 / (samples - 1))  # a running mean at first
+        if aged:
+            weight = max(weight, self.refresh_weight)
         self._cost[key] = seconds if old is None else old + weight * (seconds - old)
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
