@@ -28,11 +28,12 @@ from tpfuse.comm.sync import CTRL_ERROR, NUM_FLAG_KINDS
 MAX_WORLD = 31  # error word bits name ranks
 DEFAULT_TIMEOUT_S = 30.0
 
-# torch symmetric memory keeps per-group state under the group's *name* for the life of the process.
-# Names restart at "0" after destroy_process_group, so a second engine created in the same process
-# would rendezvous against the first (destroyed) group's store while its fresh workers use the new
-# one: a hang (seen on the H200: a TP engine after another in one process). Group name -> the group
-# that used it here; a name held by another group rules symm_mem out for the whole group.
+# torch symmetric memory keeps a process-wide map from group *name* to the store it rendezvouses
+# through, and never replaces an entry. Names restart at "0" after destroy_process_group, so a second
+# engine created in the same process would rendezvous through the first (destroyed) group's store
+# while its fresh workers use the new one: a hang (seen on the H200: a TP engine after another in one
+# process). Group name -> the group that used it here; a name held by another group rules symm_mem
+# out for the whole group.
 _SYMMETRIC_GROUPS: dict[str, object] = {}
 
 
