@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: environment, GPU tests, benchmarks; logs and JSON under $OUT.
+# One call on the GPU machine: environment, GPU tests, benchmarks; logs and JSON under $OUT, then the
+# short table of results and targets (suite_summary.py).
 # Usage (device machine, repo root): bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest -k expr]
 set -u
 what=${1:-all}
@@ -14,9 +15,9 @@ print(subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=Tru
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -n "$kexpr" ]; then
-    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -x -k "$kexpr" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -x -k "$kexpr" -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   else
-    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q -m gpu --timeout=${TEST_TIMEOUT:-90} ${GPU_TEST_DIRS:-tests/kernels tests/model tests/engine tests/comm tests/spec} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   fi
 fi
 # Arguments each benchmark gets here: sized so that one call of the device tool (10 min) runs several.
@@ -37,3 +38,5 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout ${BENCH_TIMEOUT:-300} python3 "benchmarks/$b.py" $(bench_args "$b") 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30
   done
 fi
+echo "== summary"
+python3 benchmarks/suite_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -24,7 +24,9 @@ if [ "$what" = comm ]; then
     tests/comm/test_multigpu.py tests/engine/test_gpu_tensor_parallel.py 2>&1 | tee "$OUT/multigpu_tests.log" | tail -n 15
   for tp in 2 4 8; do
     if [ "$tp" -le "$gpus" ]; then
-      timeout 120 python3 -m tpfuse comm-bench --nproc "$tp" 2>&1 | tee "$OUT/comm_bench_tp$tp.log" | tail -n 40
+      timeout 120 python3 -m tpfuse comm-bench --nproc "$tp" --json > "$OUT/comm_tp$tp.json" 2> "$OUT/comm_bench_tp$tp.err" \
+        && python3 -c "import json, sys; from tpfuse.bench.comm import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+          "$OUT/comm_tp$tp.json" | tee "$OUT/comm_bench_tp$tp.log" | tail -n 40
     fi
   done
 fi
@@ -38,3 +40,4 @@ if [ "$what" = experiment ]; then
     --configs "$configs" 2>&1 | tee "$OUT/tp_spec_$tag.log" | tail -n 30
   (cd "$OUT" && tar czf "tp_spec_$tag.tgz" tp_spec && rm -rf tp_spec)
 fi
+python3 benchmarks/suite_summary.py "$OUT" | tee "$OUT/summary.txt"
