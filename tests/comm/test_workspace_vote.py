@@ -3,6 +3,8 @@ the backend is chosen by a vote of all ranks, and every rank gets the same layou
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -71,6 +73,10 @@ def test_when_no_backend_works_every_rank_raises_with_each_reason(outcomes):
         assert "symm_mem not used" in message and "cuda_ipc not used" in message
 
 
+class _EarlierGroup:
+    """Stands for a process group of the same name, created (and destroyed) before this one."""
+
+
 def _after_an_earlier_group_of_the_same_name(rank, world_size):
     """Rank 0's process saw symm_mem used by another (since destroyed) group of this group's name,
     as when a second engine starts in the process of the first; its workers are fresh processes."""
@@ -80,8 +86,10 @@ def _after_an_earlier_group_of_the_same_name(rank, world_size):
 
     peer_memory.open_symmetric = peer_memory.open_ipc = _fake_opener
     name = dist.group.WORLD.group_name
+    earlier = _EarlierGroup()
     if rank == 0:
-        workspace._SYMMETRIC_GROUPS[name] = object()  # the earlier group
+        workspace._SYMMETRIC_GROUPS[name] = weakref.ref(earlier)
+    del earlier  # destroyed and collected: torch still holds its store under the name
     stale = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)
     workspace._SYMMETRIC_GROUPS.pop(name, None)
     fresh = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)

@@ -19,6 +19,7 @@ Three ways to build the set of buffers, one class for all of them (RankWorkspace
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,9 @@ DEFAULT_TIMEOUT_S = 30.0
 # through, and never replaces an entry. Names restart at "0" after destroy_process_group, so a second
 # engine created in the same process would rendezvous through the first (destroyed) group's store
 # while its fresh workers use the new one: a hang (seen on the H200: a TP engine after another in one
-# process). Group name -> the group that used it here; a name held by another group rules symm_mem
-# out for the whole group.
-_SYMMETRIC_GROUPS: dict[str, object] = {}
+# process). Group name -> a weak reference to the group that used it here (dead or alive, another
+# group under that name rules symm_mem out for the whole group; weak, so no destroyed group is kept).
+_SYMMETRIC_GROUPS: dict[str, weakref.ref] = {}
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -179,7 +180,7 @@ def create_process_workspace(
         failures = peer_memory.vote_failures(error, group)
         if not failures:
             if backend == "symm_mem":
-                _SYMMETRIC_GROUPS[group.group_name] = group
+                _SYMMETRIC_GROUPS[group.group_name] = weakref.ref(group)
             table = torch.tensor(addresses, dtype=torch.int64, device=device)
             return RankWorkspace(rank, layout, buffer, table, backend, timeout_s, notes, keep_alive)
         notes.append(f"{backend} not used: " + "; ".join(f"rank {r}: {msg}" for r, msg in failures))
@@ -189,7 +190,7 @@ def create_process_workspace(
 def _symmetric_name_taken(group) -> str | None:
     """Why this process cannot use symm_mem for group (None: it can)."""
     holder = _SYMMETRIC_GROUPS.get(group.group_name)
-    if holder is None or holder is group:
+    if holder is None or holder() is group:
         return None
     return (
         f"group name {group.group_name!r} was used by an earlier process group in this process "
