@@ -151,3 +151,19 @@ def test_lags_within_the_budget_are_caught_up_whole():
     batch = _decode_only_batch(lags=(50, 1), lengths=(60, 12))
     _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, catch_up_budget=51))
     assert spec.ext_query_start_loc.tolist() == [0, 50, 51]
+
+
+def test_only_drafters_that_fell_behind_during_plain_steps_call_for_a_catch_up_step():
+    from tpfuse.engine.spec_inputs import lags_after_plain_steps
+
+    window = K + 1
+    behind = _decode_only_batch(lags=(1, 9), lengths=(12, 20))  # 2 outputs each: plain steps ran
+    assert lags_after_plain_steps(behind, window)
+    assert not lags_after_plain_steps(_decode_only_batch(lags=(1, 4), lengths=(12, 20)), window)  # within
+    just_prefilled = _decode_only_batch(lags=(1, 9), lengths=(12, 20))
+    just_prefilled.seqs[1].num_prompt_tokens += 1  # its one output came from the prefill
+    assert not lags_after_plain_steps(just_prefilled, window)  # drafts as a fixed k does
+    sampled = _decode_only_batch(lags=(1, 9), lengths=(12, 20))
+    sampled.seqs[0].params = SamplingParams(max_tokens=32, temperature=0.7)  # no seed: no window step
+    assert not lags_after_plain_steps(sampled, window)
+    assert not lags_after_plain_steps(_batch(), window)  # a prefill chunk in the batch
