@@ -9,7 +9,8 @@ enough KV caches to exceed the L2, as 32 layers' caches do.
 Sections: (1) per-op table at batch 1, 8, 64 and context 1024, 4096, with old vs new variants;
 (2) the decode split sweep (best split count per shape vs the rule); (3) the small ops of one
 batch-1 decode step (32 layers), before vs after this round's changes. `--prefill` adds prefill
-attention vs SDPA (do_bench).
+attention vs SDPA (do_bench); `--verify` (or `--verify-only`) verify-pass attention (k + 1 queries per
+sequence) against the K/V bytes it reads.
 
 Usage (device machine, repo root): python benchmarks/kernels.py [--prefill]   # JSON to $OUT if set
 """
@@ -42,6 +43,7 @@ SCALE, EPS = HEAD_DIM**-0.5, 1e-5
 L2_DEFEAT_BYTES = 192 << 20  # H200 L2 is 60 MB
 DEVICE = "cuda"  # tests/kernels/test_kernels_benchmark.py runs this file on CPU at tiny shapes
 ROWS: list[dict] = []
+VERIFY_SHAPES = ((1, 4, 1024), (32, 4, 512), (128, 2, 512), (128, 4, 512))  # (batch, k + 1, context)
 
 
 def record(op: str, shape: str, us: float, nbytes: float | None = None, **extra) -> None:
@@ -251,6 +253,29 @@ def bench_prefill(num_seqs: int, length: int) -> None:
     record("prefill_attention (do_bench)", f"{num_seqs}x{length}", ms * 1e3, sdpa_us=round(sdpa_ms * 1e3, 1))
 
 
+def bench_verify(batch: int, q_len: int, context: int) -> None:
+    """Verify-pass attention (q_len = k + 1 query tokens per sequence, prefill kernel) against the
+    bytes of K/V it must read once, over enough cache copies to defeat the L2."""
+    from tpfuse.kernels.prefill_attention import prefill_attention_triton
+
+    blocks = batch * triton.cdiv(context, BLOCK)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    copies = max(1, min(16, L2_DEFEAT_BYTES // kv_bytes + 1))
+    caches = [
+        (_randn(blocks, BLOCK, KV_HEADS, HEAD_DIM), _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM))
+        for _ in range(copies)
+    ]
+    tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+    starts = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32) * q_len
+    q = _randn(batch * q_len, HEADS, HEAD_DIM)
+    calls = [lambda kc=kc, vc=vc: prefill_attention_triton(q, kc, vc, tables, lens, starts, q_len, SCALE)
+             for kc, vc in caches]  # fmt: skip
+    us = graph_us(calls, min_launches=32)
+    record("verify attention (prefill kernel)", f"B={batch} q={q_len} ctx={context}", us, kv_bytes,
+           per_32_layers_ms=round(32 * us / 1e3, 3))  # fmt: skip
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU")
@@ -259,6 +284,10 @@ def main() -> int:
     versions = f"torch {torch.__version__} triton {triton.__version__}"
     print(f"{props.name} sms={props.multi_processor_count} {versions}")
     started = time.perf_counter()
+    if "--verify-only" in sys.argv:  # the verify section alone
+        for batch, q_len, context in VERIFY_SHAPES:
+            bench_verify(batch, q_len, context)
+        return 0
     print("== per-op, CUDA-graph replay, us per launch (inter-kernel gap included)")
     for batch in BATCHES:
         bench_small_ops(batch)
@@ -272,6 +301,9 @@ def main() -> int:
     for batch, context in ((1, 1024), (1, 4096), (8, 1024), (64, 1024)):
         bench_decode_step(batch, context)
     print(f"({time.perf_counter() - started:.0f} s)")
+    if "--verify" in sys.argv:
+        for batch, q_len, context in VERIFY_SHAPES:
+            bench_verify(batch, q_len, context)
     if "--prefill" in sys.argv:
         for num_seqs, length in ((1, 2048), (4, 2048)):
             bench_prefill(num_seqs, length)

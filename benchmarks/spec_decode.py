@@ -105,6 +105,8 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
         "k_counts": {k: chosen.count(k) for k in sorted(set(chosen))},  # decode steps per chosen k
         "k_runs": run_lengths(chosen),  # [[k, consecutive steps], ...] in step order
         "slowest_steps_ms": sorted((round(1000 * s, 1) for s in step_seconds), reverse=True)[:5],
+        # what the adaptive policy believed at the end of the round, for the full batch's bucket
+        "policy": decoder.policy.snapshot(concurrency) if decoder is not None and decoder.policy else None,
     }
 
 
@@ -113,7 +115,7 @@ def record_point(results: dict, label: str, c: int, rounds: list[dict]) -> None:
     point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
     point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
     point["rounds"] = [
-        {key: r[key] for key in ("k_counts", "k_runs", "slowest_steps_ms", "steps")} for r in rounds
+        {key: r[key] for key in ("k_counts", "k_runs", "slowest_steps_ms", "steps", "policy")} for r in rounds
     ]
     results.setdefault(label, {})[c] = point
     length = point["acceptance_length"]  # None when no step drafted (every step plain)

@@ -95,7 +95,7 @@ def _variants(dtype: str):
         {},
         dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
     )
-    prefill_tiles = {prefill_tile_config(q, 128) for q in (5, 64, 4096)}
+    prefill_tiles = {prefill_tile_config(q, 128, group=4) for q in (1, 4, 64, 4096)}
     for (block_m, block_n, num_warps, num_stages), tree in itertools.product(prefill_tiles, (False, True)):
         yield (
             prefill_attention._prefill_kernel,

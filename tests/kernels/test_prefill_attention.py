@@ -47,6 +47,15 @@ def test_prefill_attention_with_several_query_and_key_tiles(block_m, block_n):
     assert_close_to_float64(out, _expected(*case, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("group", [3, 4])
+def test_prefill_attention_tiles_that_split_a_tokens_query_heads(group):
+    # a tile packs (token, head in group) rows: with 16-row tiles and a group of 3 a token's heads
+    # straddle two tiles, and each tile's causal bound must come from its own last token
+    case = _case([(37, 23), (9, 4), (18, 1)], 4, 2, group, 16, torch.float32, seed=group)
+    out = prefill_attention_launch(*case, 0.2, block_m=16, block_n=16)
+    assert_close_to_float64(out, _expected(*case, 0.2), torch.float32)
+
+
 def test_prefill_attention_head_dim_that_is_not_a_power_of_two():
     case = _case([(12, 5), (7, 7)], 4, 2, 2, 24, torch.float32, seed=3)
     out = prefill_attention_triton(*case, 0.3)

@@ -10,9 +10,13 @@ the causal rule per query token. Bit d of tree_mask[i] says whether query i (at 
 sees the key at position P_i - d, for d in 0..63; keys 64 or more positions back follow the causal
 rule alone. So -1 (every bit) is plain causal, and a tree node sees its ancestors and the context.
 
-The Triton version is a flash-attention forward: one program per (query tile, query head, sequence),
+The Triton version is a flash-attention forward: one program per (query tile, KV head, sequence),
 keys and values gathered from the paged cache through the block table, online softmax in float32.
-The grid depends only on max_query_len and the shapes; tiles past a sequence's q_len exit at once.
+A tile's rows are (query token, query head) pairs of the KV head's group, token-major: row r is token
+r // GROUP, head r % GROUP. So the group's query heads share every key and value tile they load (a KV
+head is read once, not once per query head), and a verify pass of k + 1 tokens fills (k + 1) * GROUP
+rows instead of padding k + 1 rows to a 16-row tile per head. The grid depends only on
+max_query_len and the shapes; tiles past a sequence's q_len exit at once.
 """
 
 from __future__ import annotations
@@ -95,34 +99,33 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + b + 1).to(tl.int64) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_M >= q_len * GROUP:
         return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-    kv_head = head // GROUP
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_len
-    positions = seq_len - q_len + rows  # position of each query token in its context
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head in group) pairs, token-major
+    tokens_q = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = tokens_q < q_len
+    positions = seq_len - q_len + tokens_q  # position of each row's query token in its context
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-        mask=io_mask,
-        other=0.0,
-    )
+    q_offsets = (q_start + tokens_q)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
     block_table_row = block_tables_ptr + b * stride_bt
     if HAS_TREE_MASK:
-        tree_bits = tl.load(tree_mask_ptr + q_start + rows, mask=row_mask, other=-1).to(tl.int64)
+        tree_bits = tl.load(tree_mask_ptr + q_start + tokens_q, mask=row_mask, other=-1).to(tl.int64)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Causal: the last query of this tile sees keys up to its own position.
-    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+    # Causal: the tile's last query token sees keys up to its own position.
+    last_token = tl.minimum((tile + 1) * BLOCK_M - 1, q_len * GROUP - 1) // GROUP
+    kv_end = seq_len - q_len + last_token + 1
     for tile_start in range(0, kv_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
@@ -148,17 +151,16 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
-    )
+    out_offsets = (q_start + tokens_q)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def prefill_tile_config(max_query_len: int, head_dim: int) -> tuple[int, int, int, int]:
+def prefill_tile_config(max_query_len: int, head_dim: int, group: int = 1) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) from launch bounds only: query tiles no taller than
-    the longest query (a verify of a few tokens does not pay for 128 rows), 128 rows for long ones."""
-    block_m = min(max(triton.next_power_of_2(max(max_query_len, 1)), 16), 128 if head_dim <= 128 else 64)
+    the longest query's rows (max_query_len * group: a verify of a few tokens does not pay for 128
+    rows), 128 rows for long ones."""
+    rows = max(max_query_len, 1) * group
+    block_m = min(max(triton.next_power_of_2(rows), 16), 128 if head_dim <= 128 else 64)
     if block_m == 128:
         return 128, 64, 8, 3
     return block_m, 64, 4, 2
@@ -181,7 +183,8 @@ def prefill_attention_launch(
     batch = block_tables.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    group = num_heads // num_kv_heads
+    grid = (triton.cdiv(max_query_len * group, block_m), num_kv_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * 1.4426950408889634,
@@ -190,7 +193,7 @@ def prefill_attention_launch(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         tree_mask if tree_mask is not None else seq_lens, HAS_TREE_MASK=tree_mask is not None,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
@@ -214,7 +217,8 @@ def prefill_attention_triton(
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
     head_dim is strided."""
-    block_m, block_n, num_warps, num_stages = prefill_tile_config(max_query_len, q.shape[-1])
+    group = q.shape[1] // max(k_cache.shape[2], 1)
+    block_m, block_n, num_warps, num_stages = prefill_tile_config(max_query_len, q.shape[-1], group)
     return prefill_attention_launch(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
         block_m, block_n, num_warps, num_stages, tree_mask,

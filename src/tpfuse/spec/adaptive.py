@@ -181,6 +181,21 @@ class AdaptivePolicy:
                 return self.max_num_draft_tokens
         return committed
 
+    def snapshot(self, decode_batch_size: int) -> dict:
+        """What the policy believes for this batch's bucket (for benchmark records and debugging):
+        the committed k, each k's cost estimate in ms (None: unknown; measured or interpolated) and
+        expected tokens per second, and the per-position acceptance rates."""
+        bucket = self.bucket_of(decode_batch_size)
+        costs = {k: self._estimated_cost(bucket, k) for k in range(self.max_num_draft_tokens + 1)}
+        return {
+            "bucket": bucket,
+            "committed_k": self._committed.get(bucket),
+            "cost_ms": {k: None if c is None else round(1e3 * c, 3) for k, c in costs.items()},
+            "measured": [k for k in costs if self._measured(bucket, k)],
+            "tok_s": {k: self.expected_tokens_per_second(decode_batch_size, k) for k in costs},
+            "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
+        }
+
     def set_cost(self, decode_batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """Seeds the cost of (bucket, k) from a start-up profile, so it needs no exploration."""
         key = (self.bucket_of(decode_batch_size), num_draft_tokens)
