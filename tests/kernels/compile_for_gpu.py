@@ -96,10 +96,18 @@ def _variants(dtype: str):
         dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
     )
     prefill_tiles = {prefill_tile_config(q, 128, group=4) for q in (1, 4, 64, 4096)}
-    for (block_m, block_n, num_warps, num_stages), tree in itertools.product(prefill_tiles, (False, True)):
+    for (block_m, block_n, num_warps, num_stages), tree, splits in itertools.product(
+        prefill_tiles, (False, True), (1, 16)
+    ):
         yield (
             prefill_attention._prefill_kernel,
-            {**kv, "query_start_loc_ptr": "*i32", "tree_mask_ptr": "*i64"},
+            {
+                **kv,
+                "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32",
+                "query_start_loc_ptr": "*i32",
+                "tree_mask_ptr": "*i64",
+            },
             attention,
             dict(
                 HAS_TREE_MASK=tree,
@@ -110,6 +118,7 @@ def _variants(dtype: str):
                 BLOCK_N=block_n,
                 BLOCK_D=128,
                 DOT_PRECISION="tf32",
+                NUM_SPLITS=splits,
             ),
             {"num_warps": num_warps, "num_stages": num_stages},
         )

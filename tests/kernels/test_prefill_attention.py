@@ -56,6 +56,31 @@ def test_prefill_attention_tiles_that_split_a_tokens_query_heads(group):
     assert_close_to_float64(out, _expected(*case, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_attention_with_keys_split_over_programs_and_merged(num_splits, group):
+    # verify-like queries (several tokens per sequence, one tile each), contexts from shorter than one
+    # split's share to many key tiles, and an empty sequence
+    case = _case([(70, 4), (3, 3), (9, 0), (33, 2)], 4, 2, group, 16, torch.float32, seed=num_splits)
+    out = prefill_attention_launch(*case, 0.2, block_m=16, block_n=16, num_splits=num_splits)
+    expected = _expected(*case, 0.2)
+    assert_close_to_float64(out, expected, torch.float32)
+
+
+def test_the_dispatching_op_splits_the_keys_of_a_batch_1_verify(monkeypatch):
+    import tpfuse.kernels.prefill_attention as module
+
+    seen = []
+    launch = module.prefill_attention_launch
+    monkeypatch.setattr(
+        module, "prefill_attention_launch", lambda *a, **k: seen.append(a[-1]) or launch(*a, **k)
+    )
+    case = _case([(300, 4)], 16, 2, 4, 16, torch.float32, seed=4)
+    out = prefill_attention_triton(*case, 0.2)
+    assert seen and seen[0] > 1  # split over programs (8 SMs stand in on CPU)
+    assert_close_to_float64(out, _expected(*case, 0.2), torch.float32)
+
+
 def test_prefill_attention_head_dim_that_is_not_a_power_of_two():
     case = _case([(12, 5), (7, 7)], 4, 2, 2, 24, torch.float32, seed=3)
     out = prefill_attention_triton(*case, 0.3)

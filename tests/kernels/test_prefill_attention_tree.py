@@ -76,12 +76,15 @@ def test_tree_mask_reference_equals_dense_float64_recomputation_with_only_ancest
     assert_close_to_float64(out, _expected(q, kc, vc, tables, lens, starts, TREES, 0.3), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("block_size,group,head_dim", [(4, 1, 16), (16, 2, 24)])
-def test_triton_tree_mask_matches_dense_reference_at_odd_sizes(block_size, group, head_dim):
+def test_triton_tree_mask_matches_dense_reference_at_odd_sizes(block_size, group, head_dim, num_splits):
     q, kc, vc, tables, lens, starts, max_q, mask = _tree_batch(
         TREES, [13, 5, 22], block_size, group, head_dim, 7
     )
-    out = prefill_attention_launch(q, kc, vc, tables, lens, starts, max_q, 0.3, 16, 16, tree_mask=mask)
+    out = prefill_attention_launch(
+        q, kc, vc, tables, lens, starts, max_q, 0.3, 16, 16, tree_mask=mask, num_splits=num_splits
+    )
     expected = _expected(q, kc, vc, tables, lens, starts, TREES, 0.3)
     assert_close_to_float64(out, expected, torch.float32)
 

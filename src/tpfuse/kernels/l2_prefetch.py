@@ -5,8 +5,8 @@ idle: the o_proj weight that follows them is then read from L2 instead of HBM (m
 
 The kernel must not be optimised away, so each program folds what it read into a checksum (int32
 sums, wrapping) and stores it in `sink[program]`; the reference computes the same checksums, which is
-what the tests compare. Loads use `.cg` (cache in L2, not L1) with `evict_last`, so the lines stay in
-L2 while the kernels between this one and the reader stream other data through.
+what the tests compare. Loads are marked `evict_last` (ptxas refuses it together with `.cg`), so the
+lines stay in L2 while the kernels between this one and the reader stream other data through.
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ def _l2_prefetch_kernel(src_ptr, sink_ptr, num_words, STEPS: tl.constexpr, BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for step in range(STEPS):
         idx = (step * programs + pid).to(tl.int64) * BLOCK + offs
-        acc += tl.load(
-            src_ptr + idx, mask=idx < num_words, other=0, cache_modifier=".cg", eviction_policy="evict_last"
-        )
+        acc += tl.load(src_ptr + idx, mask=idx < num_words, other=0, eviction_policy="evict_last")
     tl.store(sink_ptr + pid, tl.sum(acc, axis=0))
 
 

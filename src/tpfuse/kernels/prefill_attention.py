@@ -15,8 +15,11 @@ keys and values gathered from the paged cache through the block table, online so
 A tile's rows are (query token, query head) pairs of the KV head's group, token-major: row r is token
 r // GROUP, head r % GROUP. So the group's query heads share every key and value tile they load (a KV
 head is read once, not once per query head), and a verify pass of k + 1 tokens fills (k + 1) * GROUP
-rows instead of padding k + 1 rows to a 16-row tile per head. The grid depends only on
-max_query_len and the shapes; tiles past a sequence's q_len exit at once.
+rows instead of padding k + 1 rows to a 16-row tile per head. When one tile holds a sequence's
+whole query (a verify pass), its keys are also split over several programs, as decode attention
+splits them (same shape-only rule), and a second launch merges the partials: at batch 1 one program
+per KV head would otherwise walk the whole context alone. The grid depends only on max_query_len and
+the shapes; tiles past a sequence's q_len exit at once.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import _gather_kv, _load_kv_tile
+from tpfuse.kernels.decode_attention import _gather_kv, _load_kv_tile, choose_num_splits
+from tpfuse.kernels.decode_merge import launch_merge
 
 
 def prefill_attention_ref(
@@ -76,6 +80,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     scale_log2e,
     stride_qt,
     stride_qh,
@@ -97,8 +103,10 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     kv_head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
@@ -126,9 +134,13 @@ def _prefill_kernel(
     # Causal: the tile's last query token sees keys up to its own position.
     last_token = tl.minimum((tile + 1) * BLOCK_M - 1, q_len * GROUP - 1) // GROUP
     kv_end = seq_len - q_len + last_token + 1
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # Split s of NUM_SPLITS takes an equal share of the key tiles (empty for a short context).
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_end)
+    for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < kv_end
+        token_mask = tokens < end
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, tokens, token_mask, kv_head, dims, dim_mask,
             stride_kb, stride_ks, stride_kh, BLOCK_SIZE,
@@ -150,9 +162,18 @@ def _prefill_kernel(
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_offsets = (q_start + tokens_q)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out_offsets = (q_start + tokens_q)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials as decode_merge.py reads them: out [T, Hq, NUM_SPLITS, HEAD_DIM] normalised within
+        # the split, lse [T, Hq, NUM_SPLITS] in the log2 domain (-inf: no keys in this split)
+        part_row = ((q_start + tokens_q) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
 
 
 def prefill_tile_config(max_query_len: int, head_dim: int, group: int = 1) -> tuple[int, int, int, int]:
@@ -168,9 +189,11 @@ def prefill_tile_config(max_query_len: int, head_dim: int, group: int = 1) -> tu
 
 def prefill_attention_launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-    block_m=64, block_n=64, num_warps=4, num_stages=2, tree_mask=None,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, tree_mask=None, num_splits=1,
 ):  # fmt: skip
-    """prefill_attention_triton with explicit tile sizes (tests, benchmarks)."""
+    """prefill_attention_triton with explicit tile sizes and key splits (tests, benchmarks). With
+    num_splits > 1 each query tile's keys are divided among num_splits programs whose partials a
+    second launch merges (decode_merge.launch_merge, one row per query token)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -184,9 +207,17 @@ def prefill_attention_launch(
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
-    grid = (triton.cdiv(max_query_len * group, block_m), num_kv_heads, batch)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    grid = (triton.cdiv(max_query_len * group, block_m) * num_splits, num_kv_heads, batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -194,10 +225,12 @@ def prefill_attention_launch(
         block_tables.stride(0),
         tree_mask if tree_mask is not None else seq_lens, HAS_TREE_MASK=tree_mask is not None,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        launch_merge(part_out, part_lse, out, num_splits, block_d)
     return out
 
 
@@ -219,7 +252,12 @@ def prefill_attention_triton(
     head_dim is strided."""
     group = q.shape[1] // max(k_cache.shape[2], 1)
     block_m, block_n, num_warps, num_stages = prefill_tile_config(max_query_len, q.shape[-1], group)
+    num_splits = 1
+    if max_query_len * group <= block_m:  # one query tile per sequence (a verify): split the keys
+        num_splits = choose_num_splits(
+            block_tables.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], q.device
+        )
     return prefill_attention_launch(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        block_m, block_n, num_warps, num_stages, tree_mask,
+        block_m, block_n, num_warps, num_stages, tree_mask, num_splits,
     )  # fmt: skip
