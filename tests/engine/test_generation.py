@@ -1,5 +1,8 @@
 """End-to-end engine behaviour on the embedded tiny model: sampling, stopping, batching, caching."""
 
+import gc
+import weakref
+
 import pytest
 
 from tpfuse.engine.llm import LLM
@@ -116,3 +119,15 @@ def test_stats_count_prompt_and_generated_tokens(llm):
     assert after.num_prompt_tokens - before.num_prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
     assert after.num_generated_tokens - before.num_generated_tokens == 6
     assert after.num_running == after.num_waiting == 0 and after.kv_usage == 0.0
+
+
+def test_shutdown_drops_the_weights_kv_cache_and_graphs_and_is_safe_twice():
+    engine = LLM("tiny", device="cpu", num_kv_blocks=64)
+    engine.generate("hi", greedy(4))
+    runner = engine.engine.executor.runner
+    kv_block, weight = weakref.ref(runner.kv_caches[0][0]), weakref.ref(runner.model.embed_tokens.weight)
+    engine.shutdown()
+    engine.shutdown()
+    gc.collect()
+    assert kv_block() is None and weight() is None  # nothing else kept them alive
+    assert runner.graphs is None

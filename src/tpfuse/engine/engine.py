@@ -252,10 +252,12 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Releases the executor (worker processes for TP > 1). Safe to call twice."""
+        """Releases the executor (worker processes for TP > 1) and the device memory of this process's
+        runner (weights, KV cache, CUDA graphs). Safe to call twice; the engine is unusable afterwards."""
         if self._in_flight is not None:
             self.executor.wait(self._in_flight[1])
             self._in_flight = None
         close = getattr(self.executor, "shutdown", None)
         if close is not None:
             close()
+        self.executor.runner.release()

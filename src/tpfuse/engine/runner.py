@@ -11,6 +11,8 @@ replay and one D2H copy of the token ids (into pinned memory, then an event wait
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from tpfuse.comm.communicator import Communicator, SingleRankCommunicator
@@ -315,6 +317,18 @@ class ModelRunner:
     def run_packed(self, batch: Batch, packed: torch.Tensor) -> list[int | None]:
         """Rank 0: forward and sample an already packed step of batch (see run)."""
         return self.wait(self.launch(batch, packed))
+
+    def release(self) -> None:
+        """Drops what this runner holds on its device (CUDA graphs and their pool, the KV cache, the
+        drafter, the weights) and returns the memory to the device. The runner is unusable afterwards."""
+        self.graphs = None
+        self.kv_caches = []
+        self.spec = None
+        self.model = None
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
 
 def _patch_input_ids(step: StepInputs, input_ids: torch.Tensor | None) -> None:

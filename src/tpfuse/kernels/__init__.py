@@ -17,7 +17,6 @@ from tpfuse.kernels import (
     decode_attention,
     gemv,
     kv_store,
-    l2_prefetch,
     prefill_attention,
     rmsnorm,
     rope,
@@ -28,7 +27,6 @@ from tpfuse.kernels import (
 __all__ = [
     "decode_attention_op",
     "fused_add_rmsnorm",
-    "l2_prefetch_op",
     "linear_small_batch",
     "prefill_attention_op",
     "rmsnorm_op",
@@ -112,8 +110,3 @@ def linear_small_batch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if os.environ.get("TPFUSE_GEMV") == "triton" and small and use_triton(x):
         return gemv.gemv_triton(x, weight)
     return torch.matmul(x, weight.t())
-
-
-def l2_prefetch_op(x, sink, num_programs):
-    """Reads x once (into L2 on a GPU); the per-program checksums land in sink."""
-    return _pick(l2_prefetch, "l2_prefetch", x)(x, sink, num_programs)

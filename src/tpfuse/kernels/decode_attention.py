@@ -187,23 +187,37 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): about DECODE_PROGRAMS_PER_SM programs
-    per SM counting every (sequence, KV head, split), rounded down, never more splits than key tiles
-    fit in the block-table width, at most DECODE_MAX_SPLITS, at least 1 (which needs no merge)."""
+def num_splits_for(
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    num_sms: int,
+    programs_per_sm: int = DECODE_PROGRAMS_PER_SM,
+) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): about programs_per_sm programs per SM
+    counting every (sequence, KV head, split), rounded down, never more splits than key tiles fit in
+    the block-table width, at most DECODE_MAX_SPLITS, at least 1 (which needs no merge)."""
     max_tiles = triton.cdiv(max_blocks * block_size, DECODE_BLOCK_N)
-    wanted = DECODE_PROGRAMS_PER_SM * num_sms // max(batch * num_kv_heads, 1)
+    wanted = programs_per_sm * num_sms // max(batch * num_kv_heads, 1)
     return max(1, min(wanted, max_tiles, DECODE_MAX_SPLITS))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device) -> int:
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    device,
+    programs_per_sm: int = DECODE_PROGRAMS_PER_SM,
+) -> int:
     """num_splits_for on this device's SM count (8 SMs stand in on CPU)."""
     sms = (
         _num_sms(device.index if device.index is not None else torch.cuda.current_device())
         if (device.type == "cuda")
         else 8
     )
-    return num_splits_for(batch, num_kv_heads, max_blocks, block_size, sms)
+    return num_splits_for(batch, num_kv_heads, max_blocks, block_size, sms, programs_per_sm)
 
 
 def decode_attention_launch(

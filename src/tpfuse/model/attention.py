@@ -11,7 +11,6 @@ from torch import nn
 from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_store_kv_op
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear
-from tpfuse.model.prefetch import L2Prefetcher
 
 
 @dataclass
@@ -88,7 +87,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.l2_prefetcher: L2Prefetcher | None = None  # set by the model when prefetching is on
 
     def forward(
         self,
@@ -103,8 +101,6 @@ class Attention(nn.Module):
         Returns [T, H], this rank's partial sum of the attention output."""
         num_tokens, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)
-        if self.l2_prefetcher is not None:  # o_proj's weight into L2 while rope + attention run
-            self.l2_prefetcher.prefetch(self.o_proj.weight, num_tokens)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(num_tokens, self.num_heads, d)
         k = k.view(num_tokens, self.num_kv_heads, d)

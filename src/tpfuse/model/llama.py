@@ -23,7 +23,6 @@ from tpfuse.model.layers import (
     ShardSlot,
     VocabParallelEmbedding,
 )
-from tpfuse.model.prefetch import L2Prefetcher
 
 # Checkpoint tensors that may be present and carry nothing tpfuse needs.
 IGNORABLE_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -79,13 +78,6 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.l2_prefetcher: L2Prefetcher | None = None
-
-    def enable_l2_prefetch(self, prefetcher: L2Prefetcher | None) -> None:
-        """Every layer's attention prefetches its o_proj weight into L2 (model/prefetch.py); None: off."""
-        self.l2_prefetcher = prefetcher
-        for layer in self.layers:
-            layer.self_attn.l2_prefetcher = prefetcher
 
     def forward(
         self,
@@ -115,8 +107,6 @@ class LlamaForCausalLM(nn.Module):
             partial = layer.mlp(h)
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
             h, residual = comm.fused_add_rmsnorm_all_reduce(partial, residual, next_norm.weight, eps)
-        if self.l2_prefetcher is not None:
-            self.l2_prefetcher.join()
         return h, (torch.cat(aux, dim=-1) if aux else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ from tpfuse.config import EngineConfig
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, ShardSlot
 from tpfuse.model.llama import LlamaForCausalLM
-from tpfuse.model.prefetch import L2Prefetcher
 from tpfuse.model.presets import PRESETS, is_preset, preset_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -78,7 +77,6 @@ def load_model(
     else:
         load_safetensors(model, slots, engine_config.model)
     check_all_parameters_written(model, slots)
-    model.enable_l2_prefetch(L2Prefetcher.from_env(torch.device(device)))
     return model.eval(), model_config
 
 
