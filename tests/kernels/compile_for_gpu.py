@@ -20,6 +20,7 @@ from triton.compiler import ASTSource
 
 from tpfuse.kernels import (
     activation,
+    counter_random,
     decode_attention,
     decode_merge,
     gemv,
@@ -122,6 +123,12 @@ def _variants(dtype: str):
             ),
             {"num_warps": num_warps, "num_stages": num_stages},
         )
+    yield (
+        counter_random._uniform_kernel,
+        {"seeds_ptr": "*i64", "counters_ptr": "*i64", "out_ptr": "*fp64"},
+        {"stream_word": "i64", "n": "i32", "stride_cb": "i64"},
+        dict(BLOCK=256),
+    )
     for filtered in (False, True):
         yield (
             sampling._sample_kernel,

@@ -14,6 +14,7 @@ import torch
 
 from tpfuse.kernels import (
     activation,
+    counter_random,
     decode_attention,
     gemv,
     kv_store,
@@ -25,6 +26,7 @@ from tpfuse.kernels import (
 )
 
 __all__ = [
+    "counter_uniform",
     "decode_attention_op",
     "fused_add_rmsnorm",
     "linear_small_batch",
@@ -110,3 +112,8 @@ def linear_small_batch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if os.environ.get("TPFUSE_GEMV") == "triton" and small and use_triton(x):
         return gemv.gemv_triton(x, weight)
     return torch.matmul(x, weight.t())
+
+
+def counter_uniform(seeds, stream, counters):
+    """uniform(seed, stream, counter) draws, [B, N] float64 (kernels/counter_random.py)."""
+    return _pick(counter_random, "uniform", seeds)(seeds, stream, counters)
