@@ -2,6 +2,8 @@
 decode (no drafter work), and drafting resumes afterwards with the drafter caught up; tokens stay
 those of plain greedy decoding throughout."""
 
+import time
+
 from tpfuse.config import EngineConfig
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
@@ -41,18 +43,22 @@ def test_a_seeded_sampled_request_never_leaves_the_speculative_path(tmp_path):
     assert plain_steps == []
 
 
-def test_only_plain_steps_launched_behind_another_are_timed(tmp_path):
-    """A plain step's cost is the gap since the previous one completed; that gap holds idle time
-    (no requests, a speculative step) unless the step was chained behind the previous one."""
+def test_a_chained_plain_step_costs_the_gap_and_an_unchained_one_its_own_time(tmp_path):
+    """A chained plain step's cost is the gap since the previous one completed (steps overlap). An
+    unchained one's gap may hold idle time or other steps, so it is timed by its own wall time: this
+    is also how a lone k = 0 step, run to re-measure k = 0, gets measured at all."""
     path = write_eagle3_head(str(tmp_path))
     llm = LLM(config=EngineConfig(**ENGINE, speculative=spec_config("eagle3", path, adaptive=True)))
     decoder = llm.engine.spec_decoder
     recorded = []
-    decoder.policy.record_step = lambda rows, k, seconds: recorded.append((rows, k))
-    decoder.plain_step_finished(4, chained=False)
-    decoder.plain_step_finished(4, chained=True)
-    decoder.plain_step_finished(4, chained=False)
-    assert recorded == [(4, 0)]
+    decoder.policy.record_step = lambda rows, k, seconds: recorded.append((rows, k, seconds))
+    decoder.plain_step_finished(4, chained=False, own_seconds=0.25)
+    decoder.plain_step_finished(4, chained=True, own_seconds=0.5)
+    time.sleep(0.01)
+    decoder.plain_step_finished(4, chained=True, own_seconds=0.5)
+    assert recorded[0] == (4, 0, 0.25)
+    assert [r[:2] for r in recorded] == [(4, 0)] * 3
+    assert all(r[2] < 0.5 for r in recorded[1:]) and recorded[2][2] >= 0.01  # the gaps, not own_seconds
 
 
 def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_graphs(tmp_path, monkeypatch):
@@ -73,7 +79,7 @@ def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_gr
     decoder.policy.choose = lambda num_decode: next(choices)
     timed = []  # k of each speculative step timed for the policy (plain steps' timing left out)
     decoder.policy.record_step = lambda rows, k, seconds: timed.append(k)
-    decoder.plain_step_finished = lambda num_rows, chained: None
+    decoder.plain_step_finished = lambda num_rows, chained, own_seconds: None
     packed_steps = []  # (k, window step) of every speculative step with decode rows
     pack = spec_decoder_module.pack_spec_step
 

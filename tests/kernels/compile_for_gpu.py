@@ -127,7 +127,7 @@ def _variants(dtype: str):
         counter_random._uniform_kernel,
         {"seeds_ptr": "*i64", "counters_ptr": "*i64", "out_ptr": "*fp64"},
         {"stream_word": "i64", "n": "i32", "stride_cb": "i64"},
-        dict(BLOCK=256),
+        dict(BLOCK=counter_random.UNIFORM_BLOCK),
     )
     for filtered in (False, True):
         yield (

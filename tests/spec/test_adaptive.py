@@ -138,6 +138,26 @@ def test_the_first_sample_of_each_choice_is_dropped_and_the_next_ones_averaged()
     assert policy.step_cost(1, 2) == pytest.approx(0.012)
 
 
+def test_a_one_off_slow_step_among_the_first_samples_does_not_set_the_cost():
+    # seen on the H200: a Triton compile inside the second step at a new k made that k look 8x too
+    # expensive, and a k that never wins is never measured again
+    policy = AdaptivePolicy(K, BUCKETS, cost_ema_alpha=0.1)
+    for seconds in (0.5, 0.140, 0.006, 0.0062):  # upload, a JIT compile, then the real cost
+        policy.record_step(1, 2, seconds)
+    assert policy.step_cost(1, 2) == pytest.approx(0.0062)
+    for _ in range(20):  # past the median phase the EMA takes over from there
+        policy.record_step(1, 2, 0.006)
+    assert policy.step_cost(1, 2) == pytest.approx(0.006, rel=0.02)
+
+
+def test_a_seeded_cost_stays_in_the_estimate_when_samples_arrive():
+    policy = AdaptivePolicy(K, BUCKETS)
+    policy.set_cost(1, 1, 0.010)
+    policy.record_step(1, 1, 0.012)
+    policy.record_step(1, 1, 0.011)
+    assert policy.step_cost(1, 1) == pytest.approx(0.011)  # median of the seed and two samples
+
+
 def test_a_bucket_between_explored_buckets_borrows_interpolated_costs_instead_of_exploring():
     server = SyntheticServer(rate=0.7, per_token=2e-4)  # costs linear in the bucket: exact interpolation
     policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)

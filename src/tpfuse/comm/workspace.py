@@ -29,12 +29,12 @@ from tpfuse.comm.sync import CTRL_ERROR, NUM_FLAG_KINDS
 MAX_WORLD = 31  # error word bits name ranks
 DEFAULT_TIMEOUT_S = 30.0
 
-# torch symmetric memory keeps a process-wide map from group *name* to the store it rendezvouses
-# through, and never replaces an entry. Names restart at "0" after destroy_process_group, so a second
-# engine created in the same process would rendezvous through the first (destroyed) group's store
-# while its fresh workers use the new one: a hang (seen on the H200: a TP engine after another in one
-# process). Group name -> a weak reference to the group that used it here (dead or alive, another
-# group under that name rules symm_mem out for the whole group; weak, so no destroyed group is kept).
+# torch symmetric memory keeps process-wide rendezvous state (a map from group name to the store it
+# rendezvouses through, never replaced). A second engine created in the same process, after the first
+# one's group was destroyed, hung in symm_mem.rendezvous on the H200 while its fresh workers waited;
+# keying the rule on the group name did not prevent it (the hang came back with a name check in
+# place), so any earlier group rules symm_mem out for every later one in this process. Group name ->
+# a weak reference to each group that used it here (weak, so no destroyed group is kept alive).
 _SYMMETRIC_GROUPS: dict[str, weakref.ref] = {}
 
 
@@ -188,11 +188,12 @@ def create_process_workspace(
 
 
 def _symmetric_name_taken(group) -> str | None:
-    """Why this process cannot use symm_mem for group (None: it can)."""
-    holder = _SYMMETRIC_GROUPS.get(group.group_name)
-    if holder is None or holder() is group:
+    """Why this process cannot use symm_mem for group (None: it can): another process group (alive
+    or destroyed) used torch symmetric memory in this process before."""
+    earlier = [name for name, holder in _SYMMETRIC_GROUPS.items() if holder() is not group]
+    if not earlier:
         return None
     return (
-        f"group name {group.group_name!r} was used by an earlier process group in this process "
-        "(torch symmetric memory keeps per-name state); CUDA IPC instead"
+        f"an earlier process group ({', '.join(map(repr, earlier))}) used torch symmetric memory in "
+        "this process, and a later group can hang in its rendezvous; CUDA IPC instead"
     )

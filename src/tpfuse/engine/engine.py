@@ -157,7 +157,7 @@ class LLMEngine:
             batch, pending = self._in_flight
             self._in_flight = None
             if self._still_scheduled(batch):
-                return self._complete(batch, pending, chained=True)
+                return self._complete(batch, pending, started, chained=True)
             self.executor.wait(pending)  # dropped: a request finished, arrived or was aborted
         batch = self.scheduler.schedule()
         if batch is None:
@@ -171,7 +171,9 @@ class LLMEngine:
             self.spec_decoder.step_finished(time.perf_counter() - started)
             return outputs
         if self.overlap or self.spec_decoder is not None:  # with a spec decoder: a plain k = 0 step
-            return self._complete(batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)))
+            return self._complete(
+                batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)), started
+            )
         sampled = self.executor.run(batch, seed, banned)
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
@@ -190,9 +192,10 @@ class LLMEngine:
             and all(a is b for a, b in zip(running, batch.seqs, strict=True))
         )
 
-    def _complete(self, batch, pending, chained: bool = False) -> list[StepOutput]:
+    def _complete(self, batch, pending, started: float, chained: bool = False) -> list[StepOutput]:
         """Launches the step after batch when it is known already, then reads batch's ids and
-        postprocesses them. chained: batch was launched while the step before it ran."""
+        postprocesses them. started: when this engine step began; chained: batch was launched while
+        the step before it ran."""
         plain = self.spec_decoder is not None
         following = self.scheduler.schedule_next_decode(batch, plain=plain)
         if following is not None and plain and not self._runs_plain(following):
@@ -202,7 +205,7 @@ class LLMEngine:
             self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
         sampled = self.executor.wait(pending)
         if plain:
-            self.spec_decoder.plain_step_finished(len(batch.seqs), chained)
+            self.spec_decoder.plain_step_finished(len(batch.seqs), chained, time.perf_counter() - started)
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )

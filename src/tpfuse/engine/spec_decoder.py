@@ -135,13 +135,18 @@ class SpecDecoder:
         self.current_num_draft_tokens = 0
         return True
 
-    def plain_step_finished(self, num_rows: int, chained: bool) -> None:
+    def plain_step_finished(self, num_rows: int, chained: bool, own_seconds: float) -> None:
         """A plain decode step of num_rows rows completed. When it was chained (launched while the
         previous plain step ran) its cost is the time since that one completed: steps overlap, so that
-        gap is what one more step costs. An unchained step's gap may hold idle time: not recorded."""
+        gap is what one more step costs. An unchained step (the first after speculative steps, or a
+        lone k = 0 step the policy runs to re-measure k = 0) costs its own wall time, own_seconds,
+        scheduling to completion: the gap since the last plain step would hold the steps between."""
         now = time.perf_counter()
-        if chained and self._last_plain_done is not None and self.policy is not None:
-            self.policy.record_step(num_rows, 0, now - self._last_plain_done)
+        if self.policy is not None:
+            if chained and self._last_plain_done is not None:
+                self.policy.record_step(num_rows, 0, now - self._last_plain_done)
+            elif not chained:
+                self.policy.record_step(num_rows, 0, own_seconds)
         self._last_plain_done = now
 
     def step_finished(self, seconds: float) -> None:

@@ -68,7 +68,12 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit
+UNIFORM_BLOCK = 64
+
+
+# One compilation serves every shape: no specialisation on the sizes (a verify step's first draws
+# at a new k must not pay a JIT compile inside a timed step).
+@triton.jit(do_not_specialize=["stream_word", "n", "stride_cb"])
 def _uniform_kernel(seeds_ptr, counters_ptr, out_ptr, stream_word, n, stride_cb, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -98,8 +103,7 @@ def uniform_triton(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> 
         counters = counters.contiguous()
         stride_cb = 0 if counters.dim() == 1 else counters.stride(0)
     stream_word = ((stream & MASK32) * GOLDEN) & MASK32
-    block = min(triton.next_power_of_2(n), 256)
-    _uniform_kernel[(batch, triton.cdiv(n, block))](
-        seeds, counters, out, stream_word, n, stride_cb, BLOCK=block
+    _uniform_kernel[(batch, triton.cdiv(n, UNIFORM_BLOCK))](
+        seeds, counters, out, stream_word, n, stride_cb, BLOCK=UNIFORM_BLOCK
     )
     return out

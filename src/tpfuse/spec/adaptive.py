@@ -7,8 +7,9 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
 - per (batch bucket, k) an exponential moving average (EMA) of the step time; the bucket is the
   CUDA-graph batch size the decode batch is padded to, so the cost of a bucket does not depend on
   the exact batch inside it. The first sample of each (bucket, k) is dropped (the first replay of a
-  captured graph uploads it to the device, a one-off cost) and the next ones form a running mean
-  until the EMA takes over, so one slow sample cannot bias a choice for long. A bucket where k was
+  captured graph uploads it to the device, a one-off cost) and the estimate is the median of the
+  next ones until about 1 / alpha have been seen, then the EMA takes over, so a one-off slow step
+  (a JIT compile, a page fault) among the first samples does not move it. A bucket where k was
   never measured borrows a cost interpolated linearly in batch size from the nearest buckets on
   either side where it was (decode step time grows smoothly with the batch);
 - per draft position i an EMA of the conditional acceptance rate r_i = P(draft i accepted | drafts
@@ -20,7 +21,8 @@ and picks the k that maximises expected tokens per second, (1 + E[accepted | k])
 Guards against the ways such controllers fail in practice:
 
 - exploration: a k with neither a measured nor an interpolated cost in this bucket is tried
-  `min_cost_samples` times before the bucket commits to a choice (or seed costs from a start-up
+  `min_cost_samples` times (the first dropped, the median of the others) before the bucket commits
+  to a choice (or seed costs from a start-up
   profile, `set_cost`); a bucket between explored ones needs no exploration;
 - hysteresis: a bucket switches k only after some other k beats the committed one by more than
   `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
@@ -42,6 +44,7 @@ only decode steps (steps with prefill chunks are excluded; they would bias the c
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections.abc import Sequence
 
 
@@ -57,7 +60,7 @@ class AdaptivePolicy:
         prior_acceptance_rows: int = 4,
         switch_margin: float = 0.02,
         switch_patience: int = 16,
-        min_cost_samples: int = 3,
+        min_cost_samples: int = 4,
         probe_interval: int = 256,
         stale_after: int = 64,
         refresh_weight: float = 1.0,
@@ -96,6 +99,8 @@ class AdaptivePolicy:
         self.acceptance_length: float | None = None  # EMA of tokens per step, steps with k > 0
         self.current_num_draft_tokens = max_num_draft_tokens  # the last choice, for /metrics
         self._cost: dict[tuple[int, int], float] = {}
+        self._early: dict[tuple[int, int], list[float]] = {}  # the first samples (their median is the cost)
+        self.early_samples = max(1, round(1.0 / cost_ema_alpha))
         self._samples: dict[tuple[int, int], int] = {}
         self._committed: dict[int, int] = {}
         self._better_streak: dict[int, int] = {}
@@ -200,6 +205,7 @@ class AdaptivePolicy:
         """Seeds the cost of (bucket, k) from a start-up profile, so it needs no exploration."""
         key = (self.bucket_of(decode_batch_size), num_draft_tokens)
         self._cost[key] = seconds
+        self._early[key] = [seconds]
         self._samples[key] = max(self._samples.get(key, 0), self.min_cost_samples)
 
     def record_step(self, decode_batch_size: int, num_draft_tokens: int, seconds: float) -> None:
@@ -211,11 +217,15 @@ class AdaptivePolicy:
         self._sampled_at[key] = self._clock.get(bucket, 0)
         if samples == 1:
             return  # the first replay of a graph pays its upload: not what the next steps cost
-        old = self._cost.get(key)
-        weight = max(self.cost_ema_alpha, 1.0 / (samples - 1))  # a running mean at first
-        if aged:
-            weight = max(weight, self.refresh_weight)
-        self._cost[key] = seconds if old is None else old + weight * (seconds - old)
+        early = self._early.setdefault(key, [])
+        if aged and self.refresh_weight >= 1.0:
+            early.clear()  # the aged estimate is replaced, not averaged with the new sample
+        if len(early) < self.early_samples:
+            early.append(seconds)
+            self._cost[key] = statistics.median(early)
+            return
+        weight = max(self.cost_ema_alpha, self.refresh_weight) if aged else self.cost_ema_alpha
+        self._cost[key] += weight * (seconds - self._cost[key])
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
