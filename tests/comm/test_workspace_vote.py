@@ -34,13 +34,16 @@ def _with_openers(rank, symm, ipc):
     peer_memory.open_ipc = {"fake": _fake_opener, "flaky": _failing_on_rank_1}[ipc]
     try:
         # ranks ask for different sizes on purpose: the layout must still agree
-        ws = create_process_workspace(None, torch.device("cpu"), 4096 * (rank + 1), 8 + rank)
+        ws = create_process_workspace(
+            None, torch.device("cpu"), 4096 * (rank + 1), 8 + rank, backends=SYMM_FIRST
+        )
     except RuntimeError as exc:
         return str(exc)
     return ws.backend, ws.layout, ws.notes
 
 
 SCENARIOS = (("flaky", "fake"), ("fake", "fake"), ("flaky", "flaky"))
+SYMM_FIRST = ("symm_mem", "cuda_ipc")  # the vote is tested with symm_mem failing first
 
 
 def _all_scenarios(rank, world_size):
@@ -91,10 +94,11 @@ def _after_an_earlier_group(rank, world_size):
     if rank == 0:
         workspace._SYMMETRIC_GROUPS[name] = weakref.ref(earlier)
     del earlier  # destroyed and collected: torch still holds its store under the name
-    stale = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)
+    cpu = torch.device("cpu")
+    stale = workspace.create_process_workspace(None, cpu, 4096, 8, backends=SYMM_FIRST)
     workspace._SYMMETRIC_GROUPS.clear()
-    fresh = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)
-    again = workspace.create_process_workspace(None, torch.device("cpu"), 4096, 8)  # same live group
+    fresh = workspace.create_process_workspace(None, cpu, 4096, 8, backends=SYMM_FIRST)
+    again = workspace.create_process_workspace(None, cpu, 4096, 8, backends=SYMM_FIRST)  # same live group
     return stale.backend, stale.notes, fresh.backend, again.backend
 
 
@@ -104,3 +108,13 @@ def test_an_earlier_group_in_a_process_moves_every_rank_off_symmetric_memory():
     for _, notes, _, _ in results:
         assert "symm_mem not used: rank 0: an earlier process group" in notes[0]
     assert [(r[2], r[3]) for r in results] == [("symm_mem", "symm_mem")] * 2
+
+
+def test_cuda_ipc_is_tried_before_symmetric_memory_by_default():
+    # IPC keeps no process-wide state; symmetric memory's made a second engine in a process hang
+    import inspect
+
+    from tpfuse.comm.workspace import PEER_MEMORY_ORDER, create_process_workspace
+
+    assert PEER_MEMORY_ORDER == ("cuda_ipc", "symm_mem")
+    assert inspect.signature(create_process_workspace).parameters["backends"].default == PEER_MEMORY_ORDER

@@ -36,6 +36,8 @@ DEFAULT_TIMEOUT_S = 30.0
 # place), so any earlier group rules symm_mem out for every later one in this process. Group name ->
 # a weak reference to each group that used it here (weak, so no destroyed group is kept alive).
 _SYMMETRIC_GROUPS: dict[str, weakref.ref] = {}
+# CUDA IPC first: it keeps no process-wide state; symm_mem where IPC cannot export (expandable segments).
+PEER_MEMORY_ORDER = ("cuda_ipc", "symm_mem")
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -146,7 +148,7 @@ def create_process_workspace(
     slot_bytes: int,
     max_programs: int = 32,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    backends: tuple[str, ...] = ("symm_mem", "cuda_ipc"),
+    backends: tuple[str, ...] = PEER_MEMORY_ORDER,
 ) -> RankWorkspace:
     """Collective over `group` (every rank calls it): allocates this rank's buffer and maps every peer's.
 
