@@ -28,6 +28,7 @@ bench_args() {
     serve_bench) echo "--single-tokens 1024 --concurrency 1,8,32,64,128,256 --repeats 2" ;;
     tp_decode) echo "--models llama-3.1-8b --tp-sizes 1,2 --modes fused" ;;
     comm_single_gpu) echo "--quick" ;;
+    kernels) echo "--verify" ;;
     *) echo "" ;;
   esac
 }

@@ -3,7 +3,7 @@ Greedy tokens must equal TP=1 in float32; bf16 real-size presets must run end to
 mid-generation ends every process with a clear error.
 
 Ranks sharing one GPU are separate processes that the driver time-slices (~2-7 ms per all-reduce),
-so these tests are slow by nature: the module allows each one 600 s."""
+so these tests are slow by nature: the module allows each one 240 s."""
 
 import textwrap
 
@@ -16,7 +16,9 @@ from tpfuse.engine.sampling_params import SamplingParams
 PROMPTS = ["The quick brown fox", "hi", "a longer prompt that spans several KV blocks"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 TINY = dict(device="cuda", dtype="float32", max_model_len=256, mem_fraction_static=0.2, cuda_graph_max_bs=4)
-pytestmark = pytest.mark.timeout(600)
+# "thread": a hang inside a C call (a collective, a CUDA wait) never returns to the interpreter, so the
+# signal method cannot interrupt it; the thread method dumps every thread's stack and ends the run.
+pytestmark = pytest.mark.timeout(240, method="thread")
 
 
 @pytest.fixture(scope="module")
