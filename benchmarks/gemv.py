@@ -8,6 +8,9 @@ and the largest error against float64 as a fraction of the GPU test's allowance.
 tiles runs for the small projections (qkv, o_proj) while the time budget lasts. Ends with the
 per-step estimate: 32 layers plus lm_head at each M, cuBLAS vs the faster of the two per projection.
 
+cuBLAS is also timed through F.linear and with cuBLASLt as torch's BLAS backend, to see whether
+another route into the vendor library serves the small M = 1 projections (qkv, o_proj) better.
+
 Usage (device machine, repo root): python benchmarks/gemv.py   # JSON to $OUT/gemv.json if set
 """
 
@@ -94,6 +97,9 @@ class Case:
             for w, o in zip(self.weights, self.outs, strict=True)
         ]
 
+    def linear_calls(self):
+        return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
+
     def triton_calls(self, **launch):
         run = (lambda w, o: gemv.gemv_launch(self.x, w, o, **launch)) if launch else (
             lambda w, o: gemv.gemv_triton(self.x, w, o))  # fmt: skip
@@ -139,6 +145,17 @@ def bench_shape(name: str, rows: int, copy_bw: float, num_sms: int, sweep: bool)
     launches = 8 if case.weight_bytes > (256 << 20) else 32
     cublas = graph_us(case.cublas_calls(), launches)
     record(name, rows, "torch.matmul (cuBLAS)", cublas, case.weight_bytes, copy_bw)
+    # other ways into the vendor library: F.linear (addmm path), and cuBLASLt as torch's BLAS backend
+    record(name, rows, "F.linear", graph_us(case.linear_calls(), launches), case.weight_bytes, copy_bw)
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        lt = graph_us(case.cublas_calls(), launches)
+        record(name, rows, "torch.matmul (cuBLASLt backend)", lt, case.weight_bytes, copy_bw)
+    except RuntimeError as exc:  # a build without cuBLASLt as a choice
+        print(f"cuBLASLt backend not available: {exc}")
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
     config = gemv.gemv_config(rows)
     split = gemv.split_k_for(num_cols, hidden, config["block_n"], config["block_k"], num_sms)
     default = graph_us(case.triton_calls(), launches)
