@@ -110,11 +110,10 @@ def test_an_earlier_group_in_a_process_moves_every_rank_off_symmetric_memory():
     assert [(r[2], r[3]) for r in results] == [("symm_mem", "symm_mem")] * 2
 
 
-def test_cuda_ipc_is_tried_before_symmetric_memory_by_default():
-    # IPC keeps no process-wide state; symmetric memory's made a second engine in a process hang
-    import inspect
+def test_ranks_sharing_one_gpu_try_cuda_ipc_first_and_separate_gpus_symmetric_memory():
+    # IPC keeps no process-wide state (symmetric memory's made a second engine in a process hang on
+    # one GPU); across GPUs symmetric memory maps every buffer for every device
+    from tpfuse.comm.workspace import PEER_MEMORY_ORDER, PEER_MEMORY_ORDER_ONE_GPU
 
-    from tpfuse.comm.workspace import PEER_MEMORY_ORDER, create_process_workspace
-
-    assert PEER_MEMORY_ORDER == ("cuda_ipc", "symm_mem")
-    assert inspect.signature(create_process_workspace).parameters["backends"].default == PEER_MEMORY_ORDER
+    assert PEER_MEMORY_ORDER_ONE_GPU == ("cuda_ipc", "symm_mem")
+    assert PEER_MEMORY_ORDER == ("symm_mem", "cuda_ipc")

@@ -29,7 +29,12 @@ from tpfuse.comm.hybrid import CustomCommunicator, programs_per_rank
 from tpfuse.comm.plan import unmeasured_plan
 from tpfuse.comm.topology import gate_process_workspace
 from tpfuse.comm.tuning import measure_plan
-from tpfuse.comm.workspace import DEFAULT_TIMEOUT_S, PEER_MEMORY_ORDER, create_process_workspace
+from tpfuse.comm.workspace import (
+    DEFAULT_TIMEOUT_S,
+    PEER_MEMORY_ORDER,
+    PEER_MEMORY_ORDER_ONE_GPU,
+    create_process_workspace,
+)
 
 MODES = ("auto", "fused", "nccl")
 PEER_MEMORY_ENV = "TPFUSE_PEER_MEMORY"  # "symm_mem" or "cuda_ipc": try only that backend
@@ -93,7 +98,8 @@ def create_communicator(
     reason = None
     try:
         forced = os.environ.get(PEER_MEMORY_ENV)
-        backends = (forced,) if forced else PEER_MEMORY_ORDER
+        one_gpu = sharing == dist.get_world_size(group)
+        backends = (forced,) if forced else (PEER_MEMORY_ORDER_ONE_GPU if one_gpu else PEER_MEMORY_ORDER)
         programs = programs_per_rank(device, sharing)
         ws = create_process_workspace(group, device, slot_bytes, programs, timeout_s, backends)
         failures = gate_process_workspace(ws, group)

@@ -36,8 +36,11 @@ DEFAULT_TIMEOUT_S = 30.0
 # place), so any earlier group rules symm_mem out for every later one in this process. Group name ->
 # a weak reference to each group that used it here (weak, so no destroyed group is kept alive).
 _SYMMETRIC_GROUPS: dict[str, weakref.ref] = {}
-# CUDA IPC first: it keeps no process-wide state; symm_mem where IPC cannot export (expandable segments).
-PEER_MEMORY_ORDER = ("cuda_ipc", "symm_mem")
+# Which peer-memory backend to try first. Ranks on separate GPUs: torch symmetric memory, which maps
+# each buffer for every device (an IPC mapping needs peer access from the reading device). Ranks that
+# all share one GPU (tests, `--devices 0,0`): CUDA IPC, which keeps no process-wide state.
+PEER_MEMORY_ORDER = ("symm_mem", "cuda_ipc")
+PEER_MEMORY_ORDER_ONE_GPU = ("cuda_ipc", "symm_mem")
 
 
 def _align(n: int, to: int = 256) -> int:
