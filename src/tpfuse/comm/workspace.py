@@ -171,7 +171,7 @@ def create_process_workspace(
     layout = WorkspaceLayout.build(world_size, slot_bytes, max_programs)
     notes: list[str] = []
     if "symm_mem" in backends:
-        reused = peer_memory.vote_failures(_symmetric_name_taken(group), group)
+        reused = peer_memory.vote_failures(_symmetric_memory_used_before(group), group)
         if reused:
             backends = tuple(b for b in backends if b != "symm_mem")
             notes.append("symm_mem not used: " + "; ".join(f"rank {r}: {msg}" for r, msg in reused))
@@ -192,7 +192,7 @@ def create_process_workspace(
     raise RuntimeError("no peer-memory backend works for this group: " + " | ".join(notes))
 
 
-def _symmetric_name_taken(group) -> str | None:
+def _symmetric_memory_used_before(group) -> str | None:
     """Why this process cannot use symm_mem for group (None: it can): another process group (alive
     or destroyed) used torch symmetric memory in this process before."""
     earlier = [name for name, holder in _SYMMETRIC_GROUPS.items() if holder() is not group]

@@ -98,10 +98,9 @@ def uniform_triton(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> 
     out = torch.empty((batch, n), dtype=torch.float64, device=seeds.device)
     if batch == 0 or n == 0:
         return out
-    stride_cb = 0 if counters.dim() == 1 else counters.stride(0)
     if counters.stride(-1) != 1:
         counters = counters.contiguous()
-        stride_cb = 0 if counters.dim() == 1 else counters.stride(0)
+    stride_cb = 0 if counters.dim() == 1 else counters.stride(0)  # 0: one counter row for every seed
     stream_word = ((stream & MASK32) * GOLDEN) & MASK32
     _uniform_kernel[(batch, triton.cdiv(n, UNIFORM_BLOCK))](
         seeds, counters, out, stream_word, n, stride_cb, BLOCK=UNIFORM_BLOCK
