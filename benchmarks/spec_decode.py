@@ -8,7 +8,7 @@ not the model's). For each concurrency C: C requests of --tokens tokens each (ig
 together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time, the
 median of --rounds rounds. Request seeds key the simulated draws, so modes see the same draws.
 Modes: off (a plain engine), fixed (k = --num-steps every step), adaptive (spec/adaptive.py, a fresh
-policy per L); fixed and adaptive rounds alternate, paired by seed, and the adaptive target is the
+policy per L); fixed and adaptive rounds run in pairs (same seeds, order flipped every pair), and the adaptive target is the
 median over rounds of adaptive / max(off, fixed of the same round). Prints a table with ratios to
 off, the crossover concurrency where fixed k stops paying, the issue's targets (C=1, L=3: fixed >=
 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and writes JSON to $OUT/spec_decode.json.
@@ -137,8 +137,9 @@ def measure_off(engine, args, results: dict) -> None:
 
 def measure_spec(engine, args, acceptance_length: float, results: dict) -> None:
     """Fixed k and adaptive side by side: per concurrency each mode's warm-up round, then the
-    measured rounds alternate fixed, adaptive, fixed, ... with the same seeds per pair, so drifts
-    in the machine's state hit both modes alike. One fresh policy per acceptance length, kept across
+    measured rounds run in pairs with the same seeds, the order flipping every pair (fixed first,
+    then adaptive first, ...), so drifts in the machine's state and any cost of running second hit
+    both modes alike. One fresh policy per acceptance length, kept across
     concurrencies as a server keeps it across load."""
     decoder = engine.spec_decoder
     decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, args.num_steps)
@@ -152,7 +153,8 @@ def measure_spec(engine, args, acceptance_length: float, results: dict) -> None:
             decoder.policy = policy
             run_round(engine, c, args.warmup_tokens, args.prompt_len, seed=1000 + c)
         for r in range(args.rounds):
-            for label, policy in modes.items():
+            pair = list(modes.items())
+            for label, policy in pair if r % 2 == 0 else reversed(pair):
                 decoder.policy = policy
                 rounds[label].append(run_round(engine, c, args.tokens, args.prompt_len, seed=c + 7919 * r))
         for label, measured in rounds.items():
@@ -218,7 +220,7 @@ def main() -> int:
     parser.add_argument(
         "--warmup-tokens", type=int, default=96, help="per request; room to explore new buckets"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per point (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per point (median)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, few tokens")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec_decode.json"))
