@@ -8,12 +8,13 @@ not the model's). For each concurrency C: C requests of --tokens tokens each (ig
 together, after a shorter warm-up round at the same C; tok/s = generated tokens / wall time, the
 median of --rounds rounds. Request seeds key the simulated draws, so modes see the same draws.
 Modes: off (a plain engine), fixed (k = --num-steps every step), adaptive (spec/adaptive.py, a fresh
-policy per L); fixed and adaptive rounds run in pairs (same seeds, order flipped every pair), and the adaptive target is the
-median over rounds of adaptive / max(off, fixed of the same round). Prints a table with ratios to
-off, the crossover concurrency where fixed k stops paying, the issue's targets (C=1, L=3: fixed >=
-2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and writes JSON to $OUT/spec_decode.json.
+policy per L); fixed and adaptive rounds run in pairs (same seeds, order flipped every pair), and
+the adaptive target is the median over rounds of adaptive / max(off, fixed of the same round).
+Prints a table with ratios to off, the crossover concurrency where fixed k stops paying, the
+issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
+writes JSON to $OUT/spec_decode.json.
 
-    python benchmarks/spec_decode.py                          # the issue's sweep (~6 min on one H200)
+    python benchmarks/spec_decode.py                          # the issue's sweep (~9 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
 """
 

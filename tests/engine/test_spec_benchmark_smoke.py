@@ -21,4 +21,6 @@ def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_p
     assert "c1_L3_fixed_over_off" in record["targets"]
     fixed = record["results"]["fixed L=3"]["1"]
     assert fixed["mean_k"] == 3.0 and fixed["acceptance_length"] > 1.0
-    assert len(fixed["rounds_tok_s"]) == 3 and fixed["tok_s"] == sorted(fixed["rounds_tok_s"])[1]
+    assert (
+        len(fixed["rounds_tok_s"]) == 5 and fixed["tok_s"] == sorted(fixed["rounds_tok_s"])[2]
+    )  # the median

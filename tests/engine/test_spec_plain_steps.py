@@ -99,3 +99,35 @@ def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_gr
     assert packed_steps[first - 1] == (0, False), "a catch-up step at k = 0 comes first"
     assert all(window for _, window in packed_steps[first:]), "then every step is a window step"
     assert timed and set(timed) == {3}, "the catch-up step is not timed as a k = 0 step"
+
+
+def test_the_policy_decides_once_per_step_when_the_engine_asks_ahead(tmp_path, monkeypatch):
+    """While a plain step runs the engine asks whether the next one runs plain too (to launch it
+    early); told no, it asks again when it schedules that step. The second question must get the
+    first answer, not a second choose(): the k > 0 the policy chose (a refresh run, say) is run."""
+    from tpfuse.engine import spec_decoder as spec_decoder_module
+    from tpfuse.engine.spec_inputs import read_spec_header
+    from tpfuse.engine.step_inputs import read_header
+
+    kw = {**ENGINE, "enable_prefix_caching": False}
+    expected = [o.token_ids for o in LLM(**kw).generate(PROMPTS[:2], greedy(40))]
+    path = write_eagle3_head(str(tmp_path))
+    llm = LLM(config=EngineConfig(**kw, speculative=spec_config("eagle3", path, adaptive=True)))
+    decoder = llm.engine.spec_decoder
+    choices = iter([0] * 8 + [2] + [0] * 6 + [3] * 1000)
+    decoder.policy.choose = lambda num_decode: next(choices)
+    drafted = []  # k of every speculative step with decode rows
+    pack = spec_decoder_module.pack_spec_step
+
+    def recording_pack(batch, *args, **kwargs):
+        packed = pack(batch, *args, **kwargs)
+        spec = read_spec_header(packed, read_header(packed))
+        if spec.num_decode:
+            drafted.append(spec.num_draft_tokens)
+        return packed
+
+    monkeypatch.setattr(spec_decoder_module, "pack_spec_step", recording_pack)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(40))]
+    assert outputs == expected
+    assert 2 in drafted, "the k = 2 chosen while the engine looked ahead never ran"
+    assert drafted.index(2) < drafted.index(3)

@@ -101,7 +101,7 @@ class SpecDecoder:
             print(f"tpfuse: WARNING: {SIMULATED_ACCEPTANCE_NOTICE}", file=sys.stderr, flush=True)
         self.stats = SpecStats(spec.num_steps)
         self.current_num_draft_tokens = spec.num_steps
-        self._chosen: int | None = None  # k chosen by chooses_plain_decode for the coming run()
+        self._chosen: tuple[int, int] | None = None  # (rows, k) chosen ahead for the coming run()
         self._timed_step: tuple[int, int] | None = None  # (decode rows, k) of the step being timed
         self._last_plain_done: float | None = None  # when the last plain decode step completed
         self._after_catch_up: int | None = None  # k chosen for a step that had to catch up first
@@ -121,16 +121,22 @@ class SpecDecoder:
     def chooses_plain_decode(self, batch: Batch) -> bool:
         """Adaptive policy only: whether the policy gives this all-decode batch k = 0, so the engine
         runs it as a plain decode (no drafter work; the drafter catches up when drafting resumes).
-        Otherwise the chosen k is kept for the run() of this batch. A seeded sampled row keeps every
-        step speculative: its tokens come from seeded_sample_verify's stream, not the plain sampler's."""
+        Otherwise the chosen k is kept for the run() of this batch. Asked again before that run (the
+        engine asks while the step before runs, to launch this one early, and again when it
+        schedules it), it answers from the kept choice: the policy decides once per step (a second
+        choose() would tick its clocks twice and undo a refresh it had started). A seeded sampled
+        row keeps every step speculative: its tokens come from seeded_sample_verify's stream, not
+        the plain sampler's."""
         rows = len(batch.seqs)
         if self.policy is None or self.tree or not all(map(is_decode_row, batch.seqs, batch.num_new_tokens)):
             return False
         if any(s.params.seed is not None and s.params.temperature > 0.0 for s in batch.seqs):
             return False
+        if self._chosen is not None and self._chosen[0] == rows:
+            return False
         k = self.choose_num_draft_tokens(rows)
+        self._chosen = (rows, k) if k else None
         if k:
-            self._chosen = k
             return False
         self.current_num_draft_tokens = 0
         return True
@@ -159,12 +165,11 @@ class SpecDecoder:
         """One speculative step of batch; returns the tokens of each sequence (None: none)."""
         self._last_plain_done = None
         decode_rows = [i for i, n in enumerate(batch.num_new_tokens) if is_decode_row(batch.seqs[i], n)]
-        k = (
-            self._chosen
-            if self._chosen is not None and decode_rows
-            else self.choose_num_draft_tokens(len(decode_rows))
-        )
-        self._chosen = None
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] == len(decode_rows):
+            k = chosen[1]
+        else:
+            k = self.choose_num_draft_tokens(len(decode_rows))
         catch_up = bool(k) and self.ext_window > 0 and lags_after_plain_steps(batch, self.ext_window)
         if catch_up:
             self._after_catch_up, k = k, 0  # drafting resumes next step, inside the window graphs

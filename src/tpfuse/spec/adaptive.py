@@ -12,10 +12,16 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
   (a JIT compile, a page fault) among the first samples does not move it. A bucket where k was
   never measured borrows a cost interpolated linearly in batch size from the nearest buckets on
   either side where it was (decode step time grows smoothly with the batch);
-- per draft position i an EMA of the conditional acceptance rate r_i = P(draft i accepted | drafts
-  before it accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i; until a position has seen
-  about 1 / alpha rows the estimate is the running mean of what it saw (the prior counting as
-  `prior_acceptance_rows` rows), so a fresh policy leaves its prior within a few steps;
+- per draft position i the conditional acceptance rate r_i = P(draft i accepted | drafts before it
+  accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i. r_i is a ratio of time-decayed sums,
+  rows that passed position i over rows that tested it, every row's weight halving each
+  `acceptance_half_life` decode steps: a batch-64 step adds 64 rows, so large batches get precise
+  estimates (a per-step moving average would follow the last few steps' noise and flip k), and a
+  probe after a long stretch at k = 0 outweighs what was seen long ago. Each rate is shrunk towards
+  the one before it (the first towards `prior_acceptance_rate`) as if `prior_acceptance_rows` more
+  rows had shown that rate: a fresh policy leaves its prior within a few steps, and a deep position
+  that few rows reach (k = K is rarely run once a smaller k wins) borrows its neighbour's rate
+  rather than a handful of coin flips;
 
 and picks the k that maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost.
 Guards against the ways such controllers fail in practice:
@@ -31,8 +37,17 @@ Guards against the ways such controllers fail in practice:
 - no switch on stale evidence: the cost of a k that is not being run stops being measured while the
   context grows and the committed k's cost grows with it, so an old sample makes it look cheaper than
   it is. When a challenger has won `switch_patience` steps but its cost in this bucket is older than
-  `stale_after` of the bucket's steps (or was only interpolated), the bucket runs it once to measure
-  it afresh (that sample replaces the aged estimate: `refresh_weight` 1) and the streak starts over;
+  `stale_after` of the bucket's steps (or was only interpolated), the bucket runs it for
+  `refresh_steps` consecutive steps to measure it afresh (their median replaces the aged estimate:
+  `refresh_weight` 1) and the streak starts over. Consecutive, not one: a lone k = 0 step runs
+  without the plain-decode overlap (the engine launches a plain step while the one before it runs)
+  and costs more than k = 0 does once it is chosen, so a single sample would bias k = 0 against;
+- no choice left out on stale evidence either: that rule re-measures only a k whose old estimate
+  looks good. One that looks worse than it is (a lone plain step's cost, a slow moment) would never be
+  tried again, so every `recheck_interval` steps the bucket re-measures (a refresh run) the k
+  measured longest ago among those whose estimate is stale and whose score is within
+  `recheck_margin` of the committed one's; at most
+  refresh_steps / recheck_interval of the steps run a k that may be that much worse;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
   when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
@@ -54,49 +69,60 @@ class AdaptivePolicy:
         max_num_draft_tokens: int,
         batch_buckets: Sequence[int],
         cost_ema_alpha: float = 0.1,
-        acceptance_ema_alpha: float = 0.02,
-        max_acceptance_step_weight: float = 0.25,
+        acceptance_half_life: float = 64.0,
         prior_acceptance_rate: float = 0.7,
-        prior_acceptance_rows: int = 4,
+        prior_acceptance_rows: float = 4.0,
         switch_margin: float = 0.02,
         switch_patience: int = 16,
         min_cost_samples: int = 4,
         probe_interval: int = 256,
         stale_after: int = 64,
         refresh_weight: float = 1.0,
+        refresh_steps: int = 3,
+        recheck_interval: int = 512,
+        recheck_margin: float = 0.2,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
         sorted decode batch sizes with captured CUDA graphs (a batch beyond the last uses the last).
-        acceptance_ema_alpha is the weight of one verified row: a step that tests n rows at a
-        position moves that position's estimate by 1 - (1 - alpha)^n, at most
-        max_acceptance_step_weight, so batch-1 steps (one noisy observation each) move it little.
+        acceptance_half_life: decode steps (choose() calls) after which an observed row counts half.
         Raises ValueError naming a bad setting."""
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
         if not batch_buckets or any(b < 1 for b in batch_buckets):
             raise ValueError(f"batch_buckets must be positive batch sizes, got {list(batch_buckets)}")
-        for name, value in (
-            ("cost_ema_alpha", cost_ema_alpha),
-            ("acceptance_ema_alpha", acceptance_ema_alpha),
-        ):
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must lie in (0, 1], got {value}")
+        if not 0.0 < cost_ema_alpha <= 1.0:
+            raise ValueError(f"cost_ema_alpha must lie in (0, 1], got {cost_ema_alpha}")
+        if acceptance_half_life <= 0.0:
+            raise ValueError(f"acceptance_half_life must be > 0 steps, got {acceptance_half_life}")
+        if prior_acceptance_rows < 0.0:
+            raise ValueError(f"prior_acceptance_rows must be >= 0, got {prior_acceptance_rows}")
+        for name, count in (("refresh_steps", refresh_steps), ("recheck_interval", recheck_interval)):
+            if count < 1:
+                raise ValueError(f"{name} must be >= 1, got {count}")
         if not 0.0 <= prior_acceptance_rate <= 1.0:
             raise ValueError(f"prior_acceptance_rate must lie in [0, 1], got {prior_acceptance_rate}")
         self.max_num_draft_tokens = max_num_draft_tokens
         self.batch_buckets = sorted(set(batch_buckets))
         self.cost_ema_alpha = cost_ema_alpha
-        self.acceptance_ema_alpha = acceptance_ema_alpha
-        self.max_acceptance_step_weight = max_acceptance_step_weight
+        self.acceptance_half_life = acceptance_half_life
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
         self.min_cost_samples = min_cost_samples
         self.probe_interval = probe_interval
         self.stale_after = stale_after
         self.refresh_weight = refresh_weight
+        self.refresh_steps = refresh_steps
+        self.recheck_interval = recheck_interval
+        self.recheck_margin = recheck_margin
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
-        self._rows_seen = [max(prior_acceptance_rows, 1)] * max_num_draft_tokens  # prior included
-        self.acceptance_length: float | None = None  # EMA of tokens per step, steps with k > 0
+        self.prior_acceptance_rate = prior_acceptance_rate
+        self.prior_acceptance_rows = prior_acceptance_rows
+        self._tested = [0.0] * max_num_draft_tokens  # decayed rows that tested position i
+        self._passed = [0.0] * max_num_draft_tokens  # ... and passed it
+        self._length_sums = [0.0, 0.0]  # decayed tokens per verify row, rows
+        self.acceptance_length: float | None = None  # tokens per verify row, steps with k > 0
+        self._steps = 0  # choose() calls, the clock of the acceptance decay
+        self._acceptance_at = 0  # self._steps at the last record_acceptance
         self.current_num_draft_tokens = max_num_draft_tokens  # the last choice, for /metrics
         self._cost: dict[tuple[int, int], float] = {}
         self._early: dict[tuple[int, int], list[float]] = {}  # the first samples (their median is the cost)
@@ -107,6 +133,7 @@ class AdaptivePolicy:
         self._steps_at_zero: dict[int, int] = {}
         self._clock: dict[int, int] = {}  # choose() calls per bucket
         self._sampled_at: dict[tuple[int, int], int] = {}  # the bucket's clock at a key's last sample
+        self._refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k being re-measured, steps left)
 
     def bucket_of(self, decode_batch_size: int) -> int:
         """The CUDA-graph batch size a decode batch of this size runs in."""
@@ -148,6 +175,7 @@ class AdaptivePolicy:
 
     def choose(self, decode_batch_size: int) -> int:
         """The number of draft tokens for the next decode step of this many sequences (0..K)."""
+        self._steps += 1
         choice = self._choose(decode_batch_size, self.bucket_of(decode_batch_size))
         self.current_num_draft_tokens = choice
         return choice
@@ -162,6 +190,11 @@ class AdaptivePolicy:
 
     def _choose(self, batch: int, bucket: int) -> int:
         self._clock[bucket] = self._clock.get(bucket, 0) + 1
+        if bucket in self._refreshing:  # the rest of a refresh run
+            k, left = self._refreshing.pop(bucket)
+            if left > 1:
+                self._refreshing[bucket] = (k, left - 1)
+            return k
         candidates = range(self.max_num_draft_tokens + 1)
         costs = {k: self._estimated_cost(bucket, k) for k in candidates}
         for k in candidates:
@@ -174,17 +207,35 @@ class AdaptivePolicy:
             self._better_streak[bucket] = self._better_streak.get(bucket, 0) + 1
             if self._better_streak[bucket] >= self.switch_patience:
                 self._better_streak[bucket] = 0
-                if self._stale(bucket, best):
-                    return best  # measure the challenger afresh before switching to it
+                if self._stale(bucket, best):  # measure the challenger afresh before switching to it
+                    return self._refresh(bucket, best)
                 self._committed[bucket] = committed = best
         else:
             self._better_streak[bucket] = 0
+        if self._clock[bucket] % self.recheck_interval == 0:
+            floor = (1.0 - self.recheck_margin) * scores[committed]
+            rivals = [
+                k for k in candidates if k != committed and scores[k] >= floor and self._stale(bucket, k)
+            ]
+            if rivals:  # the one measured longest ago, so each rival gets its turn
+                oldest = min(rivals, key=lambda k: self._sampled_at.get((bucket, k), -1))
+                return self._refresh(bucket, oldest)
         if committed == 0:
             self._steps_at_zero[bucket] = self._steps_at_zero.get(bucket, 0) + 1
             if self._steps_at_zero[bucket] >= self.probe_interval:
                 self._steps_at_zero[bucket] = 0
                 return self.max_num_draft_tokens
         return committed
+
+    def _refresh(self, bucket: int, k: int) -> int:
+        """Starts a refresh run of k in bucket; returns k for its first step."""
+        if self.refresh_steps > 1:
+            self._refreshing[bucket] = (k, self.refresh_steps - 1)
+        return k
+
+    def committed(self, decode_batch_size: int) -> int | None:
+        """The k this batch's bucket settled on (refresh runs and probes aside); None before exploring."""
+        return self._committed.get(self.bucket_of(decode_batch_size))
 
     def snapshot(self, decode_batch_size: int) -> dict:
         """What the policy believes for this batch's bucket (for benchmark records and debugging):
@@ -194,7 +245,7 @@ class AdaptivePolicy:
         costs = {k: self._estimated_cost(bucket, k) for k in range(self.max_num_draft_tokens + 1)}
         return {
             "bucket": bucket,
-            "committed_k": self._committed.get(bucket),
+            "committed_k": self.committed(decode_batch_size),
             "cost_ms": {k: None if c is None else round(1e3 * c, 3) for k, c in costs.items()},
             "measured": [k for k in costs if self._measured(bucket, k)],
             "tok_s": {k: self.expected_tokens_per_second(decode_batch_size, k) for k in costs},
@@ -236,6 +287,10 @@ class AdaptivePolicy:
         )
         if not rows or max(drafted) == 0:
             return
+        decay = 0.5 ** ((self._steps - self._acceptance_at) / self.acceptance_half_life)
+        self._acceptance_at = self._steps
+        for sums in (self._tested, self._passed, self._length_sums):
+            sums[:] = [x * decay for x in sums]
         for i in range(1, min(max(drafted), self.max_num_draft_tokens) + 1):
             tested = passed = 0
             for a, d in zip(rows, drafted, strict=True):
@@ -244,13 +299,13 @@ class AdaptivePolicy:
                     passed += a >= i
             if tested == 0:
                 break
-            self._rows_seen[i - 1] += tested
-            weight = max(self._weight(tested), tested / self._rows_seen[i - 1])  # running mean at first
-            self.acceptance_rates[i - 1] += weight * (passed / tested - self.acceptance_rates[i - 1])
-        mean_length = 1.0 + sum(rows) / len(rows)
-        old = self.acceptance_length
-        weight = self._weight(len(rows))
-        self.acceptance_length = mean_length if old is None else old + weight * (mean_length - old)
-
-    def _weight(self, num_rows: int) -> float:
-        return min(1.0 - (1.0 - self.acceptance_ema_alpha) ** num_rows, self.max_acceptance_step_weight)
+            self._tested[i - 1] += tested
+            self._passed[i - 1] += passed
+        shrink_to, m = self.prior_acceptance_rate, self.prior_acceptance_rows
+        for i, (tested, passed) in enumerate(zip(self._tested, self._passed, strict=True)):
+            if tested + m > 0.0:
+                self.acceptance_rates[i] = (passed + m * shrink_to) / (tested + m)
+            shrink_to = self.acceptance_rates[i]
+        self._length_sums[0] += len(rows) + sum(rows)
+        self._length_sums[1] += len(rows)
+        self.acceptance_length = self._length_sums[0] / self._length_sums[1]
