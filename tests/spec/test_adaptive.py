@@ -238,6 +238,7 @@ def test_a_refresh_runs_consecutive_steps_so_a_lone_plain_step_does_not_hide_tha
     policy = AdaptivePolicy(K, BUCKETS, prior_acceptance_rows=0)
     choices = _overlap_run(policy)
     assert policy.committed(8) == 0
+    assert choices.index(0) <= 2 * policy.plain_recheck_interval  # k = 0 is rechecked early
     assert choices[-800:].count(0) >= 0.97 * 800  # refresh runs and probes aside
     lone = AdaptivePolicy(K, BUCKETS, prior_acceptance_rows=0,
                           refresh_steps=1)  # fmt: skip
@@ -315,3 +316,5 @@ def test_invalid_settings_raise_errors_that_name_the_setting():
         AdaptivePolicy(K, BUCKETS, refresh_steps=0)
     with pytest.raises(ValueError, match="recheck_interval"):
         AdaptivePolicy(K, BUCKETS, recheck_interval=0)
+    with pytest.raises(ValueError, match="plain_recheck_interval"):
+        AdaptivePolicy(K, BUCKETS, plain_recheck_interval=0)

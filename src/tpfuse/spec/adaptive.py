@@ -47,7 +47,11 @@ Guards against the ways such controllers fail in practice:
   tried again, so every `recheck_interval` steps the bucket re-measures (a refresh run) the k
   measured longest ago among those whose estimate is stale and whose score is within
   `recheck_margin` of the committed one's; at most
-  refresh_steps / recheck_interval of the steps run a k that may be that much worse;
+  refresh_steps / recheck_interval of the steps run a k that may be that much worse. k = 0 is
+  rechecked that way every `plain_recheck_interval` steps (while the bucket drafts): it is the usual
+  victim (costs grow with the context, so a k = 0 cost from a shorter or longer context misjudges
+  it) and cheap to recheck (a few plain steps leave the drafters inside their window, no catch-up),
+  where leaving k = 0 for a k > 0 costs the drafters' catch-up;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
   when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
@@ -80,6 +84,7 @@ class AdaptivePolicy:
         refresh_weight: float = 1.0,
         refresh_steps: int = 3,
         recheck_interval: int = 512,
+        plain_recheck_interval: int = 64,
         recheck_margin: float = 0.2,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
@@ -96,7 +101,11 @@ class AdaptivePolicy:
             raise ValueError(f"acceptance_half_life must be > 0 steps, got {acceptance_half_life}")
         if prior_acceptance_rows < 0.0:
             raise ValueError(f"prior_acceptance_rows must be >= 0, got {prior_acceptance_rows}")
-        for name, count in (("refresh_steps", refresh_steps), ("recheck_interval", recheck_interval)):
+        for name, count in (
+            ("refresh_steps", refresh_steps),
+            ("recheck_interval", recheck_interval),
+            ("plain_recheck_interval", plain_recheck_interval),
+        ):
             if count < 1:
                 raise ValueError(f"{name} must be >= 1, got {count}")
         if not 0.0 <= prior_acceptance_rate <= 1.0:
@@ -113,6 +122,7 @@ class AdaptivePolicy:
         self.refresh_weight = refresh_weight
         self.refresh_steps = refresh_steps
         self.recheck_interval = recheck_interval
+        self.plain_recheck_interval = plain_recheck_interval
         self.recheck_margin = recheck_margin
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self.prior_acceptance_rate = prior_acceptance_rate
@@ -212,8 +222,16 @@ class AdaptivePolicy:
                 self._committed[bucket] = committed = best
         else:
             self._better_streak[bucket] = 0
-        if self._clock[bucket] % self.recheck_interval == 0:
-            floor = (1.0 - self.recheck_margin) * scores[committed]
+        clock = self._clock[bucket]
+        floor = (1.0 - self.recheck_margin) * scores[committed]
+        if (
+            committed
+            and clock % self.plain_recheck_interval == 0
+            and scores[0] >= floor
+            and self._stale(bucket, 0)
+        ):
+            return self._refresh(bucket, 0)
+        if clock % self.recheck_interval == 0:
             rivals = [
                 k for k in candidates if k != committed and scores[k] >= floor and self._stale(bucket, k)
             ]
