@@ -136,11 +136,35 @@ def measure_off(engine, args, results: dict) -> None:
         record_point(results, "off", c, rounds)
 
 
-def measure_spec(engine, args, acceptance_length: float, results: dict) -> None:
-    """Fixed k and adaptive side by side: per concurrency each mode's warm-up round, then the
-    measured rounds run in pairs with the same seeds, the order flipping every pair (fixed first,
-    then adaptive first, ...), so drifts in the machine's state and any cost of running second hit
-    both modes alike. One fresh policy per acceptance length, kept across
+class ConstantK:
+    """A stand-in policy that always answers k. With k = 0 every decode step of the speculative
+    engine runs plain: the most adaptive can get where speculation does not pay, to set against
+    the plain engine's "off" (the gap is the speculative engine's own cost at k = 0)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, decode_batch_size: int) -> int:
+        return self.k
+
+    def record_step(self, *args) -> None:
+        pass
+
+    def record_acceptance(self, *args) -> None:
+        pass
+
+    def snapshot(self, decode_batch_size: int) -> dict:
+        return {"constant_k": self.k}
+
+
+SPEC_ENGINE_K0 = "spec engine k=0"
+
+
+def measure_spec(engine, args, acceptance_length: float, results: dict, with_k0: bool) -> None:
+    """Fixed k and adaptive side by side (and, with_k0, the speculative engine held at k = 0): per
+    concurrency each mode's warm-up round, then the measured rounds run in turns with the same
+    seeds, the order reversing every turn, so drifts in the machine's state and any cost of
+    running later hit the modes alike. One fresh policy per acceptance length, kept across
     concurrencies as a server keeps it across load."""
     decoder = engine.spec_decoder
     decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, args.num_steps)
@@ -148,6 +172,8 @@ def measure_spec(engine, args, acceptance_length: float, results: dict) -> None:
         f"fixed L={acceptance_length:g}": None,
         f"adaptive L={acceptance_length:g}": AdaptivePolicy(args.num_steps, decoder.policy_buckets),
     }
+    if with_k0:
+        modes[SPEC_ENGINE_K0] = ConstantK(0)
     for c in args.concurrency:
         rounds: dict[str, list[dict]] = {label: [] for label in modes}
         for policy in modes.values():
@@ -195,6 +221,14 @@ def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> 
             f"L={L:g}: fixed k stops paying at C={losing[0] if losing else '> ' + str(concurrencies[-1])}; "
             f"adaptive / max(off, fixed) >= {worst:.3f} everywhere "
             f"({'PASS' if worst >= 0.97 else 'FAIL'} target >= 0.97)"
+        )
+    k0 = results.get(SPEC_ENGINE_K0)
+    if k0:
+        ratios = {c: k0[c]["tok_s"] / off[c]["tok_s"] for c in concurrencies}
+        summary["spec_engine_k0_over_off"] = ratios
+        print(
+            "speculative engine held at k = 0 / off (the most adaptive can reach where off is best): "
+            + ", ".join(f"C={c}: {r:.3f}" for c, r in ratios.items())
         )
     if 3.0 in lengths and 1 in concurrencies:
         ratio = results["fixed L=3"][1]["tok_s"] / off[1]["tok_s"]
@@ -272,8 +306,8 @@ def main() -> int:
             f"{SIMULATED_ACCEPTANCE_NOTICE}\nspec engine ready in {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-    for L in args.lengths:
-        measure_spec(engine, args, L, results)
+    for i, L in enumerate(args.lengths):
+        measure_spec(engine, args, L, results, with_k0=i == 0)
     engine.shutdown()
     summary = summarize(results, args.concurrency, args.lengths)
     record = {

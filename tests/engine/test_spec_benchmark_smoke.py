@@ -16,7 +16,9 @@ def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_p
     )
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
-    assert set(record["results"]) == {"off", "fixed L=3", "adaptive L=3"}
+    assert set(record["results"]) == {"off", "fixed L=3", "adaptive L=3", "spec engine k=0"}
+    assert record["results"]["spec engine k=0"]["1"]["mean_k"] == 0.0
+    assert set(record["spec_engine_k0_over_off"]) == {"1", "4"}
     assert record["simulated_acceptance"] is True and "SIMULATED" in proc.stdout + proc.stderr
     assert "c1_L3_fixed_over_off" in record["targets"]
     fixed = record["results"]["fixed L=3"]["1"]
