@@ -28,8 +28,8 @@ Guards against the ways such controllers fail in practice:
 
 - exploration: a k with neither a measured nor an interpolated cost in this bucket is tried
   `min_cost_samples` times (the first dropped, the median of the others) before the bucket commits
-  to a choice (or seed costs from a start-up
-  profile, `set_cost`); a bucket between explored ones needs no exploration;
+  to a choice (or seed costs from a start-up profile, `set_cost`); a bucket between explored ones
+  needs no exploration;
 - hysteresis: a bucket switches k only after some other k beats the committed one by more than
   `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
   The margin is small (2 %): it bounds how far below the best (by the estimates) a bucket may sit
@@ -46,8 +46,8 @@ Guards against the ways such controllers fail in practice:
   looks good. One that looks worse than it is (a lone plain step's cost, a slow moment) would never be
   tried again, so every `recheck_interval` steps the bucket re-measures (a refresh run) the k
   measured longest ago among those whose estimate is stale and whose score is within
-  `recheck_margin` of the committed one's; at most
-  refresh_steps / recheck_interval of the steps run a k that may be that much worse. k = 0 is
+  `recheck_margin` of the committed one's; at most refresh_steps / recheck_interval of the steps
+  run a k that may be that much worse. k = 0 is
   rechecked that way every `plain_recheck_interval` steps (while the bucket drafts): it is the usual
   victim (costs grow with the context, so a k = 0 cost from a shorter or longer context misjudges
   it) and cheap to recheck (a few plain steps leave the drafters inside their window, no catch-up),
