@@ -12,7 +12,8 @@ policy per L); fixed and adaptive rounds run in pairs (same seeds, order flipped
 the adaptive target is the median over rounds of adaptive / max(off, fixed of the same round).
 Prints a table with ratios to off, the crossover concurrency where fixed k stops paying, the
 issue's targets (C=1, L=3: fixed >= 2.0x off; adaptive >= max(off, fixed) - 3% everywhere) and
-writes JSON to $OUT/spec_decode.json.
+writes JSON to $OUT/spec_decode.json; each round there keeps every engine step's wall time and, for
+adaptive, every step cost the policy was told and its beliefs at the round's end.
 
     python benchmarks/spec_decode.py                          # the issue's sweep (~9 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
@@ -80,6 +81,16 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
             return k
 
         decoder.choose_num_draft_tokens = recording_choose
+    policy = decoder.policy if decoder is not None else None
+    told: list[list] = []  # [k, ms] of every step cost the policy was given, in order
+    if policy is not None:
+        record_step = policy.record_step
+
+        def recording_record_step(num_rows: int, k: int, seconds: float) -> None:
+            told.append([k, round(1000 * seconds, 3)])
+            record_step(num_rows, k, seconds)
+
+        policy.record_step = recording_record_step
     before = engine.stats()
     generated, steps = 0, 0
     if engine.executor.runner.device.type == "cuda":
@@ -94,6 +105,8 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
     seconds = time.perf_counter() - start
     if decoder is not None:
         del decoder.choose_num_draft_tokens
+    if policy is not None:
+        del policy.record_step
     after = engine.stats()
     drafts = after.spec_num_drafts_total - before.spec_num_drafts_total
     accepted = after.spec_num_accepted_tokens_total - before.spec_num_accepted_tokens_total
@@ -106,18 +119,25 @@ def run_round(engine: LLMEngine, concurrency: int, tokens: int, prompt_len: int,
         "k_counts": {k: chosen.count(k) for k in sorted(set(chosen))},  # decode steps per chosen k
         "k_runs": run_lengths(chosen),  # [[k, consecutive steps], ...] in step order
         "slowest_steps_ms": sorted((round(1000 * s, 1) for s in step_seconds), reverse=True)[:5],
+        # per engine step, its wall time; and the step costs the policy was told (adaptive): what a
+        # k costs over a round as the context grows, chained and unchained plain steps apart
+        "step_ms": [round(1000 * s, 3) for s in step_seconds],
+        "policy_told": told,
         # what the adaptive policy believed at the end of the round, for the full batch's bucket
         "policy": decoder.policy.snapshot(concurrency) if decoder is not None and decoder.policy else None,
     }
 
 
+PER_ROUND = ("step_ms", "policy_told")  # kept per round only (long lists)
+ROUND_RECORD = ("k_counts", "k_runs", "slowest_steps_ms", "steps", "policy", *PER_ROUND)
+
+
 def record_point(results: dict, label: str, c: int, rounds: list[dict]) -> None:
     """The point is the round with the median tok/s; every round is kept."""
-    point = dict(sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2])
+    median = sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2]
+    point = {key: value for key, value in median.items() if key not in PER_ROUND}
     point["rounds_tok_s"] = [r["tok_s"] for r in rounds]
-    point["rounds"] = [
-        {key: r[key] for key in ("k_counts", "k_runs", "slowest_steps_ms", "steps", "policy")} for r in rounds
-    ]
+    point["rounds"] = [{key: r[key] for key in ROUND_RECORD} for r in rounds]
     results.setdefault(label, {})[c] = point
     length = point["acceptance_length"]  # None when no step drafted (every step plain)
     extra = f" L {length or 1.0:.2f} mean k {point['mean_k']:.2f}" if point["mean_k"] else ""

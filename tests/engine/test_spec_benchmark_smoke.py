@@ -26,3 +26,7 @@ def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_p
     assert (
         len(fixed["rounds_tok_s"]) == 5 and fixed["tok_s"] == sorted(fixed["rounds_tok_s"])[2]
     )  # the median
+    adaptive_rounds = record["results"]["adaptive L=3"]["1"]["rounds"]
+    assert all(len(r["step_ms"]) == r["steps"] for r in adaptive_rounds)
+    assert all(r["policy_told"] for r in adaptive_rounds)  # the costs the policy was given, per step
+    assert all(not r["policy_told"] for r in record["results"]["fixed L=3"]["1"]["rounds"])
