@@ -173,6 +173,9 @@ class ConstantK:
     def record_acceptance(self, *args) -> None:
         pass
 
+    def record_catch_up(self, *args) -> None:
+        pass
+
     def snapshot(self, decode_batch_size: int) -> dict:
         return {"constant_k": self.k}
 

@@ -79,6 +79,8 @@ def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_gr
     decoder.policy.choose = lambda num_decode: next(choices)
     timed = []  # k of each speculative step timed for the policy (plain steps' timing left out)
     decoder.policy.record_step = lambda rows, k, seconds: timed.append(k)
+    caught_up = []  # rows of each catch-up step timed for the policy
+    decoder.policy.record_catch_up = lambda rows, seconds: caught_up.append(rows)
     decoder.plain_step_finished = lambda num_rows, chained, own_seconds: None
     packed_steps = []  # (k, window step) of every speculative step with decode rows
     pack = spec_decoder_module.pack_spec_step
@@ -99,6 +101,7 @@ def test_drafting_resumes_after_a_catch_up_step_so_it_stays_inside_the_window_gr
     assert packed_steps[first - 1] == (0, False), "a catch-up step at k = 0 comes first"
     assert all(window for _, window in packed_steps[first:]), "then every step is a window step"
     assert timed and set(timed) == {3}, "the catch-up step is not timed as a k = 0 step"
+    assert caught_up == [2], "the catch-up step's time goes to the policy as the cost of leaving k = 0"
 
 
 def test_the_policy_decides_once_per_step_when_the_engine_asks_ahead(tmp_path, monkeypatch):

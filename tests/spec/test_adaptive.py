@@ -246,6 +246,49 @@ def test_a_refresh_runs_consecutive_steps_so_a_lone_plain_step_does_not_hide_tha
     assert lone.committed(8) == 2  # the failure consecutive refresh steps prevent
 
 
+def _leave_zero_run(policy, gain: float, steps=400):
+    """k = 3 (every draft accepted) is `gain` better than k = 0 (cost 1.0) by tokens per second,
+    but seeded worse, so the bucket starts at k = 0 and learns k = 3's cost from its probes (the
+    policy needs probe_interval < steps). Returns the choices."""
+    policy.record_acceptance(3, [3] * 8)
+    costs = {0: 1.0, 1: 10.0, 2: 10.0, 3: 4.0 / (1.0 + gain)}
+    for k, cost in costs.items():
+        policy.set_cost(8, k, 1.5 * cost if k == 3 else cost)  # k = 3 seeded worse: start at 0
+    assert policy.choose(8) == 0
+    choices = []
+    for _ in range(steps):
+        k = policy.choose(8)
+        policy.record_step(8, k, costs[k])
+        choices.append(k)
+    return choices
+
+
+def test_a_bucket_leaves_k_0_only_for_a_gain_that_pays_back_the_catch_up():
+    # a catch-up step costs 10 plain steps more than a plain step: over payback_steps = 64 steps a
+    # switch must gain more than 10 / 64 = 16 % (a plain step costs 1.0)
+    def policy():
+        p = AdaptivePolicy(3, BUCKETS, prior_acceptance_rows=0, probe_interval=50)
+        p.set_cost(8, 0, 1.0)
+        p.record_catch_up(8, 11.0)
+        return p
+
+    small = policy()
+    _leave_zero_run(small, gain=0.08)
+    assert small.committed(8) == 0
+    large = policy()
+    _leave_zero_run(large, gain=0.30)
+    assert large.committed(8) == 3
+    free = AdaptivePolicy(3, BUCKETS, prior_acceptance_rows=0, probe_interval=50)
+    _leave_zero_run(free, gain=0.08)
+    assert free.committed(8) == 3  # with no catch-up measured the usual 2 % margin applies
+
+
+def test_a_catch_up_before_any_plain_step_cost_is_ignored():
+    policy = AdaptivePolicy(3, BUCKETS)
+    policy.record_catch_up(8, 0.5)
+    assert policy.snapshot(8)["catch_up_extra_ms"] is None
+
+
 def test_acceptance_estimates_track_per_position_rates():
     policy = AdaptivePolicy(3, BUCKETS, prior_acceptance_rows=0)
     policy.record_acceptance(3, [0, 1, 1, 3])  # position 1: 3 of 4; position 2: 1 of 3; 3: 1 of 1
@@ -318,3 +361,5 @@ def test_invalid_settings_raise_errors_that_name_the_setting():
         AdaptivePolicy(K, BUCKETS, recheck_interval=0)
     with pytest.raises(ValueError, match="plain_recheck_interval"):
         AdaptivePolicy(K, BUCKETS, plain_recheck_interval=0)
+    with pytest.raises(ValueError, match="payback_steps"):
+        AdaptivePolicy(K, BUCKETS, payback_steps=0)

@@ -103,6 +103,7 @@ class SpecDecoder:
         self.current_num_draft_tokens = spec.num_steps
         self._chosen: tuple[int, int] | None = None  # (rows, k) chosen ahead for the coming run()
         self._timed_step: tuple[int, int] | None = None  # (decode rows, k) of the step being timed
+        self._timed_catch_up: int | None = None  # decode rows of the catch-up step being timed
         self._last_plain_done: float | None = None  # when the last plain decode step completed
         self._after_catch_up: int | None = None  # k chosen for a step that had to catch up first
 
@@ -157,9 +158,12 @@ class SpecDecoder:
 
     def step_finished(self, seconds: float) -> None:
         """The engine's wall time of the last run() step, scheduling and postprocessing included."""
-        if self._timed_step is not None and self.policy is not None:
-            self.policy.record_step(*self._timed_step, seconds)
-        self._timed_step = None
+        if self.policy is not None:
+            if self._timed_step is not None:
+                self.policy.record_step(*self._timed_step, seconds)
+            elif self._timed_catch_up is not None:
+                self.policy.record_catch_up(self._timed_catch_up, seconds)
+        self._timed_step = self._timed_catch_up = None
 
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[list[int] | None]:
         """One speculative step of batch; returns the tokens of each sequence (None: none)."""
@@ -217,7 +221,9 @@ class SpecDecoder:
             if self.tree and k:
                 self._record_kv_moves(batch, decode_rows, result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
-            if self.policy is not None and pure_decode and not catch_up:  # a catch-up is no k = 0 step
+            if self.policy is not None and pure_decode and catch_up:  # a catch-up is no k = 0 step
+                self._timed_catch_up = len(decode_rows)
+            elif self.policy is not None and pure_decode:
                 self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)

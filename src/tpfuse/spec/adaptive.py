@@ -52,6 +52,12 @@ Guards against the ways such controllers fail in practice:
   victim (costs grow with the context, so a k = 0 cost from a shorter or longer context misjudges
   it) and cheap to recheck (a few plain steps leave the drafters inside their window, no catch-up),
   where leaving k = 0 for a k > 0 costs the drafters' catch-up;
+- leaving k = 0 costs a catch-up: the drafters fell behind during the plain steps, and the first
+  step back extends them over every position they missed (`record_catch_up` reports its time).
+  A bucket at k = 0 switches to a k > 0 only if the gain pays that back within `payback_steps`:
+  its score must beat k = 0's by max(switch_margin, extra / (payback_steps * cost(k = 0))), where
+  extra is the measured catch-up step's cost beyond a plain step's. Without it a near-tie between
+  k = 0 and a k > 0 flips back and forth, and every flip to k > 0 pays a catch-up;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
   when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
@@ -86,6 +92,7 @@ class AdaptivePolicy:
         recheck_interval: int = 512,
         plain_recheck_interval: int = 64,
         recheck_margin: float = 0.2,
+        payback_steps: int = 64,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
         sorted decode batch sizes with captured CUDA graphs (a batch beyond the last uses the last).
@@ -105,6 +112,7 @@ class AdaptivePolicy:
             ("refresh_steps", refresh_steps),
             ("recheck_interval", recheck_interval),
             ("plain_recheck_interval", plain_recheck_interval),
+            ("payback_steps", payback_steps),
         ):
             if count < 1:
                 raise ValueError(f"{name} must be >= 1, got {count}")
@@ -124,6 +132,8 @@ class AdaptivePolicy:
         self.recheck_interval = recheck_interval
         self.plain_recheck_interval = plain_recheck_interval
         self.recheck_margin = recheck_margin
+        self.payback_steps = payback_steps
+        self._catch_up_extra: dict[int, float] = {}  # bucket -> seconds a catch-up step adds to a plain one
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self.prior_acceptance_rate = prior_acceptance_rate
         self.prior_acceptance_rows = prior_acceptance_rows
@@ -213,7 +223,10 @@ class AdaptivePolicy:
         scores = {k: (1.0 + self.expected_accepted(k)) * batch / costs[k] for k in candidates}
         best = max(candidates, key=lambda k: scores[k])
         committed = self._committed.setdefault(bucket, best)
-        if best != committed and scores[best] > scores[committed] * (1.0 + self.switch_margin):
+        margin = self.switch_margin
+        if committed == 0 and best != 0:  # the switch must pay back the catch-up it costs
+            margin = max(margin, self._catch_up_extra.get(bucket, 0.0) / (self.payback_steps * costs[0]))
+        if best != committed and scores[best] > scores[committed] * (1.0 + margin):
             self._better_streak[bucket] = self._better_streak.get(bucket, 0) + 1
             if self._better_streak[bucket] >= self.switch_patience:
                 self._better_streak[bucket] = 0
@@ -268,6 +281,9 @@ class AdaptivePolicy:
             "measured": [k for k in costs if self._measured(bucket, k)],
             "tok_s": {k: self.expected_tokens_per_second(decode_batch_size, k) for k in costs},
             "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
+            "catch_up_extra_ms": (
+                round(1e3 * self._catch_up_extra[bucket], 3) if bucket in self._catch_up_extra else None
+            ),
         }
 
     def set_cost(self, decode_batch_size: int, num_draft_tokens: int, seconds: float) -> None:
@@ -295,6 +311,17 @@ class AdaptivePolicy:
             return
         weight = max(self.cost_ema_alpha, self.refresh_weight) if aged else self.cost_ema_alpha
         self._cost[key] += weight * (seconds - self._cost[key])
+
+    def record_catch_up(self, decode_batch_size: int, seconds: float) -> None:
+        """Folds in the wall time of a catch-up step (a k = 0 step that extends lagging drafters, run
+        when drafting resumes after plain steps): what it costs beyond a plain step."""
+        bucket = self.bucket_of(decode_batch_size)
+        plain = self._estimated_cost(bucket, 0)
+        if plain is None:
+            return
+        extra = max(0.0, seconds - plain)
+        old = self._catch_up_extra.get(bucket)
+        self._catch_up_extra[bucket] = extra if old is None else old + 0.25 * (extra - old)
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
