@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.pdl import launch_options, wait_for_predecessor
+
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H]; weight: [H]. Returns a new [T, H] tensor of x.dtype."""
@@ -46,7 +48,10 @@ def rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -70,7 +75,9 @@ def _fused_add_rmsnorm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -109,7 +116,16 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         return out
     block, warps = _launch_config(x.shape[1])
     _rmsnorm_kernel[(x.shape[0],)](
-        x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK_H=block, num_warps=warps
+        x,
+        weight,
+        out,
+        x.stride(0),
+        out.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK_H=block,
+        num_warps=warps,
+        **launch_options(x.device),
     )
     return out
 
@@ -140,6 +156,7 @@ def fused_add_rmsnorm_launch(
         eps,
         BLOCK_H=block,
         num_warps=num_warps or warps,
+        **launch_options(x.device),
     )
     return out, new_residual
 
