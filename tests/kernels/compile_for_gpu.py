@@ -34,10 +34,6 @@ from tpfuse.kernels import (
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
-# The small kernels of a decode step wait for their predecessor first (kernels/pdl.py): compiled as
-# launched on a GPU where programmatic dependent launch is on.
-PDL = dict(USE_PDL=True)
-PDL_LAUNCH = {"launch_pdl": True}
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
@@ -63,8 +59,8 @@ def _variants(dtype: str):
     p = "*" + dtype
     attention = dict(scale_log2e="fp32")
     decode_common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, DOT_PRECISION="tf32")
-    yield rmsnorm._rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096, **PDL), PDL_LAUNCH
-    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096, **PDL), PDL_LAUNCH
+    yield rmsnorm._rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
+    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
     yield (
         rope._rope_kernel,
         {"*": p, "positions_ptr": "*i64", "cache_ptr": "*fp32"},
@@ -75,10 +71,9 @@ def _variants(dtype: str):
         rope_store_kv._rope_store_kv_kernel,
         {"*": p, "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"},
         {"num_q_heads": "i32", "num_kv_heads": "i32"},
-        dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_SIZE=16, **PDL),
-        PDL_LAUNCH,
+        dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_SIZE=16),
     )
-    yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024, **PDL), PDL_LAUNCH
+    yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024)
     yield (
         kv_store._store_kv_kernel,
         {"*": p, "slot_ptr": "*i64"},
@@ -93,15 +88,13 @@ def _variants(dtype: str):
             {**kv, **parts},
             attention,
             dict(decode_common, NUM_SPLITS=splits, BLOCK_N=decode_attention.DECODE_BLOCK_N,
-                 MERGE_IN_KERNEL=merge_in_kernel, **PDL),
-            PDL_LAUNCH,
+                 MERGE_IN_KERNEL=merge_in_kernel),
         )  # fmt: skip
     yield (
         decode_merge._decode_merge_kernel,
         {"*": p, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
         {},
-        dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128, **PDL),
-        PDL_LAUNCH,
+        dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
     )
     prefill_tiles = {prefill_tile_config(q, 128, group=4) for q in (1, 4, 64, 4096)}
     for (block_m, block_n, num_warps, num_stages), tree, splits in itertools.product(

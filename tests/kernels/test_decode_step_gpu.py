@@ -5,10 +5,8 @@ import pytest
 import torch
 
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
-from tpfuse.kernels.activation import silu_and_mul_triton
 from tpfuse.kernels.decode_attention import decode_attention_launch, decode_attention_ref
 from tpfuse.kernels.kv_store import store_kv_triton
-from tpfuse.kernels.pdl import pdl_status
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_ref
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_ref, rope_triton
 from tpfuse.kernels.rope_store_kv import rope_store_kv_triton
@@ -95,57 +93,3 @@ def test_decode_attention_graph_replays_match_float64_with_either_merge(batch, n
         graph.replay()
         expected = decode_attention_ref(q.double(), k64, v64, tables, static_lens, SCALE)
         assert_close_to_float64(static_out.clone(), expected, dtype)
-
-
-def test_pdl_launches_give_the_bits_of_plain_launches_in_a_graph(monkeypatch):
-    """The small kernels of a layer, with a cuBLAS GEMV between them as in the model, captured with
-    programmatic dependent launch on and off: every replay gives the same bits."""
-    on, why = pdl_status(torch.device(CUDA, torch.cuda.current_device()))
-    if not on:
-        pytest.skip(f"PDL is off on this machine: {why}")
-    dtype, batch, context = torch.bfloat16, 2, 300
-    k_cache, v_cache, tables, seq_lens = random_paged_kv([context] * batch, BLOCK, KV_HEADS, HEAD_DIM, dtype,
-                                                         _gen(9), CUDA)  # fmt: skip
-    x = torch.randn(batch, HIDDEN, generator=_gen(10)).to(CUDA, dtype)
-    residual = torch.randn(batch, HIDDEN, generator=_gen(11)).to(CUDA, dtype)
-    norm_weight = torch.randn(HIDDEN, generator=_gen(12)).to(CUDA, dtype)
-    qkv_weight = (torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, generator=_gen(13)) / 64).to(
-        CUDA, dtype
-    )
-    up_weight = (torch.randn(2 * 1024, HEADS * HEAD_DIM, generator=_gen(14)) / 64).to(CUDA, dtype)
-    cos_sin = rope_cos_sin_cache(HEAD_DIM, 4096, 500000.0, LLAMA31_SCALING).to(CUDA)
-    positions = (seq_lens - 1).long()
-    slots = torch.stack([tables[b, (context - 1) // BLOCK].long() * BLOCK + (context - 1) % BLOCK
-                         for b in range(batch)])  # fmt: skip
-
-    def layer(merge_in_kernel):
-        normed, new_residual = fused_add_rmsnorm_launch(x, residual, norm_weight, 1e-5)
-        q, k, v = (normed @ qkv_weight.t()).split(
-            [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1
-        )
-        k, v = k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM)
-        q = rope_store_kv_triton(
-            positions, q.view(batch, HEADS, HEAD_DIM), k, v, cos_sin, k_cache, v_cache, slots
-        )
-        attended = decode_attention_launch(q, k_cache, v_cache, tables, seq_lens, SCALE, 8,
-                                           merge_in_kernel=merge_in_kernel)  # fmt: skip
-        return silu_and_mul_triton(attended.flatten(1) @ up_weight.t()), new_residual
-
-    results = {}
-    for setting in ("0", "1"):
-        for merge_in_kernel in (False, True):
-            monkeypatch.setenv("TPFUSE_PDL", setting)
-            layer(merge_in_kernel)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = layer(merge_in_kernel)
-            replays = []
-            for replay in range(10):
-                x.copy_(torch.randn(batch, HIDDEN, generator=_gen(300 + replay)).to(CUDA, dtype))
-                graph.replay()
-                replays.append(torch.cat([t.float().flatten() for t in outputs]))
-            results[setting, merge_in_kernel] = torch.stack(replays)
-    for merge_in_kernel in (False, True):  # the two merges sum in different orders: compared apart
-        assert torch.isfinite(results["0", merge_in_kernel]).all()
-        assert torch.equal(results["1", merge_in_kernel], results["0", merge_in_kernel]), merge_in_kernel

@@ -11,14 +11,12 @@ replay; each program finds its token range from the seq_len it loads on the devi
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters, launch_merge, merge_group_in_last_split
-from tpfuse.kernels.pdl import launch_options, wait_for_predecessor
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -108,9 +106,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -181,10 +177,9 @@ DECODE_BLOCK_N = 64
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 16
 # The last split program of each (sequence, KV head) merges the partials instead of a second
-# launch (decode_merge.py) when TPFUSE_DECODE_MERGE=last-split. Off by default until the H200
-# shows it faster end to end (tests/kernels/test_decode_step_gpu.py, benchmarks/kernels.py,
-# benchmarks/model_decode_roofline.py run with and without it).
-DECODE_MERGE_IN_SPLIT_KERNEL = os.environ.get("TPFUSE_DECODE_MERGE", "launch") == "last-split"
+# launch (decode_merge.py). Off until the H200 run confirms it (tests/kernels/test_decode_step_gpu.py,
+# benchmarks/kernels.py "merge in split kernel").
+DECODE_MERGE_IN_SPLIT_KERNEL = False
 
 
 @functools.cache
@@ -293,7 +288,6 @@ def decode_attention_launch(
         MERGE_IN_KERNEL=merge_in_kernel,
         num_warps=4,
         num_stages=2,
-        **launch_options(q.device),
     )
     if num_splits > 1 and not merge_in_kernel:
         launch_merge(part_out, part_lse, out, num_splits, block_d)

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.pdl import launch_options, wait_for_predecessor
-
 _ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -86,9 +84,7 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -129,5 +125,4 @@ def launch_merge(part_out, part_lse, out, num_splits: int, block_d: int) -> None
         BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
         BLOCK_D=block_d,
         num_warps=4,
-        **launch_options(out.device),
     )

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.pdl import launch_options, wait_for_predecessor
-
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H]; weight: [H]. Returns a new [T, H] tensor of x.dtype."""
@@ -48,10 +46,7 @@ def rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr
-):
-    wait_for_predecessor(USE_PDL)
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -75,9 +70,7 @@ def _fused_add_rmsnorm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -116,16 +109,7 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         return out
     block, warps = _launch_config(x.shape[1])
     _rmsnorm_kernel[(x.shape[0],)](
-        x,
-        weight,
-        out,
-        x.stride(0),
-        out.stride(0),
-        x.shape[1],
-        eps,
-        BLOCK_H=block,
-        num_warps=warps,
-        **launch_options(x.device),
+        x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK_H=block, num_warps=warps
     )
     return out
 
@@ -156,7 +140,6 @@ def fused_add_rmsnorm_launch(
         eps,
         BLOCK_H=block,
         num_warps=num_warps or warps,
-        **launch_options(x.device),
     )
     return out, new_residual
 
