@@ -5,7 +5,8 @@ What is measured (all through LLMEngine, CUDA graphs on, dummy weights, greedy, 
   * batch 1: a short prompt, --tokens generated; tok/s over the decode steps only (the prefill step
     is excluded), --warmups runs thrown away, median of --runs.
   * roofline: bytes a decode step must read (every weight except an untied input embedding, plus the
-    KV cache at the run's mean context) / device copy bandwidth measured here (read + write).
+    KV cache at the run's mean context) / device copy bandwidth measured here (read + write); beside
+    it the issue's all-weights roofline (every weight byte, embedding included, / the same bandwidth).
   * transformers: eager `generate` on the same weights, --hf-tokens tokens (fewer than the engine's
     run: it is slow), batch 1.
   * step time at each --batch-sizes: median over --steps decode steps after --step-warmups.
@@ -52,10 +53,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def all_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every parameter, each shared one counted once."""
+    model = engine.executor.model
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Bytes of every weight a decode step reads: all parameters, less an untied input embedding."""
     model = engine.executor.model
-    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    total = all_weight_bytes(engine)
     slots = model.checkpoint_slots()
     if not engine.executor.model_config.tie_word_embeddings:
         embed = slots["model.embed_tokens.weight"].param
@@ -169,6 +176,8 @@ def main() -> None:
     mean_context = len(PROMPT) + args.tokens / 2
     step_bytes = weights + kv_bytes_per_token(engine) * mean_context
     roofline = bandwidth / step_bytes
+    all_bytes = all_weight_bytes(engine)
+    all_weights_roofline = bandwidth / all_bytes
 
     runs = [decode_tok_s(engine, args.tokens, f"warm{i}") for i in range(args.warmups)]
     runs = [decode_tok_s(engine, args.tokens, f"run{i}") for i in range(args.runs)]
@@ -193,6 +202,10 @@ def main() -> None:
         + ", ".join(f"{r:.1f}" for r in runs)
         + ")"
     )
+    print(
+        f"all-weights roofline   {all_weights_roofline:8.1f} tok/s  (the issue's: "
+        f"{all_bytes / 1e9:.2f} GB / copy bandwidth); tpfuse at {batch1 / all_weights_roofline:.1%}"
+    )
     if hf is not None:
         speedup = batch1 / hf
         print(f"transformers eager     {hf:8.1f} tok/s  ({args.hf_tokens} tokens)  tpfuse is {speedup:.1f}x")
@@ -212,6 +225,9 @@ def main() -> None:
         "batch1_tok_s_runs": runs,
         "batch1_tok_s_median": batch1,
         "batch1_fraction_of_roofline": batch1 / roofline,
+        "all_weight_bytes": all_bytes,
+        "all_weights_roofline_tok_s": all_weights_roofline,
+        "batch1_fraction_of_all_weights_roofline": batch1 / all_weights_roofline,
         "transformers_tok_s": hf,
         "transformers_tokens": args.hf_tokens,
         "step_ms": {str(b): ms for b, ms in step_times.items()},

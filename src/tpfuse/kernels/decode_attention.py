@@ -176,9 +176,10 @@ DECODE_BLOCK_N = 64
 # and 8192), 8 at batch 8, 1 at batch 64, i.e. about four programs per SM, rounded down, at most 16.
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 16
-# The last split program of each (sequence, KV head) merges the partials instead of a second
-# launch (decode_merge.py). Off until the H200 run confirms it (tests/kernels/test_decode_step_gpu.py,
-# benchmarks/kernels.py "merge in split kernel").
+# The last split program of each (sequence, KV head) can merge the partials instead of a second
+# launch (decode_merge.py). Correct on the H200 (tests/kernels/test_decode_step_gpu.py) but no faster:
+# the llama-3.1-8b batch-1 step at context 1024 took 4.597 ms with it, 4.588 ms without (2026-12-01,
+# benchmarks/model_decode_roofline.py), so the merge launch stays.
 DECODE_MERGE_IN_SPLIT_KERNEL = False
 
 
