@@ -122,12 +122,32 @@ def test_returns_from_zero_when_acceptance_improves():
     assert true_tokens_per_second(final) >= 0.95 * true_tokens_per_second(server.best_k(32, 32))
 
 
-def test_probes_while_at_zero_draft_the_maximum_k_once_per_interval():
+def _probe_gaps(choices):
+    probes = [i for i, k in enumerate(choices) if k == K]
+    return [b - a for a, b in zip(probes, probes[1:], strict=False)]
+
+
+def test_probes_at_zero_draft_the_maximum_k_ever_less_often_up_to_the_backoff_cap():
     server = SyntheticServer(rate=0.0, draft=5e-3)
-    policy = AdaptivePolicy(K, BUCKETS, probe_interval=20)
-    choices = run(server, policy, batch=1, steps=400)[100:]
-    assert choices.count(K) == pytest.approx(len(choices) / 20, abs=2)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=20, max_backoff=4)
+    choices = run(server, policy, batch=1, steps=600)[30:]  # after exploring, the bucket sits at 0
     assert set(choices) == {0, K}
+    assert _probe_gaps(choices) == [40, 80, 80, 80, 80, 80, 80]
+
+
+def test_leaving_k_0_resets_the_probe_backoff():
+    server = SyntheticServer(rate=0.0)  # drafting pays only when drafts are accepted
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=20, max_backoff=4)
+    run(server, policy, batch=1, steps=400)  # backed off to 80 steps between probes
+    server.rate = 1.0
+    run(server, policy, batch=1, steps=300)
+    assert policy.committed(1) > 0
+    server.rate = 0.0
+    choices = run(server, policy, batch=1, steps=400)
+    zero_from = next(i for i in range(len(choices)) if set(choices[i : i + 16]) == {0})
+    back_at_zero = choices[zero_from:]
+    assert back_at_zero.index(K) == 19  # the 20th step at k = 0 probes: the backoff was reset
+    assert _probe_gaps(back_at_zero)[:2] == [40, 80]
 
 
 def test_costs_seeded_from_a_profile_need_no_exploration():

@@ -60,7 +60,13 @@ Guards against the ways such controllers fail in practice:
   k = 0 and a k > 0 flips back and forth, and every flip to k > 0 pays a catch-up;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
-  when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this).
+  when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this);
+- backing off at k = 0: a probe or rival recheck from k = 0 pays the drafters' catch-up and steps
+  at k > 0 that a bucket at k = 0 judged not worth it (on the H200 at acceptance length 2 and batch
+  64 they cost 3 % of a round). So each one that fires while the bucket stays at k = 0 doubles
+  both intervals there, up to `max_backoff` times their base; leaving k = 0 resets them. A bucket
+  where drafting keeps not paying probes ever less often, and still at least every
+  max_backoff * probe_interval steps.
 
 Pure Python, no torch: the engine times steps itself (after a device synchronisation) and passes
 only decode steps (steps with prefill chunks are excluded; they would bias the cost).
@@ -93,6 +99,7 @@ class AdaptivePolicy:
         plain_recheck_interval: int = 64,
         recheck_margin: float = 0.2,
         payback_steps: int = 64,
+        max_backoff: int = 8,
     ):
         """max_num_draft_tokens: K, the largest k (k = 0..K are candidates); batch_buckets: the
         sorted decode batch sizes with captured CUDA graphs (a batch beyond the last uses the last).
@@ -113,6 +120,7 @@ class AdaptivePolicy:
             ("recheck_interval", recheck_interval),
             ("plain_recheck_interval", plain_recheck_interval),
             ("payback_steps", payback_steps),
+            ("max_backoff", max_backoff),
         ):
             if count < 1:
                 raise ValueError(f"{name} must be >= 1, got {count}")
@@ -133,6 +141,8 @@ class AdaptivePolicy:
         self.plain_recheck_interval = plain_recheck_interval
         self.recheck_margin = recheck_margin
         self.payback_steps = payback_steps
+        self.max_backoff = max_backoff
+        self._backoff: dict[int, int] = {}  # bucket at k = 0 -> factor on its probe and recheck intervals
         self._catch_up_extra: dict[int, float] = {}  # bucket -> seconds a catch-up step adds to a plain one
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self.prior_acceptance_rate = prior_acceptance_rate
@@ -233,6 +243,8 @@ class AdaptivePolicy:
                 if self._stale(bucket, best):  # measure the challenger afresh before switching to it
                     return self._refresh(bucket, best)
                 self._committed[bucket] = committed = best
+                self._backoff.pop(bucket, None)  # probes and rechecks start over at their base
+                self._steps_at_zero.pop(bucket, None)
         else:
             self._better_streak[bucket] = 0
         clock = self._clock[bucket]
@@ -244,19 +256,27 @@ class AdaptivePolicy:
             and self._stale(bucket, 0)
         ):
             return self._refresh(bucket, 0)
-        if clock % self.recheck_interval == 0:
+        backoff = self._backoff.get(bucket, 1) if committed == 0 else 1
+        if clock % (self.recheck_interval * backoff) == 0:
             rivals = [
                 k for k in candidates if k != committed and scores[k] >= floor and self._stale(bucket, k)
             ]
             if rivals:  # the one measured longest ago, so each rival gets its turn
                 oldest = min(rivals, key=lambda k: self._sampled_at.get((bucket, k), -1))
+                self._back_off_at_zero(bucket, committed)
                 return self._refresh(bucket, oldest)
         if committed == 0:
             self._steps_at_zero[bucket] = self._steps_at_zero.get(bucket, 0) + 1
-            if self._steps_at_zero[bucket] >= self.probe_interval:
+            if self._steps_at_zero[bucket] >= self.probe_interval * backoff:
                 self._steps_at_zero[bucket] = 0
+                self._back_off_at_zero(bucket, committed)
                 return self.max_num_draft_tokens
         return committed
+
+    def _back_off_at_zero(self, bucket: int, committed: int) -> None:
+        """A probe or recheck fires in bucket: at k = 0 the next ones wait twice as long (capped)."""
+        if committed == 0:
+            self._backoff[bucket] = min(2 * self._backoff.get(bucket, 1), self.max_backoff)
 
     def _refresh(self, bucket: int, k: int) -> int:
         """Starts a refresh run of k in bucket; returns k for its first step."""
