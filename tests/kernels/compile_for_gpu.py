@@ -34,6 +34,7 @@ from tpfuse.kernels import (
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
+INT_ARGS = ("hidden", "inter", "vocab", "num_heads", "head_dim", "num_splits")  # i32 scalars by name
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
@@ -45,7 +46,7 @@ def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], conste
             signature[name] = pointers[name]
         elif name in scalars:
             signature[name] = scalars[name]
-        elif name.startswith("stride") or name in ("hidden", "inter", "vocab", "num_heads", "head_dim"):
+        elif name.startswith("stride") or name in INT_ARGS:
             signature[name] = "i32"
         elif name.endswith("_ptr"):
             signature[name] = pointers["*"]
@@ -94,7 +95,7 @@ def _variants(dtype: str):
         decode_merge._decode_merge_kernel,
         {"*": p, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
         {},
-        dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128),
+        dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128),
     )
     prefill_tiles = {prefill_tile_config(q, 128, group=4) for q in (1, 4, 64, 4096)}
     for (block_m, block_n, num_warps, num_stages), tree, splits in itertools.product(
@@ -119,7 +120,7 @@ def _variants(dtype: str):
                 BLOCK_N=block_n,
                 BLOCK_D=128,
                 DOT_PRECISION="tf32",
-                NUM_SPLITS=splits,
+                SPLIT_KEYS=splits > 1,
             ),
             {"num_warps": num_warps, "num_stages": num_stages},
         )

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
+from tpfuse.kernels import warm_up_prefill_attention
 from tpfuse.kernels.prefill_attention import (
+    compile_prefill_variants,
     prefill_attention_launch,
     prefill_attention_ref,
     prefill_attention_triton,
@@ -94,3 +96,23 @@ def test_prefill_attention_last_query_of_a_verify_equals_decode_at_that_position
     out = prefill_attention_triton(q, k_cache, v_cache, tables, lens, starts, max_q, 0.25)
     decode = decode_attention_ref(q[-1:].double(), k_cache.double(), v_cache.double(), tables, lens, 0.25)
     assert_close_to_float64(out[-1:], decode, torch.float32)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_compiling_the_prefill_variants_ahead_launches_each_tile_config_and_only_reads_the_caches(tree):
+    # group 4, head_dim 64: query tiles of 16 (1-4 tokens), 32 (8), 64 (16) and 128 rows (32 and
+    # more), each with keys whole and split, each with and without a tree mask when tree drafting
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(6, 16, 2, 64, generator=gen)
+    v_cache = torch.randn(6, 16, 2, 64, generator=gen)
+    before = k_cache.clone(), v_cache.clone()
+    launches = compile_prefill_variants(k_cache, v_cache, 8, max_query_len=8192, tree=tree)
+    assert launches == 4 * 2 * (2 if tree else 1)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    # a small batch budget never meets the larger tiles
+    assert compile_prefill_variants(k_cache, v_cache, 8, max_query_len=3, tree=False) == 2
+
+
+def test_the_engine_warm_up_compiles_nothing_where_nothing_compiles_at_first_use():
+    k_cache = torch.zeros(2, 16, 2, 64)
+    assert warm_up_prefill_attention(k_cache, k_cache, 8, 8192, tree=False) == 0  # CPU tensors

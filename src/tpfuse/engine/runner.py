@@ -31,7 +31,7 @@ from tpfuse.engine.step_inputs import (
     unpack_step,
 )
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
-from tpfuse.kernels import sample
+from tpfuse.kernels import sample, warm_up_prefill_attention
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext
 from tpfuse.model.loader import load_model
@@ -112,6 +112,9 @@ class ModelRunner:
                 num_blocks, self.block_size, config.tp_size, config.max_running_requests,
                 self.max_model_len + margin,
             )  # fmt: skip
+        tree = config.speculative.enabled and config.speculative.eagle_topk > 1
+        num_heads = self.model.layers[0].self_attn.num_heads
+        warm_up_prefill_attention(*self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.readback = TokenReadback(self.device)

@@ -39,6 +39,7 @@ __all__ = [
     "silu_and_mul",
     "store_kv",
     "use_triton",
+    "warm_up_prefill_attention",
 ]
 
 rope_cos_sin_cache = rope.rope_cos_sin_cache
@@ -96,6 +97,14 @@ def prefill_attention_op(
     return _pick(prefill_attention, "prefill_attention", q)(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask
     )
+
+
+def warm_up_prefill_attention(k_cache, v_cache, num_q_heads, max_query_len, tree) -> int:
+    """Compiles every prefill-attention variant an engine can meet before it serves (CUDA with
+    Triton only: elsewhere nothing compiles at first use). Returns the number of launches."""
+    if not (k_cache.is_cuda and use_triton(k_cache)):
+        return 0
+    return prefill_attention.compile_prefill_variants(k_cache, v_cache, num_q_heads, max_query_len, tree)
 
 
 def sample(logits, temperatures, top_ks, top_ps, seeds):

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+MERGE_MAX_SPLITS = 16  # the most splits decode (DECODE_MAX_SPLITS) and verify attention use; more still work
+
 _ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -72,7 +74,9 @@ def merge_group_in_last_split(
         tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
+# One compiled variant for every split count (runtime, not specialised, BLOCK_S the largest), so an
+# eager step with a split count not seen before does not stop to compile (prefill_attention.py).
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -80,8 +84,8 @@ def _decode_merge_kernel(
     stride_ob,
     stride_oh,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -89,8 +93,8 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    row = (b * num_heads + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + row, mask=splits < NUM_SPLITS, other=float("-inf"))
+    row = (b * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + row, mask=splits < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     # A sequence with no keys (seq_len 0: a padding row) gives zeros, as the reference does.
     weight = tl.where(
@@ -120,9 +124,9 @@ def launch_merge(part_out, part_lse, out, num_splits: int, block_d: int) -> None
         out.stride(0),
         out.stride(1),
         num_heads,
+        num_splits,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
+        BLOCK_S=max(triton.next_power_of_2(max(num_splits, MERGE_MAX_SPLITS)), 2),
         BLOCK_D=block_d,
         num_warps=4,
     )

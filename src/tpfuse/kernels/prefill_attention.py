@@ -24,6 +24,8 @@ the shapes; tiles past a sequence's q_len exit at once.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -71,7 +73,10 @@ def prefill_attention_ref(
     return out
 
 
-@triton.jit
+# The split count and the block-table width vary from launch to launch in eager steps (a catch-up's
+# batch and contexts): as runtime values, not specialised, they do not compile a new variant each
+# (on the H200 a first-use compile stalled a speculative step for 0.6-0.7 s).
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -95,6 +100,7 @@ def _prefill_kernel(
     stride_vh,
     stride_bt,
     tree_mask_ptr,
+    num_splits,
     HAS_TREE_MASK: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,10 +109,10 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
-    tile = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
@@ -134,8 +140,8 @@ def _prefill_kernel(
     # Causal: the tile's last query token sees keys up to its own position.
     last_token = tl.minimum((tile + 1) * BLOCK_M - 1, q_len * GROUP - 1) // GROUP
     kv_end = seq_len - q_len + last_token + 1
-    # Split s of NUM_SPLITS takes an equal share of the key tiles (empty for a short context).
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    # Split s of num_splits takes an equal share of the key tiles (empty for a short context).
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_end)
     for tile_start in range(start, end, BLOCK_N):
@@ -164,13 +170,13 @@ def _prefill_kernel(
         m_i = m_new
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KEYS:  # num_splits == 1
         out_offsets = (q_start + tokens_q)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # partials as decode_merge.py reads them: out [T, Hq, NUM_SPLITS, HEAD_DIM] normalised within
-        # the split, lse [T, Hq, NUM_SPLITS] in the log2 domain (-inf: no keys in this split)
-        part_row = ((q_start + tokens_q) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        # partials as decode_merge.py reads them: out [T, Hq, num_splits, HEAD_DIM] normalised within
+        # the split, lse [T, Hq, num_splits] in the log2 domain (-inf: no keys in this split)
+        part_row = ((q_start + tokens_q) * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
@@ -229,10 +235,10 @@ def prefill_attention_launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        tree_mask if tree_mask is not None else seq_lens, HAS_TREE_MASK=tree_mask is not None,
+        tree_mask if tree_mask is not None else seq_lens, num_splits, HAS_TREE_MASK=tree_mask is not None,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_KEYS=num_splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -272,3 +278,41 @@ def prefill_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
         block_m, block_n, num_warps, num_stages, tree_mask, num_splits,
     )  # fmt: skip
+
+
+def compile_prefill_variants(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_query_len: int, tree: bool
+) -> int:
+    """Launches the prefill kernel once per compiled variant an engine can meet (query tile size x
+    keys split or not x tree mask if tree), on a tiny input over the real caches' layout, so no
+    prefill, verify or drafter catch-up later stops to compile one (0.6-0.7 s each on the H200, where
+    the first catch-up at a new shape stalled a speculative step). The caches are only read. Returns
+    the number of launches."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    device, dtype = k_cache.device, k_cache.dtype
+    configs = {}
+    query_len = 1
+    while query_len <= max_query_len:  # every tile config prefill_tile_config gives, once
+        configs.setdefault(prefill_tile_config(query_len, head_dim, group), query_len)
+        if query_len * group > 128:
+            break
+        query_len *= 2
+    launches = 0
+    for (block_m, block_n, num_warps, num_stages), q_len in configs.items():
+        # q as the model makes it: a view of a fused qkv projection output
+        qkv = torch.zeros(q_len, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        q = qkv[:, : num_q_heads * head_dim].view(q_len, num_q_heads, head_dim)
+        tables = torch.zeros(1, triton.cdiv(q_len, k_cache.shape[1]), dtype=torch.int32, device=device)
+        lens = torch.full((1,), q_len, dtype=torch.int32, device=device)
+        starts = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        masks = [None, torch.ones(q_len, dtype=torch.int64, device=device)] if tree else [None]
+        for tree_mask, num_splits in itertools.product(masks, (1, 2)):
+            if num_splits > 1 and q_len * group > block_m:
+                continue  # several query tiles: keys are never split
+            prefill_attention_launch(
+                q, k_cache, v_cache, tables, lens, starts, q_len, 1.0,
+                block_m, block_n, num_warps, num_stages, tree_mask, num_splits,
+            )  # fmt: skip
+            launches += 1
+    return launches
