@@ -303,6 +303,18 @@ def test_a_bucket_leaves_k_0_only_for_a_gain_that_pays_back_the_catch_up():
     assert free.committed(8) == 3  # with no catch-up measured the usual 2 % margin applies
 
 
+def test_a_one_off_slow_catch_up_does_not_stand_but_a_lasting_rise_does():
+    policy = AdaptivePolicy(3, BUCKETS)
+    policy.set_cost(8, 0, 0.005)
+    policy.record_catch_up(8, 0.705)  # a first-use stall: 0.7 s beyond a plain step
+    assert policy.snapshot(8)["catch_up_extra_ms"] == pytest.approx(700.0)
+    policy.record_catch_up(8, 0.015)
+    assert policy.snapshot(8)["catch_up_extra_ms"] == pytest.approx(10.0)  # the stall is outvoted
+    for _ in range(3):
+        policy.record_catch_up(8, 0.045)  # catch-ups now cost 40 ms beyond a plain step, to stay
+    assert policy.snapshot(8)["catch_up_extra_ms"] == pytest.approx(40.0)
+
+
 def test_a_catch_up_before_any_plain_step_cost_is_ignored():
     policy = AdaptivePolicy(3, BUCKETS)
     policy.record_catch_up(8, 0.5)

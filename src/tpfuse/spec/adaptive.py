@@ -56,7 +56,8 @@ Guards against the ways such controllers fail in practice:
   step back extends them over every position they missed (`record_catch_up` reports its time).
   A bucket at k = 0 switches to a k > 0 only if the gain pays that back within `payback_steps`:
   its score must beat k = 0's by max(switch_margin, extra / (payback_steps * cost(k = 0))), where
-  extra is the measured catch-up step's cost beyond a plain step's. Without it a near-tie between
+  extra is the catch-up step's cost beyond a plain step's (the lower median of the last 5, so a
+  one-off stall does not pin the bucket at k = 0). Without it a near-tie between
   k = 0 and a k > 0 flips back and forth, and every flip to k > 0 pays a catch-up;
 - probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
   steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
@@ -80,6 +81,8 @@ from collections.abc import Sequence
 
 
 class AdaptivePolicy:
+    CATCH_UP_SAMPLES = 5  # catch-up costs kept per bucket; their lower median is the estimate
+
     def __init__(
         self,
         max_num_draft_tokens: int,
@@ -143,7 +146,9 @@ class AdaptivePolicy:
         self.payback_steps = payback_steps
         self.max_backoff = max_backoff
         self._backoff: dict[int, int] = {}  # bucket at k = 0 -> factor on its probe and recheck intervals
-        self._catch_up_extra: dict[int, float] = {}  # bucket -> seconds a catch-up step adds to a plain one
+        # bucket -> seconds a catch-up step adds to a plain one: the lower median of the last few
+        self._catch_up_extra: dict[int, float] = {}
+        self._catch_up_samples: dict[int, list[float]] = {}
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self.prior_acceptance_rate = prior_acceptance_rate
         self.prior_acceptance_rows = prior_acceptance_rows
@@ -334,14 +339,18 @@ class AdaptivePolicy:
 
     def record_catch_up(self, decode_batch_size: int, seconds: float) -> None:
         """Folds in the wall time of a catch-up step (a k = 0 step that extends lagging drafters, run
-        when drafting resumes after plain steps): what it costs beyond a plain step."""
+        when drafting resumes after plain steps): what it costs beyond a plain step, taken as the
+        lower median of the bucket's last CATCH_UP_SAMPLES (a lone first sample stands alone)."""
         bucket = self.bucket_of(decode_batch_size)
         plain = self._estimated_cost(bucket, 0)
         if plain is None:
             return
-        extra = max(0.0, seconds - plain)
-        old = self._catch_up_extra.get(bucket)
-        self._catch_up_extra[bucket] = extra if old is None else old + 0.25 * (extra - old)
+        recent = self._catch_up_samples.setdefault(bucket, [])
+        recent.append(max(0.0, seconds - plain))
+        del recent[: -self.CATCH_UP_SAMPLES]
+        # The lower median: a one-off stall (on the H200 a first-use compile made one catch-up step
+        # 0.7 s where they cost 4-15 ms) must not pin the bucket at k = 0 through the payback rule.
+        self._catch_up_extra[bucket] = statistics.median_low(recent)
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
