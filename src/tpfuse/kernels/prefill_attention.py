@@ -75,7 +75,8 @@ def prefill_attention_ref(
 
 # The split count and the block-table width vary from launch to launch in eager steps (a catch-up's
 # batch and contexts): as runtime values, not specialised, they do not compile a new variant each
-# (on the H200 a first-use compile stalled a speculative step for 0.6-0.7 s).
+# (on the H200 a speculative step's first catch-up at a new shape stalled 0.6-0.7 s, most likely
+# such a compile).
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _prefill_kernel(
     q_ptr,
@@ -285,9 +286,9 @@ def compile_prefill_variants(
 ) -> int:
     """Launches the prefill kernel once per compiled variant an engine can meet (query tile size x
     keys split or not x tree mask if tree), on a tiny input over the real caches' layout, so no
-    prefill, verify or drafter catch-up later stops to compile one (0.6-0.7 s each on the H200, where
-    the first catch-up at a new shape stalled a speculative step). The caches are only read. Returns
-    the number of launches."""
+    prefill, verify or drafter catch-up later stops to compile one (on the H200 the first catch-up at
+    a new shape stalled a speculative step for 0.6-0.7 s, most likely a compile). The caches are only
+    read. Returns the number of launches."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
     device, dtype = k_cache.device, k_cache.dtype
