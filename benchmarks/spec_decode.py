@@ -211,6 +211,23 @@ def measure_spec(engine, args, acceptance_length: float, results: dict, with_k0:
             record_point(results, label, c, measured)
 
 
+def find_stalls(results: dict, floor_ms: float = 100.0, factor: float = 10.0) -> list[dict]:
+    """Steps after a round's first (its prefill) that took over max(floor_ms, factor x the round's
+    median step): one-off stalls (a first-use compile, say) that can sink a round on their own."""
+    stalls = []
+    for label, points in results.items():
+        for c, point in points.items():
+            for r, round_record in enumerate(point["rounds"]):
+                steps = round_record["step_ms"]
+                limit = max(floor_ms, factor * statistics.median(steps)) if steps else floor_ms
+                stalls += [
+                    {"mode": label, "C": c, "round": r, "step": i, "ms": ms}
+                    for i, ms in enumerate(steps)
+                    if i > 0 and ms > limit
+                ]
+    return stalls
+
+
 def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> dict:
     off = results["off"]
     header = f"{'C':>5} {'off tok/s':>10}" + "".join(
@@ -253,6 +270,14 @@ def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> 
             "speculative engine held at k = 0 / off (the most adaptive can reach where off is best): "
             + ", ".join(f"C={c}: {r:.3f}" for c, r in ratios.items())
         )
+    summary["stalls"] = stalls = find_stalls(results)
+    print(
+        f"one-off stalls (a step over 10x its round's median and 100 ms): {len(stalls)}"
+        + "".join(
+            f"\n  {s['mode']} C={s['C']} round {s['round']} step {s['step']}: {s['ms']:.1f} ms"
+            for s in stalls
+        )
+    )
     if 3.0 in lengths and 1 in concurrencies:
         ratio = results["fixed L=3"][1]["tok_s"] / off[1]["tok_s"]
         summary["targets"]["c1_L3_fixed_over_off"] = ratio

@@ -30,3 +30,14 @@ def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_p
     assert all(len(r["step_ms"]) == r["steps"] for r in adaptive_rounds)
     assert all(r["policy_told"] for r in adaptive_rounds)  # the costs the policy was given, per step
     assert all(not r["policy_told"] for r in record["results"]["fixed L=3"]["1"]["rounds"])
+    assert isinstance(record["stalls"], list) and "one-off stalls" in proc.stdout
+
+
+def test_one_off_stalls_are_found_per_round_and_the_prefill_step_is_not_one():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from spec_decode import find_stalls
+
+    steady = [90.0] + [6.0] * 50  # the prefill step first: not a stall
+    stalled = [90.0] + [6.0] * 20 + [700.0] + [6.0] * 29
+    results = {"adaptive L=2": {16: {"rounds": [{"step_ms": steady}, {"step_ms": stalled}]}}}
+    assert find_stalls(results) == [{"mode": "adaptive L=2", "C": 16, "round": 1, "step": 21, "ms": 700.0}]
