@@ -292,13 +292,9 @@ def compile_prefill_variants(
     _, _, num_kv_heads, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
     device, dtype = k_cache.device, k_cache.dtype
-    configs = {}
-    query_len = 1
-    while query_len <= max_query_len:  # every tile config prefill_tile_config gives, once
+    configs = {}  # every tile config prefill_tile_config gives (past 128 rows it gives one), once
+    for query_len in range(1, min(max_query_len, 128) + 1):
         configs.setdefault(prefill_tile_config(query_len, head_dim, group), query_len)
-        if query_len * group > 128:
-            break
-        query_len *= 2
     launches = 0
     for (block_m, block_n, num_warps, num_stages), q_len in configs.items():
         # q as the model makes it: a view of a fused qkv projection output
