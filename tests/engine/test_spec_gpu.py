@@ -69,3 +69,25 @@ def test_per_k_verify_graphs_replay_what_the_eager_path_computes(head_dir, draft
     assert {k for _, k in replayed} == {3}
     stats_a, stats_b = graphed.stats(), eager.stats()
     assert stats_a.spec_num_accepted_tokens_total == stats_b.spec_num_accepted_tokens_total
+
+
+def test_no_prefill_attention_variant_compiles_after_start_up(head_dir):
+    """The runner compiles every prefill-attention variant before it serves, so no chunked prefill,
+    verify or drafter catch-up stops to compile one (a 0.6-0.8 s stall on the H200 before): Triton's
+    post-compile hook sees none of them compile during a run of plain steps, catch-ups and drafting."""
+    import triton
+
+    engine = spec_engine("eagle3", head_dir)
+    choices = iter([0] * 12 + [3] * 6 + [0] * 9 + [1] * 1000)
+    engine.spec_decoder.policy.choose = lambda num_decode: next(choices)
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(
+        kwargs.get("repr", "")
+    )
+    try:
+        run_with_late_arrival(engine, greedy(40))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert engine.spec_decoder.stats.num_drafts > 0
+    late = [name for name in compiled if "_prefill_kernel" in name or "_decode_merge_kernel" in name]
+    assert not late, f"compiled while serving: {late} (all compiles while serving: {compiled})"
