@@ -91,6 +91,12 @@ def _eager_forward(runner, step: StepInputs, spec: SpecInputs, attn, proposal) -
     return SpecForward(step, spec, sample_logits, verify, proposal)
 
 
+def _int32_tables(step: StepInputs) -> torch.Tensor:
+    """The step's block tables as int32, as the graphs hold them: the attention kernels compile a
+    variant per table dtype, so eager drafting must not bring a second one."""
+    return step.block_tables.to(torch.int32)
+
+
 def _run_window_step(runner, step: StepInputs, spec: SpecInputs, k: int) -> SpecForward:
     """A window step (pure decode, EAGLE-3 chain): the window drafter extends and drafts, then the
     target verifies; all inside one graph replay when the (bucket, k > 0) graph exists (at k = 0 the
@@ -98,15 +104,13 @@ def _run_window_step(runner, step: StepInputs, spec: SpecInputs, k: int) -> Spec
     drafter, graphs = runner.spec.window_drafter, runner.graphs
     num_rows, num_decode = step.header.num_seqs, spec.header.num_decode
     drafter.load(spec, num_rows)
-    # int32 block tables, as the graphs hold them: the attention kernels compile per table dtype
-    tables = step.block_tables.to(torch.int32)
     if k == 0 and graphs is not None and graphs.has(num_rows, 0):  # k = 0 graphs are plain decodes
-        drafter.draft(num_rows, 0, tables)
+        drafter.draft(num_rows, 0, _int32_tables(step))
         forward = _replay(graphs, runner.model, step, spec, 0, None)
     elif graphs is not None and graphs.drafter is drafter and graphs.has(num_rows, k):
         forward = _replay(graphs, runner.model, step, spec, k, None)
     else:
-        drafts = drafter.draft(num_rows, k, tables)
+        drafts = drafter.draft(num_rows, k, _int32_tables(step))
         if k:
             step.input_ids.view(num_rows, k + 1)[:, 1:].copy_(drafts)
         forward = _eager_forward(runner, step, spec, step.attention_metadata(), None)

@@ -146,8 +146,7 @@ class AdaptivePolicy:
         self.payback_steps = payback_steps
         self.max_backoff = max_backoff
         self._backoff: dict[int, int] = {}  # bucket at k = 0 -> factor on its probe and recheck intervals
-        # bucket -> seconds a catch-up step adds to a plain one: the lower median of the last few
-        self._catch_up_extra: dict[int, float] = {}
+        # bucket -> the last few seconds a catch-up step added to a plain one (_catch_up_extra)
         self._catch_up_samples: dict[int, list[float]] = {}
         self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
         self.prior_acceptance_rate = prior_acceptance_rate
@@ -240,7 +239,7 @@ class AdaptivePolicy:
         committed = self._committed.setdefault(bucket, best)
         margin = self.switch_margin
         if committed == 0 and best != 0:  # the switch must pay back the catch-up it costs
-            margin = max(margin, self._catch_up_extra.get(bucket, 0.0) / (self.payback_steps * costs[0]))
+            margin = max(margin, self._catch_up_extra(bucket, 0.0) / (self.payback_steps * costs[0]))
         if best != committed and scores[best] > scores[committed] * (1.0 + margin):
             self._better_streak[bucket] = self._better_streak.get(bucket, 0) + 1
             if self._better_streak[bucket] >= self.switch_patience:
@@ -307,7 +306,7 @@ class AdaptivePolicy:
             "tok_s": {k: self.expected_tokens_per_second(decode_batch_size, k) for k in costs},
             "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
             "catch_up_extra_ms": (
-                round(1e3 * self._catch_up_extra[bucket], 3) if bucket in self._catch_up_extra else None
+                round(1e3 * self._catch_up_extra(bucket), 3) if bucket in self._catch_up_samples else None
             ),
         }
 
@@ -348,9 +347,13 @@ class AdaptivePolicy:
         recent = self._catch_up_samples.setdefault(bucket, [])
         recent.append(max(0.0, seconds - plain))
         del recent[: -self.CATCH_UP_SAMPLES]
-        # The lower median: a one-off stall (on the H200 a first-use compile made one catch-up step
-        # 0.7 s where they cost 4-15 ms) must not pin the bucket at k = 0 through the payback rule.
-        self._catch_up_extra[bucket] = statistics.median_low(recent)
+
+    def _catch_up_extra(self, bucket: int, default: float | None = None) -> float | None:
+        """Seconds a catch-up step adds to a plain one in bucket: the lower median of its recent ones,
+        so a one-off stall (on the H200 one catch-up step took 0.7 s where they cost 4-15 ms) does
+        not pin the bucket at k = 0 through the payback rule."""
+        recent = self._catch_up_samples.get(bucket)
+        return statistics.median_low(recent) if recent else default
 
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
