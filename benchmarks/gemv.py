@@ -1,21 +1,21 @@
-"""Triton GEMV (kernels/gemv.py) vs torch.matmul (cuBLAS) at llama-3.1-8b decode projections.
+"""Triton GEMV (kernels/gemv.py) vs cuBLAS at the llama-3.1-8b projections, one row (batch-1 decode).
 
-Each case is timed by CUDA-graph replay (launches captured back to back, as the decode step
-replays them) over enough weight copies to exceed the 60 MB L2, as 32 layers' weights do.
-Reports us per call and achieved TB/s (weight bytes / time) against the measured copy bandwidth
-(bytes read + written / time of a 1 GiB copy), whether repeated Triton calls are bit-identical,
-and the largest error against float64 as a fraction of the GPU test's allowance. A sweep over
-tiles runs for the small projections (qkv, o_proj) while the time budget lasts. Ends with the
-per-step estimate: 32 layers plus lm_head at each M, cuBLAS vs the faster of the two per projection.
+Each case is timed by CUDA-graph replay (launches captured back to back, as the decode step replays
+them) over enough weight copies to exceed the 60 MB L2, as 32 layers' weights do. Reports us per
+call and the weight bytes streamed per second against the measured copy bandwidth (bytes read +
+written / time of a 1 GiB eager copy, as benchmarks/decode.py measures it), whether repeated GEMV
+calls are bit-identical, and the largest error against float64 as a fraction of the GPU test's
+allowance. A tile sweep (rows per program, K per step, warps) runs at every shape while its time
+budget lasts; the default tile is the one kernels/gemv.py ships. Ends with the per-step estimate:
+32 layers plus lm_head, cuBLAS vs the faster of the two per projection (what model/gemv_choice.py
+picks at start-up).
 
-cuBLAS is also timed through F.linear and with cuBLASLt as torch's BLAS backend, to see whether
-another route into the vendor library serves the small M = 1 projections (qkv, o_proj) better.
-
-Usage (device machine, repo root): python benchmarks/gemv.py   # JSON to $OUT/gemv.json if set
+Usage (device machine, repo root): python benchmarks/gemv.py [--sweep-seconds 120]   # JSON to $OUT/gemv.json
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -28,7 +28,7 @@ import triton
 from tpfuse.bench import gpu_timing
 from tpfuse.kernels import gemv
 
-SHAPES = {  # name: (N, K), per layer count
+SHAPES = {  # name: (N, K)
     "qkv": (6144, 4096),
     "o_proj": (4096, 4096),
     "gate_up": (28672, 4096),
@@ -36,11 +36,14 @@ SHAPES = {  # name: (N, K), per layer count
     "lm_head": (128256, 4096),
 }
 PER_STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-ROWS_LIST = (1, 4, 8)
-SWEEP_SHAPES = ("qkv", "o_proj")
-SUM_TILES = ((8, 512), (16, 256), (16, 512), (32, 256))  # (block_n, block_k at M=1)
-DOT_TILES = ((32, 128), (64, 128), (64, 256), (128, 128))
-SWEEP_BUDGET_S = 40.0
+TILES = [  # (block_n, block_k, num_warps)
+    (bn, bk, warps)
+    for bn in (2, 4, 8, 16)
+    for bk in (512, 1024, 2048)
+    for warps in (4, 8)
+    if bn * bk <= 16384
+]
+SWEEP_BUDGET_S = 120.0
 L2_DEFEAT_BYTES = 192 << 20
 COPY_BYTES = 1 << 30
 DEVICE = "cuda"  # tests/kernels/test_gemv.py runs this file on CPU at tiny shapes
@@ -52,9 +55,8 @@ graph_us = functools.partial(gpu_timing.graph_us, replays=5, samples=3)
 
 
 def copy_tbps(iters: int = 20) -> float:
-    """Bytes read + written per second by an eager device-to-device copy, as benchmarks/decode.py
-    measures it. (The same copy captured in a CUDA graph, a memcpy node, gave 2.77 TB/s on the H200
-    where the eager copy gives 4.26-4.29 TB/s, likely the copy engines serving it: not the reference.)"""
+    """Bytes read + written per second by an eager device-to-device copy (benchmarks/decode.py's
+    reference; a copy captured in a CUDA graph ran at 2.77 TB/s on the H200, the eager one 4.26-4.29)."""
     src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device=DEVICE)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -68,28 +70,26 @@ def copy_tbps(iters: int = 20) -> float:
     return 2 * src.numel() * src.element_size() * iters / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
-def record(name: str, rows: int, impl: str, us: float, weight_bytes: int, copy_bw: float, **extra) -> dict:
+def record(name: str, impl: str, us: float, weight_bytes: int, copy_bw: float, **extra) -> dict:
     tbps = weight_bytes / us / 1e6
-    row = dict(shape=name, M=rows, impl=impl, us=round(us, 2), TBps=round(tbps, 3),
+    row = dict(shape=name, M=1, impl=impl, us=round(us, 2), TBps=round(tbps, 3),
                of_copy=round(tbps / copy_bw, 3), **extra)  # fmt: skip
     ROWS.append(row)
     note = " ".join(f"{k}={v}" for k, v in extra.items())
-    print(
-        f"{name:8s} M={rows:<2d} {impl:34s} {us:9.2f} us {tbps:6.2f} TB/s {tbps / copy_bw:6.1%}  {note}",
-        flush=True,
-    )
+    print(f"{name:8s} {impl:30s} {us:9.2f} us {tbps:6.2f} TB/s {tbps / copy_bw:6.1%}  {note}", flush=True)
     return row
 
 
 class Case:
-    """x [M, K], enough copies of weight [N, K] to defeat the L2, one output per copy."""
+    """x [1, K], enough copies of weight [N, K] to defeat the L2, one output per copy."""
 
-    def __init__(self, num_cols: int, hidden: int, rows: int):
+    def __init__(self, num_cols: int, hidden: int):
         self.weight_bytes = num_cols * hidden * 2
         copies = max(1, triton.cdiv(L2_DEFEAT_BYTES, self.weight_bytes))
         self.weights = [torch.randn(num_cols, hidden, device=DEVICE).to(DTYPE) for _ in range(copies)]
-        self.x = torch.randn(rows, hidden, device=DEVICE).to(DTYPE)
-        self.outs = [torch.empty(rows, num_cols, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
+        self.x = torch.randn(1, hidden, device=DEVICE).to(DTYPE)
+        self.outs = [torch.empty(1, num_cols, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
+        self.launches = 8 if self.weight_bytes > (256 << 20) else 32
 
     def cublas_calls(self):
         return [
@@ -97,18 +97,16 @@ class Case:
             for w, o in zip(self.weights, self.outs, strict=True)
         ]
 
-    def linear_calls(self):
-        return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
-
-    def triton_calls(self, **launch):
-        run = (lambda w, o: gemv.gemv_launch(self.x, w, o, **launch)) if launch else (
-            lambda w, o: gemv.gemv_triton(self.x, w, o))  # fmt: skip
-        return [lambda w=w, o=o: run(w, o) for w, o in zip(self.weights, self.outs, strict=True)]
+    def gemv_calls(self, **tile):
+        return [
+            lambda w=w, o=o: gemv.gemv_triton(self.x, w, None, o, **tile)
+            for w, o in zip(self.weights, self.outs, strict=True)
+        ]
 
     def check(self) -> dict:
-        """Bit-identity of three eager calls, and the largest error vs float64 as a fraction of
-        the allowance the GPU test uses (<= 1 passes): one rounding, eps * |exact|, plus fp32
-        accumulation, sqrt(K) * 2^-24 * sum_k |x_k w_k|."""
+        """Bit-identity of three calls, and the largest error vs float64 as a fraction of the GPU
+        test's allowance (<= 1 passes): one rounding, eps * |exact|, plus fp32 accumulation,
+        sqrt(K) * 2^-24 * sum_k |x_k w_k|."""
         w = self.weights[0]
         first = gemv.gemv_triton(self.x, w).clone()
         identical = all(torch.equal(gemv.gemv_triton(self.x, w), first) for _ in range(2))
@@ -121,60 +119,34 @@ class Case:
         return dict(bit_identical=identical, err_of_allowed=round(of_allowed, 3))
 
 
-def sweep_launches(name: str, rows: int, num_sms: int):
-    """(label, gemv_launch kwargs) for the tiles in the sweep; split from the shape rule."""
-    num_cols, hidden = SHAPES[name]
-    for block_n, block_k in SUM_TILES if rows <= 4 else ():
-        block_k = max(block_k // triton.next_power_of_2(rows), 32)
-        split = gemv.split_k_for(num_cols, hidden, block_n, block_k, num_sms)
-        launch = dict(
-            split_k=split, block_n=block_n, block_k=block_k, use_dot=False, num_warps=4, num_stages=3
-        )
-        yield f"sum n={block_n} k={block_k} s={split}", launch
-    for block_n, block_k in DOT_TILES if rows >= 4 else ():
-        split = gemv.split_k_for(num_cols, hidden, block_n, block_k, num_sms)
-        launch = dict(
-            split_k=split, block_n=block_n, block_k=block_k, use_dot=True, num_warps=4, num_stages=4
-        )
-        yield f"dot n={block_n} k={block_k} s={split}", launch
-
-
-def bench_shape(name: str, rows: int, copy_bw: float, num_sms: int, sweep: bool) -> dict:
-    num_cols, hidden = SHAPES[name]
-    case = Case(num_cols, hidden, rows)
-    launches = 8 if case.weight_bytes > (256 << 20) else 32
-    cublas = graph_us(case.cublas_calls(), launches)
-    record(name, rows, "torch.matmul (cuBLAS)", cublas, case.weight_bytes, copy_bw)
-    # other ways into the vendor library: F.linear (addmm path), and cuBLASLt as torch's BLAS backend
-    record(name, rows, "F.linear", graph_us(case.linear_calls(), launches), case.weight_bytes, copy_bw)
-    previous = torch.backends.cuda.preferred_blas_library()
-    try:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        lt = graph_us(case.cublas_calls(), launches)
-        record(name, rows, "torch.matmul (cuBLASLt backend)", lt, case.weight_bytes, copy_bw)
-    except RuntimeError as exc:  # a build without cuBLASLt as a choice
-        print(f"cuBLASLt backend not available: {exc}")
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
-    config = gemv.gemv_config(rows)
-    split = gemv.split_k_for(num_cols, hidden, config["block_n"], config["block_k"], num_sms)
-    default = graph_us(case.triton_calls(), launches)
-    record(name, rows, "gemv_triton (default config)", default, case.weight_bytes, copy_bw, split_k=split,
-           vs_cublas_us=round(default - cublas, 2), **case.check())  # fmt: skip
+def bench_shape(name: str, copy_bw: float, sweep_until: float) -> dict:
+    case = Case(*SHAPES[name])
+    cublas = graph_us(case.cublas_calls(), case.launches)
+    record(name, "torch.matmul (cuBLAS)", cublas, case.weight_bytes, copy_bw)
+    default = graph_us(case.gemv_calls(), case.launches)
+    record(name, "gemv_triton (default tile)", default, case.weight_bytes, copy_bw,
+           vs_cublas=round(cublas / default, 3), **case.check())  # fmt: skip
     best = {"label": "default", "us": default}
-    for label, launch in sweep_launches(name, rows, num_sms) if sweep else ():
-        us = graph_us(case.triton_calls(**launch), launches)
-        record(name, rows, f"gemv_launch {label}", us, case.weight_bytes, copy_bw)
+    for block_n, block_k, warps in TILES:
+        if time.perf_counter() > sweep_until:
+            break
+        label = f"n={block_n} k={block_k} w={warps}"
+        us = graph_us(case.gemv_calls(block_n=block_n, block_k=block_k, num_warps=warps), case.launches)
+        record(name, f"gemv_triton {label}", us, case.weight_bytes, copy_bw)
         if us < best["us"]:
             best = {"label": label, "us": us}
-    return dict(cublas_us=cublas, triton_us=default, best=best)
+    return dict(cublas_us=cublas, gemv_us=default, best=best)
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep-seconds", type=float, default=SWEEP_BUDGET_S, help="time for the tile sweep")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/gemv.py needs a CUDA GPU")
         return 1
-    torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
     versions = f"torch {torch.__version__} triton {triton.__version__}"
     print(f"{props.name} sms={props.multi_processor_count} {versions}")
@@ -182,21 +154,17 @@ def main() -> int:
     copy_bw = copy_tbps()
     print(f"copy bandwidth (read + write): {copy_bw:.2f} TB/s")
     results = {}
-    for rows in ROWS_LIST:
-        for name in SHAPES:
-            sweep = name in SWEEP_SHAPES and time.perf_counter() - started < SWEEP_BUDGET_S
-            results[(name, rows)] = bench_shape(name, rows, copy_bw, props.multi_processor_count, sweep)
+    sweep_until = started + args.sweep_seconds
+    for name in SHAPES:
+        results[name] = bench_shape(name, copy_bw, sweep_until)
         print(f"({time.perf_counter() - started:.0f} s)", flush=True)
-    steps = []
-    for rows in ROWS_LIST:
-        cublas = sum(PER_STEP[n] * results[(n, rows)]["cublas_us"] for n in SHAPES)
-        best = sum(
-            PER_STEP[n] * min(results[(n, rows)]["cublas_us"], results[(n, rows)]["best"]["us"])
-            for n in SHAPES
-        )
-        steps.append(dict(M=rows, cublas_step_us=round(cublas, 1), best_step_us=round(best, 1)))
-        print(f"projections per step M={rows}: cuBLAS {cublas:8.1f} us, faster of the two {best:8.1f} us "
-              f"(saves {cublas - best:.1f} us)")  # fmt: skip
+    cublas = sum(PER_STEP[n] * r["cublas_us"] for n, r in results.items())
+    chosen = sum(PER_STEP[n] * min(r["cublas_us"], r["gemv_us"]) for n, r in results.items())
+    steps = [dict(M=1, cublas_step_us=round(cublas, 1), best_step_us=round(chosen, 1))]
+    print(f"projections per step, one row: cuBLAS {cublas:.1f} us, faster of cuBLAS / default GEMV "
+          f"{chosen:.1f} us ({cublas / chosen:.3f}x)")  # fmt: skip
+    for name, r in results.items():
+        print(f"  best tile at {name}: {r['best']['label']} {r['best']['us']:.2f} us")
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)

@@ -143,19 +143,14 @@ def _variants(dtype: str):
             {},
             dict(FILTERED=filtered, BLOCK_V=4096),
         )
-    gemv_scalars = dict(num_rows="i32", num_cols="i32", hidden="i32", k_per_split="i32")
-    gemv_pointers = {"*": p, "part_ptr": "*fp32", "counter_ptr": "*i32"}
-    for num_rows, split_k in ((1, 1), (1, 8), (2, 4), (8, 1), (8, 8), (16, 4)):
-        config = gemv.gemv_config(num_rows)
+    for hidden, even, has_bias in ((4096, True, False), (14336, True, False), (2000, False, True)):
         yield (
             gemv._gemv_kernel,
-            gemv_pointers,
-            gemv_scalars,
-            dict(BLOCK_M=16 if config["use_dot"] else triton.next_power_of_2(num_rows),
-                 BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SPLIT_K=split_k,
-                 USE_DOT=config["use_dot"], DOT_IN_FP32=False),
-            {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
-        )  # fmt: skip
+            {"*": p},
+            {"num_cols": "i32"},
+            dict(HIDDEN=hidden, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, EVEN=even, HAS_BIAS=has_bias),
+            {"num_warps": gemv.NUM_WARPS, "num_stages": 1},
+        )
 
 
 def main() -> int:

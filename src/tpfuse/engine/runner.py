@@ -32,8 +32,9 @@ from tpfuse.engine.step_inputs import (
 )
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample, warm_up_prefill_attention
+from tpfuse.model import gemv_choice
 from tpfuse.model.attention import AttentionMetadata
-from tpfuse.model.layers import ParallelContext
+from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
 
 
@@ -81,6 +82,9 @@ class ModelRunner:
         self.spec: SpecWorker | None = None
         if config.speculative.enabled:
             self.spec = SpecWorker(config, self.model, self.model_config, parallel, self.device)
+        if self.device.type == "cuda":  # before any graph capture or compile-at-peak warm-up
+            models = [self.model] + ([self.spec.draft_model] if self.spec and self.spec.draft_model else [])
+            gemv_choice.choose(p for m in models for p in projections(m))
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
         # Drafts may reach num_draft_tokens + 1 positions past the newest token.

@@ -29,7 +29,7 @@ __all__ = [
     "counter_uniform",
     "decode_attention_op",
     "fused_add_rmsnorm",
-    "linear_small_batch",
+    "gemv_op",
     "prefill_attention_op",
     "rmsnorm_op",
     "rope_op",
@@ -111,16 +111,10 @@ def sample(logits, temperatures, top_ks, top_ps, seeds):
     return _pick(sampling, "sample", logits)(logits, temperatures, top_ks, top_ps, seeds)
 
 
-def linear_small_batch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> [M, N] of x.dtype (an nn.Linear without bias).
-
-    Opt-in until the H200 shows it beats cuBLAS (benchmarks/gemv.py): the Triton GEMV
-    (kernels/gemv.py) runs only when TPFUSE_GEMV=triton, M <= 16, x is bf16/fp16 and Triton is in
-    use for x (x on CUDA, or TPFUSE_KERNELS=triton); otherwise torch.matmul (cuBLAS on CUDA)."""
-    small = x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-    if os.environ.get("TPFUSE_GEMV") == "triton" and small and use_triton(x):
-        return gemv.gemv_triton(x, weight)
-    return torch.matmul(x, weight.t())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] of x.dtype, bf16/fp16 (kernels/gemv.py). The model
+    calls it only for the weight shapes model/gemv_choice.py measured it faster for."""
+    return _pick(gemv, "gemv", x)(x, weight, bias)
 
 
 def counter_uniform(seeds, stream, counters):

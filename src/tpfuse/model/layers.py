@@ -8,7 +8,7 @@ fused all-reduce + residual + RMSNorm, never inside a layer.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,20 +16,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import linear_small_batch, rmsnorm_op
-
-# TPFUSE_GEMV=triton: decode-sized projections (<= 16 rows) go through tpfuse's Triton GEMV instead of
-# cuBLAS. Opt-in until the H200 shows it is faster (benchmarks/gemv.py); read once, so the default hot
-# path is plain F.linear.
-GEMV_OPT_IN = os.environ.get("TPFUSE_GEMV") == "triton"
-GEMV_MAX_ROWS = 16
+from tpfuse.kernels import gemv_op, rmsnorm_op
+from tpfuse.model import gemv_choice
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if GEMV_OPT_IN and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-        out = linear_small_batch(x, weight)
-        return out if bias is None else out + bias
+    """x @ weight.T (+ bias): one-row inputs of a weight that model/gemv_choice.py measured faster
+    through the Triton GEMV go there, everything else to F.linear (cuBLAS on CUDA)."""
+    if gemv_choice.uses_gemv(x, weight, bias):
+        return gemv_op(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def projections(model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of every linear map the model runs through _linear, lm_head included."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            yield module.weight, getattr(module, "bias", None)
+        elif isinstance(module, ParallelLMHead):
+            yield module.weight, None
 
 
 @dataclass
@@ -221,7 +226,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> [N, vocab_size] float32, identical on every rank."""
-        logits = F.linear(hidden, self.weight)
+        logits = _linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()
