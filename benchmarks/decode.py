@@ -173,7 +173,7 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.stats().num_kv_blocks} KV blocks)")
     projection_routes = [choice.describe() for choice in gemv_choice.decisions()]
     for route in projection_routes:
-        print(f"projection {route}")
+        print(f"one-row projection {route}")
 
     bandwidth = copy_bandwidth(args.device, num_bytes=(4 << 30) if args.device == "cuda" else 64 << 20)
     weights = weight_bytes_per_step(engine)

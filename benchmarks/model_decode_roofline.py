@@ -168,9 +168,9 @@ def main() -> None:
 
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy")
     model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), args.device)
-    if args.device == "cuda":  # as the engine does: 1-4 row projections by measured route
+    if args.device == "cuda":  # as the engine does: one-row projections by measured route
         for choice in gemv_choice.choose(projections(model)):
-            print(f"projection {choice.describe()}")
+            print(f"one-row projection {choice.describe()}")
     bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     tbps = bandwidth / 1e12 if bandwidth else 0.0

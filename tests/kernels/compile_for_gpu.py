@@ -143,18 +143,14 @@ def _variants(dtype: str):
             {},
             dict(FILTERED=filtered, BLOCK_V=4096),
         )
-    for rows, (hidden, even, has_bias) in itertools.product(
-        (1, 2, 4), ((4096, True, False), (14336, True, False), (2000, False, True))
-    ):
-        block_m, block_k = gemv.tile_for_rows(rows)
+    for hidden, even, has_bias in ((4096, True, False), (14336, True, False), (2000, False, True)):
         yield (
             gemv._gemv_kernel,
             {"*": p},
-            {"num_rows": "i32", "num_cols": "i32"},
-            dict(HIDDEN=hidden, BLOCK_M=block_m, BLOCK_N=gemv.BLOCK_N, BLOCK_K=block_k, EVEN=even,
-                 HAS_BIAS=has_bias),
+            {"num_cols": "i32"},
+            dict(HIDDEN=hidden, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, EVEN=even, HAS_BIAS=has_bias),
             {"num_warps": gemv.NUM_WARPS, "num_stages": 1},
-        )  # fmt: skip
+        )
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ from tpfuse.model import gemv_choice
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): 1-4 row inputs of a weight that model/gemv_choice.py measured faster
-    through the Triton GEMV at that row count go there, everything else to F.linear (cuBLAS on CUDA)."""
+    """x @ weight.T (+ bias): one-row inputs of a weight that model/gemv_choice.py measured faster
+    through the Triton GEMV go there, everything else to F.linear (cuBLAS on CUDA)."""
     if gemv_choice.uses_gemv(x, weight, bias):
         return gemv_op(x, weight, bias)
     return F.linear(x, weight, bias)
