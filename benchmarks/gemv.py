@@ -25,7 +25,7 @@ import time
 import torch
 import triton
 
-from tpfuse.bench import gpu_timing
+from tpfuse import gpu_timing
 from tpfuse.kernels import gemv
 
 SHAPES = {  # name: (N, K)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.bench.gpu_timing import graph_us
+from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels.activation import silu_and_mul_launch, silu_and_mul_triton
 from tpfuse.kernels.decode_attention import DECODE_BLOCK_N, choose_num_splits, decode_attention_launch
 from tpfuse.kernels.kv_store import store_kv_triton

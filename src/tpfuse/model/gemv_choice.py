@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op
 
 log = logging.getLogger("tpfuse")
@@ -81,8 +82,6 @@ def mode() -> str:
 
 
 def _time_us(weights: list[tuple[torch.Tensor, torch.Tensor | None]], use_gemv: bool) -> float:
-    from tpfuse.bench.gpu_timing import graph_us
-
     x = torch.randn(1, weights[0][0].shape[1], device=weights[0][0].device).to(weights[0][0].dtype)
     if use_gemv:
         calls = [lambda w=w, b=b: gemv_op(x, w, b) for w, b in weights]
