@@ -82,7 +82,7 @@ class ModelRunner:
         self.spec: SpecWorker | None = None
         if config.speculative.enabled:
             self.spec = SpecWorker(config, self.model, self.model_config, parallel, self.device)
-        if self.device.type == "cuda":  # before any graph capture or compile-at-peak warm-up
+        if self.device.type == "cuda":  # one-row projection routes, timed before any graph is captured
             models = [self.model] + ([self.spec.draft_model] if self.spec and self.spec.draft_model else [])
             gemv_choice.choose(p for m in models for p in projections(m))
         self.block_size = config.block_size
