@@ -30,7 +30,7 @@ import torch
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.model import gemv_choice
+from tpfuse.model import linear_choice
 
 PROMPT = [100 + i for i in range(16)]  # valid in every vocabulary, the tiny one included
 
@@ -171,9 +171,9 @@ def main() -> None:
     start = time.perf_counter()
     engine = LLMEngine(config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.stats().num_kv_blocks} KV blocks)")
-    projection_routes = [choice.describe() for choice in gemv_choice.decisions()]
+    projection_routes = [choice.describe() for choice in linear_choice.decisions()]
     for route in projection_routes:
-        print(f"one-row projection {route}")
+        print(f"projection {route}")
 
     bandwidth = copy_bandwidth(args.device, num_bytes=(4 << 30) if args.device == "cuda" else 64 << 20)
     weights = weight_bytes_per_step(engine)
@@ -236,8 +236,8 @@ def main() -> None:
         "transformers_tokens": args.hf_tokens,
         "step_ms": {str(b): ms for b, ms in step_times.items()},
         "enforce_eager": args.enforce_eager,
-        "one_row_projection_routes": projection_routes,
-        "tpfuse_gemv": os.environ.get("TPFUSE_GEMV", "auto"),
+        "projection_routes": projection_routes,
+        "tpfuse_linear": os.environ.get("TPFUSE_LINEAR", "auto"),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -7,7 +7,7 @@ written / time of a 1 GiB eager copy, as benchmarks/decode.py measures it), whet
 calls are bit-identical, and the largest error against float64 as a fraction of the GPU test's
 allowance. A tile sweep (rows per program, K per step, warps) runs at every shape while its time
 budget lasts; the default tile is the one kernels/gemv.py ships. Ends with the per-step estimate:
-32 layers plus lm_head, cuBLAS vs the faster of the two per projection (what model/gemv_choice.py
+32 layers plus lm_head, cuBLAS vs the faster of the two per projection (what model/linear_choice.py
 picks at start-up).
 
 Usage (device machine, repo root): python benchmarks/gemv.py [--sweep-seconds 120]   # JSON to $OUT/gemv.json

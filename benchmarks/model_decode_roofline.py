@@ -20,7 +20,7 @@ import torch
 
 from tpfuse.comm.communicator import SingleRankCommunicator
 from tpfuse.config import EngineConfig
-from tpfuse.model import gemv_choice
+from tpfuse.model import linear_choice
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
@@ -168,9 +168,10 @@ def main() -> None:
 
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy")
     model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), args.device)
-    if args.device == "cuda":  # as the engine does: one-row projections by measured route
-        for choice in gemv_choice.choose(projections(model)):
-            print(f"one-row projection {choice.describe()}")
+    if args.device == "cuda":  # as the engine does: projections by measured route, per row bucket
+        max_rows = max(int(b) for b in args.batch_sizes.split(","))
+        for choice in linear_choice.choose(projections(model), max_rows=max_rows):
+            print(f"projection {choice.describe()}")
     bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     tbps = bandwidth / 1e12 if bandwidth else 0.0

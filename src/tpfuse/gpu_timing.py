@@ -1,5 +1,5 @@
 """Timing of GPU work by CUDA-graph replay: the kernel micro-benchmarks under benchmarks/ and the
-start-up GEMV choice (model/gemv_choice.py).
+start-up GEMV choice (model/linear_choice.py).
 
 At batch 1 a Triton launch from Python costs more than the kernel it launches, so timing eager calls
 measures the launcher. Capturing the calls in one graph and replaying it measures the GPU alone.

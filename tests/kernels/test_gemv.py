@@ -4,6 +4,7 @@ unmasked tiles, bit-identical repeats, clear errors, and on the GPU the decode s
 import pytest
 import torch
 
+from tests.kernels.float64_linear import assert_matches_float64_within_rounding
 from tpfuse.kernels.gemv import gemv_ref, gemv_triton
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -24,35 +25,6 @@ def _case(num_cols, hidden, dtype, seed, with_bias=False, pad=3):
 
 def _poisoned_out(num_cols, dtype, device="cpu"):
     return torch.full((1, num_cols), float("nan"), dtype=dtype, device=device)
-
-
-def float64_reference(x, w, bias=None):
-    """(exact x @ w.T (+ bias) in float64, allowed |error| per output).
-
-    Allowed: one rounding to the output dtype (eps * |exact|) plus the fp32 accumulation error,
-    sqrt(K) * 2^-24 * sum_k |x_k w_k| (Higham & Mary's probabilistic bound). A lost, stale or
-    doubled K tile is off by about the tile's own sum (~sqrt(tile) for unit normal data), far above
-    it (test_float64_check_catches_one_lost_k_tile_at_decode_sizes)."""
-    expected = x.double() @ w.double().T
-    if bias is not None:
-        expected += bias.double()
-    accumulation = x.shape[1] ** 0.5 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
-    rounding = torch.finfo(x.dtype).eps * (expected.abs() + torch.finfo(x.dtype).tiny)  # tiny: subnormals
-    return expected, rounding + accumulation
-
-
-def assert_matches_float64_within_rounding(actual, x, w, bias=None, reference=None):
-    """actual [1, N] against float64_reference (or the one given); names the worst output."""
-    expected, allowed = reference if reference is not None else float64_reference(x, w, bias)
-    assert torch.isfinite(actual).all(), "unwritten output or a read past K"
-    error = (actual.double() - expected).abs()
-    excess = error - allowed
-    worst = int(excess.argmax())
-    assert (excess <= 0).all(), (
-        f"{int((excess > 0).sum())} of {excess.numel()} outputs off; worst [0, {worst}]: "
-        f"got {actual[0, worst].item()}, exact {expected[0, worst].item()}, "
-        f"error {error[0, worst].item():.3g} > allowed {allowed[0, worst].item():.3g}"
-    )
 
 
 @pytest.mark.parametrize("tile", TILES)

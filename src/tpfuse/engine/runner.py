@@ -32,10 +32,19 @@ from tpfuse.engine.step_inputs import (
 )
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample, warm_up_prefill_attention
-from tpfuse.model import gemv_choice
+from tpfuse.model import linear_choice
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
+
+
+def max_step_rows(config: EngineConfig) -> int:
+    """The most rows a captured decode or verify step feeds the projections (an upper bound): the
+    largest graph batch times the query tokens per sequence (1 + drafts, or the tree's nodes)."""
+    per_seq = 1
+    if config.speculative.enabled:
+        per_seq += max(config.speculative.num_steps, config.speculative.num_draft_tokens or 0)
+    return min(config.cuda_graph_max_bs, config.max_running_requests) * per_seq
 
 
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
@@ -82,9 +91,10 @@ class ModelRunner:
         self.spec: SpecWorker | None = None
         if config.speculative.enabled:
             self.spec = SpecWorker(config, self.model, self.model_config, parallel, self.device)
-        if self.device.type == "cuda":  # one-row projection routes, timed before any graph is captured
-            models = [self.model] + ([self.spec.draft_model] if self.spec and self.spec.draft_model else [])
-            gemv_choice.choose(p for m in models for p in projections(m))
+        if self.device.type == "cuda":  # projection routes, timed before any graph is captured
+            drafters = [self.spec.draft_model, self.spec.head] if self.spec is not None else []
+            models = [self.model] + [m for m in drafters if m is not None]
+            linear_choice.choose((p for m in models for p in projections(m)), max_rows=max_step_rows(config))
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
         # Drafts may reach num_draft_tokens + 1 positions past the newest token.

@@ -23,6 +23,7 @@ from tpfuse.kernels import (
     rope,
     rope_store_kv,
     sampling,
+    skinny_linear,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "sample",
     "silu_and_mul",
+    "skinny_linear_op",
     "store_kv",
     "use_triton",
     "warm_up_prefill_attention",
@@ -113,8 +115,17 @@ def sample(logits, temperatures, top_ks, top_ps, seeds):
 
 def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] of x.dtype, bf16/fp16 (kernels/gemv.py). The model
-    calls it only for the weight shapes model/gemv_choice.py measured it faster for."""
+    calls it only for the weight shapes model/linear_choice.py measured it faster for."""
     return _pick(gemv, "gemv", x)(x, weight, bias)
+
+
+def skinny_linear_op(x, weight, bias=None, tile=None):
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] for 1 <= M <= 64, bf16/fp16 (kernels/skinny_linear.py;
+    tile: its launch configuration). The model calls it only for the (weight shape, row bucket) cases
+    model/linear_choice.py measured it faster for."""
+    if use_triton(x):
+        return skinny_linear.skinny_linear_triton(x, weight, bias, tile=tile)
+    return skinny_linear.skinny_linear_ref(x, weight, bias)
 
 
 def counter_uniform(seeds, stream, counters):

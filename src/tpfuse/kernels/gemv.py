@@ -10,7 +10,7 @@ once per step, while x, the residual and the KV cache should stay in L2.
 On one H200 (benchmarks/gemv.py, docs/PERF.md) BLOCK_N = 4, BLOCK_K = 2048 and 4 warps beat
 cuBLAS at every Llama-3.1-8B projection, by 1.04x (gate_up) to 1.34x (o_proj).
 Whether a model uses it is decided per weight shape by measurement at start-up
-(model/gemv_choice.py), never assumed. One row only: the same layout sharing each weight tile
+(model/linear_choice.py), never assumed. One row only: the same layout sharing each weight tile
 across 2-4 rows (a [rows, 4, 2048 / rows] accumulator) ran 1.4-1.9x slower than cuBLAS there
 (6bd867b, reverted), so more rows stay on F.linear.
 

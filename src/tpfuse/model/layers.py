@@ -16,22 +16,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import gemv_op, rmsnorm_op
-from tpfuse.model import gemv_choice
+from tpfuse.kernels import gemv_op, rmsnorm_op, skinny_linear_op
+from tpfuse.model import linear_choice
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): one-row inputs of a weight that model/gemv_choice.py measured faster
-    through the Triton GEMV go there, everything else to F.linear (cuBLAS on CUDA)."""
-    if gemv_choice.uses_gemv(x, weight, bias):
+    """x @ weight.T (+ bias) by the route model/linear_choice.py measured fastest for this weight
+    shape and x's row count: the one-row GEMV, a few-row Triton tile, or F.linear (cuBLAS on CUDA,
+    and everything not chosen)."""
+    route = linear_choice.route(x, weight, bias)
+    if route is None:
+        return F.linear(x, weight, bias)
+    if route == linear_choice.GEMV:
         return gemv_op(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return skinny_linear_op(x, weight, bias, tile=route)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (its parameter names and layout) that runs through _linear: for modules outside
+    the tensor-parallel layers below, such as an EAGLE-3 head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.bias)
 
 
 def projections(model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """(weight, bias) of every linear map the model runs through _linear, lm_head included."""
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | Linear):
             yield module.weight, getattr(module, "bias", None)
         elif isinstance(module, ParallelLMHead):
             yield module.weight, None

@@ -22,7 +22,7 @@ from tpfuse.kernels import (
 )
 from tpfuse.model.attention import AttentionMetadata, paged_attention
 from tpfuse.model.config import ModelConfig, resolve_dtype
-from tpfuse.model.layers import RMSNorm
+from tpfuse.model.layers import Linear, RMSNorm
 from tpfuse.model.llama import default_eagle3_aux_layers
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -116,11 +116,12 @@ class Eagle3Config:
             )
 
 
-def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
+    """An nn.Linear whose forward takes the measured route (layers.Linear: GEMV, few-row tile or cuBLAS)."""
     # skip_init builds on the meta device and then materializes on `device` (default cpu), ignoring a
     # surrounding `with torch.device(...)`; name the current default device explicitly.
     device = torch.get_default_device()
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
+    return nn.utils.skip_init(Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
 
 
 class Eagle3Attention(nn.Module):

@@ -1,0 +1,198 @@
+"""Which kernel runs each projection at 1-64 rows, measured per weight shape and row bucket at start-up.
+
+Decode (1 row per sequence), a speculative verify (k + 1 rows per sequence) and small batches stream
+every weight once per step, and how close a kernel comes to the memory bandwidth depends on the
+weight's shape, the row count and the GPU, so the route is measured, never assumed. For each
+distinct weight (shape, dtype, bias or not) among a model's projections and each row bucket up to
+the most rows the engine's CUDA graphs use:
+  - bucket 1 (one row): the one-row GEMV (kernels/gemv.py);
+  - buckets 16, 32, 64 (2-16, 17-32, 33-64 rows, the padded MMA rows): each tile in TILES[bucket]
+    of kernels/skinny_linear.py, the fastest kept;
+against F.linear (cuBLAS), all timed at the bucket's largest row count by CUDA-graph replay over the
+model's own weights of that shape (distinct tensors, so as L2-cold as in decode). The Triton route
+is taken where it needs at most MARGIN of cuBLAS's time. layers._linear then sends each input by
+its row count; more than 64 rows, and every unchosen case, stay on F.linear.
+
+The choice is process-wide, keyed by (shape, dtype, device, bias, bucket): engines and ranks sharing
+a GPU share it, and a case is timed once. TPFUSE_LINEAR overrides it: auto (default, measured),
+triton (every eligible case, the first tile of each bucket, untimed: tests), cublas (none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tpfuse.gpu_timing import graph_us
+from tpfuse.kernels import gemv_op, skinny_linear_op
+from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
+
+log = logging.getLogger("tpfuse")
+
+MARGIN = 0.97  # the Triton route must need at most 97 % of cuBLAS's time: noise never flips a tie
+MODES = ("auto", "triton", "cublas")
+GEMV = "gemv"  # the route of bucket 1
+BUCKETS = (1, 16, 32, 64)
+# Tiles tried per row bucket (the first, never split-K, is TPFUSE_LINEAR=triton's): each won at
+# least one llama-3.1-8b projection against the others on one H200 (docs/PERF.md, session 8 sweep);
+# start-up keeps the fastest per weight shape, or cuBLAS.
+TILES: dict[int, tuple[Tile, ...]] = {
+    16: (
+        Tile(16, 64, 128, 5, 4, swap=True),  # qkv, gate_up
+        Tile(16, 32, 256, 5, 4),  # o_proj
+        Tile(16, 64, 128, 5, 4, swap=True, split_k=2),  # o_proj, down
+        Tile(16, 128, 128, 3, 4, swap=True),  # lm_head
+    ),
+    32: (
+        Tile(32, 64, 128, 3, 4),  # gate_up, lm_head
+        Tile(32, 32, 128, 5, 4),  # o_proj
+        Tile(32, 64, 128, 3, 4, swap=True, split_k=4),  # down
+    ),
+    64: (
+        Tile(64, 64, 128, 3, 4),  # gate_up, lm_head
+        Tile(64, 32, 128, 4, 4, split_k=2),  # down
+    ),
+}
+Route = str | Tile  # GEMV or a skinny_linear tile
+Key = tuple[tuple[int, ...], torch.dtype, torch.device, bool, int]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One (weight shape, row bucket) decision; the times are None when TPFUSE_LINEAR forced it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int
+    route: Route | None  # None: cuBLAS
+    cublas_us: float | None = None
+    triton_us: float | None = None
+
+    def describe(self) -> str:
+        n, k = self.shape
+        rows = "1 row" if self.bucket == 1 else f"<= {self.bucket} rows"
+        if self.route is None:
+            name = "cuBLAS"
+        else:
+            name = "Triton GEMV" if self.route == GEMV else f"Triton {self.route.label()}"
+        if self.cublas_us is None:
+            return f"{n}x{k} at {rows}: {name} (TPFUSE_LINEAR)"
+        return f"{n}x{k} at {rows}: {name} ({self.triton_us:.1f} us vs cuBLAS {self.cublas_us:.1f} us)"
+
+
+_DECIDED: dict[Key, Choice] = {}
+_ROUTES: dict[Key, Route] = {}  # the chosen Triton routes only: the hot-path lookup
+
+
+def bucket(rows: int) -> int | None:
+    """The row bucket of `rows` rows (1, 16, 32 or 64), None past MAX_ROWS."""
+    if rows == 1:
+        return 1
+    return row_bucket(rows) if 1 < rows <= MAX_ROWS else None
+
+
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, rows_bucket: int) -> Key:
+    return (tuple(weight.shape), weight.dtype, weight.device, bias is not None, rows_bucket)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Route | None:
+    """The Triton route of x @ weight.T (+ bias), or None for F.linear: a chosen (weight, bucket)
+    and x 2-D and contiguous along K (one row: contiguous)."""
+    if not _ROUTES or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    rows_bucket = bucket(x.shape[0])
+    if rows_bucket is None:
+        return None
+    return _ROUTES.get(_key(weight, bias, rows_bucket))
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+
+
+def mode() -> str:
+    value = os.environ.get("TPFUSE_LINEAR", "auto")
+    if value not in MODES:
+        raise ValueError(f"TPFUSE_LINEAR={value!r} is not one of {', '.join(MODES)}; unset it for auto")
+    return value
+
+
+def _candidates(rows_bucket: int) -> tuple[Route, ...]:
+    return (GEMV,) if rows_bucket == 1 else TILES[rows_bucket]
+
+
+def _time_us(
+    weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int, route: Route | None
+) -> float:
+    """us per call of one route at `rows` rows, round-robin over weights (each its own output)."""
+    weight = weights[0][0]
+    x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
+    if route is None:
+        calls = [lambda w=w, b=b: F.linear(x, w, b) for w, b in weights]
+    elif route == GEMV:
+        calls = [lambda w=w, b=b: gemv_op(x, w, b) for w, b in weights]
+    else:
+        calls = [lambda w=w, b=b: skinny_linear_op(x, w, b, tile=route) for w, b in weights]
+    big = weight.numel() * weight.element_size() > (64 << 20)
+    return graph_us(calls, min_launches=8 if big else 32, replays=5, samples=3)
+
+
+def _decide(key: Key, weights, how: str, timer) -> Choice:
+    shape, dtype, rows_bucket = key[0], key[1], key[4]
+    candidates = _candidates(rows_bucket)
+    if how != "auto":
+        return Choice(shape, dtype, rows_bucket, candidates[0] if how == "triton" else None)
+    cublas_us = timer(weights, rows_bucket, None)
+    triton_us, best = min((timer(weights, rows_bucket, c), i) for i, c in enumerate(candidates))
+    chosen = candidates[best] if triton_us <= MARGIN * cublas_us else None
+    return Choice(shape, dtype, rows_bucket, chosen, cublas_us, triton_us)
+
+
+@torch.inference_mode()
+def choose(
+    projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int = 1, time_us=None
+) -> list[Choice]:
+    """Decides every new (weight, bias) shape among projections (layers.projections(model)) at each
+    row bucket up to max_rows' and returns this call's decisions; cases decided before (another
+    engine, another rank) are kept. Runs on the GPU before any model CUDA graph is captured (it
+    captures its own, and runs every chosen tile once, allocating its split-K buffers).
+    time_us(weights, rows, route) -> us per call (route None: cuBLAS) replaces the measurement
+    (tests); without it, auto decides nothing on CPU (F.linear throughout)."""
+    how = mode()
+    top = bucket(min(max(max_rows, 1), MAX_ROWS))
+    groups: dict[Key, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for weight, bias in projections:
+        if not _eligible(weight):
+            continue
+        for rows_bucket in BUCKETS:
+            key = _key(weight, bias, rows_bucket)
+            if rows_bucket <= top and key not in _DECIDED:
+                groups.setdefault(key, []).append((weight, bias))
+    decided = []
+    for key, weights in groups.items():
+        if how == "auto" and time_us is None and not weights[0][0].is_cuda:
+            continue
+        choice = _decide(key, weights, how, time_us or _time_us)
+        _DECIDED[key] = choice
+        if choice.route is not None:
+            _ROUTES[key] = choice.route
+        decided.append(choice)
+    if decided:
+        log.info("projection routes: %s", "; ".join(c.describe() for c in decided))
+    return decided
+
+
+def decisions() -> list[Choice]:
+    """Every decision made in this process so far."""
+    return list(_DECIDED.values())
+
+
+def reset() -> None:
+    """Forgets every decision (tests)."""
+    _DECIDED.clear()
+    _ROUTES.clear()

@@ -1,0 +1,32 @@
+"""The float64 check shared by the linear-layer kernel tests (test_gemv.py, test_skinny_linear.py)."""
+
+import torch
+
+
+def float64_reference(x, w, bias=None):
+    """(exact x @ w.T (+ bias) in float64, allowed |error| per output).
+
+    Allowed: one rounding to the output dtype (eps * |exact|) plus the fp32 accumulation error,
+    sqrt(K) * 2^-24 * sum_k |x_k w_k| (Higham & Mary's probabilistic bound). A lost, stale or
+    doubled K tile is off by about the tile's own sum (~sqrt(tile) for unit normal data), far above
+    it (test_gemv.py: test_float64_check_catches_one_lost_k_tile_at_decode_sizes)."""
+    expected = x.double() @ w.double().T
+    if bias is not None:
+        expected += bias.double()
+    accumulation = x.shape[1] ** 0.5 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    rounding = torch.finfo(x.dtype).eps * (expected.abs() + torch.finfo(x.dtype).tiny)  # tiny: subnormals
+    return expected, rounding + accumulation
+
+
+def assert_matches_float64_within_rounding(actual, x, w, bias=None, reference=None):
+    """actual [M, N] against float64_reference (or the one given); names the worst output."""
+    expected, allowed = reference if reference is not None else float64_reference(x, w, bias)
+    assert torch.isfinite(actual).all(), "unwritten output or a read past K"
+    error = (actual.double() - expected).abs()
+    excess = error - allowed
+    row, col = divmod(int(excess.argmax()), excess.shape[1])
+    assert (excess <= 0).all(), (
+        f"{int((excess > 0).sum())} of {excess.numel()} outputs off; worst [{row}, {col}]: "
+        f"got {actual[row, col].item()}, exact {expected[row, col].item()}, "
+        f"error {error[row, col].item():.3g} > allowed {allowed[row, col].item():.3g}"
+    )
