@@ -24,14 +24,18 @@ import json
 import os
 import pstats
 import statistics
+import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tpfuse.config import EngineConfig
+from tpfuse.config import EngineConfig, SpeculativeConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.model.loader import load_model_config
+from tpfuse.spec.eagle3_checkpoint import save_random_eagle3_head
+from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
 
 STEP = "engine_step_"
 PHASES = [  # (label, attribute path from the engine, method); a label may wrap several methods
@@ -43,6 +47,8 @@ PHASES = [  # (label, attribute path from the engine, method); a label may wrap 
     ("sample", "executor.runner", "_choose_tokens"),  # sampler path (non-greedy, banned ids, eager)
     ("read_tokens", "executor.runner", "wait"),  # waits for the ids (D2H copy and event)
     ("postprocess", "scheduler", "postprocess"),
+    ("spec_step", "spec_decoder", "run"),  # with --eagle3-simulate: pack, replay, verify, read back
+    ("spec_execute", "executor", "execute_spec"),
 ]
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -200,6 +206,20 @@ def print_report(
         )
 
 
+def eagle3_simulation(
+    config: EngineConfig, head_dir: str, num_steps: int, length: float
+) -> SpeculativeConfig:
+    """A random EAGLE-3 head for config's model saved in head_dir, simulating acceptance length."""
+    target = load_model_config(EngineConfig(model=config.model, dtype=config.dtype))
+    aux = (0, 1, 2) if target.num_layers < 8 else None  # the default layers collide in tiny models
+    save_random_eagle3_head(
+        head_dir, target, draft_vocab_size=min(32000, target.vocab_size), aux_layer_ids=aux
+    )
+    return SpeculativeConfig(
+        algorithm="eagle3", draft_model_path=head_dir, num_steps=num_steps, simulate_acceptance_length=length
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b")
@@ -212,11 +232,20 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--per-step", action="store_true", help="print every step's wall/busy/idle")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument(
+        "--eagle3-simulate", type=float, default=None, metavar="L",
+        help="speculative steps instead: a random EAGLE-3 head, fixed k = --num-steps, simulated "
+        "acceptance length L (timings real, tokens not the model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-steps", type=int, default=3, help="draft tokens per step with --eagle3-simulate"
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_engine_step.json"))
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     cuda = args.device == "cuda"
-    tokens_per_request = 2 + args.warmups + 2 * args.steps
+    tokens_per_step = 1 + args.num_steps if args.eagle3_simulate is not None else 1  # at most
+    tokens_per_request = (2 + args.warmups + 2 * args.steps) * tokens_per_step
     config = EngineConfig(
         model=args.model,
         device=args.device,
@@ -232,7 +261,13 @@ def main() -> None:
         disable_overlap_schedule=args.disable_overlap_schedule,
     )
     start = time.perf_counter()
-    engine = LLMEngine(config)
+    with tempfile.TemporaryDirectory() as head_dir:
+        if args.eagle3_simulate is not None:
+            config.speculative = eagle3_simulation(config, head_dir, args.num_steps, args.eagle3_simulate)
+        engine = LLMEngine(config)
+    if engine.spec_decoder is not None:
+        engine.spec_decoder.policy = None  # fixed k: every decode step drafts num_steps tokens
+        print(SIMULATED_ACCEPTANCE_NOTICE)
     graphs = getattr(engine.executor, "graphs", None) is not None
     print(f"engine ready in {time.perf_counter() - start:.1f} s; graphs: {graphs}; overlap: {engine.overlap}")
     instrument_phases(engine)
