@@ -14,7 +14,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_server():
-    server = start_server("tpfuse.server", ["--device", "cuda", "--model", "tiny"], start_timeout=600)
+    # a small KV share: the llama-3.1-8b test below starts its own server while this one is up
+    server = start_server(
+        "tpfuse.server",
+        ["--device", "cuda", "--model", "tiny", "--mem-fraction-static", "0.2"],
+        start_timeout=600,
+    )
     yield server
     server.stop()
     server.remove_log()

@@ -55,7 +55,7 @@ TILES: dict[int, tuple[Tile, ...]] = {
     ),
     64: (
         Tile(64, 64, 128, 3, 4),  # gate_up, lm_head
-        Tile(64, 32, 128, 4, 4, split_k=2),  # down
+        Tile(64, 64, 128, 4, 8, split_k=2),  # down
     ),
 }
 Route = str | Tile  # GEMV or a skinny_linear tile
