@@ -167,3 +167,26 @@ def test_skinny_linear_on_gpu_matches_float64_and_replays_in_a_graph_bit_identic
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, eager)
+
+
+def test_skinny_linear_benchmark_runs_end_to_end_at_tiny_shapes(monkeypatch):
+    """benchmarks/skinny_linear.py on CPU (timing replaced by one call), so its GPU run is not lost."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks/skinny_linear.py"
+    spec = importlib.util.spec_from_file_location("skinny_linear_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gemv_bench = bench.gemv_bench
+    monkeypatch.setattr(gemv_bench, "DEVICE", "cpu")
+    monkeypatch.setattr(gemv_bench, "DTYPE", torch.float16)  # bf16 tl.dot is wrong under the interpreter
+    monkeypatch.setattr(gemv_bench, "SHAPES", {"qkv": (48, 40)})
+    monkeypatch.setattr(gemv_bench, "L2_DEFEAT_BYTES", 1)
+    monkeypatch.setattr(gemv_bench, "graph_us", lambda calls, *a: [call() for call in calls] and 1.0)
+    rows: list[dict] = []
+    tiles = [Tile(16, 16, 32, 2), Tile(16, 32, 16, 2, swap=True, split_k=2)]
+    result = bench.bench("qkv", 5, tiles, copy_bw=1.0, rows_out=rows)
+    assert result["cublas_us"] == result["best_us"] == 1.0 and result["err_of_allowed"] <= 1.0
+    assert [row["impl"] for row in rows][2:] == [tile.label() for tile in tiles]
+    assert len(bench.wide_tiles(16)) == 11 and len(bench.wide_tiles(64)) == 15

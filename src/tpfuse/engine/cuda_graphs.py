@@ -89,9 +89,7 @@ class DecodeGraphs:
             torch.empty(tokens, vocab_size, dtype=torch.float32, device=device) if graph_logits else None
         )
         self.hidden: torch.Tensor | None = None
-        # per (bucket, k) the graphs replayed in order: one, or (drafting, target) when a drafter
-        # runs inside (see capture)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ...]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured size holding batch_size, None when it is too large for graphs."""
@@ -128,14 +126,8 @@ class DecodeGraphs:
         self.block_tables[:batch_size].copy_(self.packed.take(index))
         return views["input_ids"], views["positions"], views["slot_mapping"]
 
-    def _draft(self, batch_size: int, k: int) -> None:
-        """The drafter's k drafts per row, written into the verify rows' input ids after each root."""
-        drafts = self.drafter.draft(batch_size, k, self.block_tables[:batch_size])
-        self.input_ids[: batch_size * (k + 1)].view(batch_size, k + 1)[:, 1:].copy_(drafts)
-
-    def _forward(self, batch_size: int, k: int, draft: bool = True) -> torch.Tensor:
-        """Logits [batch_size * (k+1), vocab] (hidden [.., H] when logits are computed after replay).
-        draft: run the drafter first (when there is one and k > 0)."""
+    def _forward(self, batch_size: int, k: int) -> torch.Tensor:
+        """Logits [batch_size * (k+1), vocab] (hidden [.., H] when logits are computed after replay)."""
         tokens = batch_size * (k + 1)
         if k == 0:
             input_ids, positions, slot_mapping = self._load_from_packed(batch_size)
@@ -143,8 +135,9 @@ class DecodeGraphs:
             input_ids = self.input_ids[:tokens]
             positions = self.positions[:tokens]
             slot_mapping = self.slot_mapping[:tokens]
-        if draft and self.drafter is not None and k:
-            self._draft(batch_size, k)
+        if self.drafter is not None and k:
+            drafts = self.drafter.draft(batch_size, k, self.block_tables[:batch_size])
+            input_ids.view(batch_size, k + 1)[:, 1:].copy_(drafts)
         attn = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=self.block_tables[:batch_size],
@@ -161,13 +154,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every (bucket, k), largest first (so the shared pool is sized by the first capture).
-
-        With a drafter, a k > 0 step is two graphs: the drafting, then the target's verify forward.
-        Launching a graph costs host time in proportion to its kernels (~0.4 us each on the H200,
-        ~200 us for a llama-3.1-8b verify step) and its first kernel waits for the whole launch; the
-        target's launch now overlaps the drafting's GPU time instead of leaving the GPU idle.
-        Both write only static buffers, so they share the pool as every graph here does."""
+        """Captures every (bucket, k), largest first (so the shared pool is sized by the first capture)."""
         pool = None
         for k in reversed(range(self.max_num_draft_tokens + 1)):
             for size in reversed(self.sizes):
@@ -184,20 +171,13 @@ class DecodeGraphs:
                     self.hidden = torch.empty(rows, out.shape[-1], dtype=out.dtype, device=out.device)
                 target = self.logits if self.graph_logits else self.hidden
 
-                split = self.drafter is not None and k > 0
-
-                def body(size=size, k=k, target=target, split=split):
+                def body(size=size, k=k, target=target):
                     out = target[: size * (k + 1)]
-                    out.copy_(self._forward(size, k, draft=not split))
+                    out.copy_(self._forward(size, k))
                     if k == 0 and self.graph_logits:
                         torch.argmax(out, dim=-1, out=self.token_ids[:size])
 
-                graphs = []
-                if split:
-                    draft_graph, pool = self._capture_graph(lambda size=size, k=k: self._draft(size, k), pool)
-                    graphs.append(draft_graph)
-                graph, pool = self._capture_graph(body, pool)
-                self.graphs[(size, k)] = (*graphs, graph)
+                self.graphs[(size, k)], pool = self._capture_graph(body, pool)
         self._synchronize()
 
     def _capture_graph(self, body, pool):
@@ -217,12 +197,8 @@ class DecodeGraphs:
         first values, as pack_step laid them out). Returns logits [B, vocab] (hidden [B, H] without
         graph_logits), a view of a shared buffer valid until the next replay; with graph_logits,
         token_ids[:B] holds each row's argmax."""
-        self._replay(batch_size, 0)
+        self.graphs[(batch_size, 0)].replay()
         return self.logits[:batch_size] if self.graph_logits else self.hidden[:batch_size]
-
-    def _replay(self, batch_size: int, num_draft_tokens: int) -> None:
-        for graph in self.graphs[(batch_size, num_draft_tokens)]:
-            graph.replay()
 
     def _copy_to_packed(self, step: StepInputs) -> None:
         """Writes a decode step held elsewhere into `packed` at its layout (5 copies and a fill)."""
@@ -256,5 +232,5 @@ class DecodeGraphs:
         self.slot_mapping[:tokens].copy_(step.slot_mapping)
         self.seq_lens[:size].copy_(step.seq_lens)
         self.block_tables[:size, :width].copy_(step.block_tables)
-        self._replay(size, num_draft_tokens)
+        self.graphs[(size, num_draft_tokens)].replay()
         return self.logits[:tokens] if self.graph_logits else self.hidden[:tokens]

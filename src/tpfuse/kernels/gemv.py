@@ -12,7 +12,7 @@ cuBLAS at every Llama-3.1-8B projection, by 1.04x (gate_up) to 1.34x (o_proj).
 Whether a model uses it is decided per weight shape by measurement at start-up
 (model/linear_choice.py), never assumed. One row only: the same layout sharing each weight tile
 across 2-4 rows (a [rows, 4, 2048 / rows] accumulator) ran 1.4-1.9x slower than cuBLAS there
-(6bd867b, reverted), so more rows stay on F.linear.
+(6bd867b, reverted); 2-64 rows go to the tensor-core tiles of kernels/skinny_linear.py instead.
 
 K is a compile-time constant (one variant per distinct K of a model, compiled during that
 measurement): the trip count is known and, where BLOCK_K divides K, no load is masked.
