@@ -30,3 +30,35 @@ def assert_matches_float64_within_rounding(actual, x, w, bias=None, reference=No
         f"got {actual[row, col].item()}, exact {expected[row, col].item()}, "
         f"error {error[row, col].item():.3g} > allowed {allowed[row, col].item():.3g}"
     )
+
+
+def assert_eager_and_graph_replay_match_float64(linear, rows, num_cols, hidden, with_bias, dtype, seed):
+    """GPU: three input sets through the same buffers; each eager linear(x, w, bias, out) is checked
+    against float64, and a CUDA graph of it captured once replays each set bit-identically."""
+    gen = torch.Generator(device="cuda")
+    x = torch.empty(rows, hidden, device="cuda", dtype=dtype)
+    w = torch.empty(num_cols, hidden, device="cuda", dtype=dtype)
+    bias = torch.empty(num_cols, device="cuda", dtype=dtype) if with_bias else None
+    eager = torch.full((rows, num_cols), float("nan"), device="cuda", dtype=dtype)
+    replayed = torch.empty_like(eager)
+    graph = None
+    for input_set in range(3):
+        gen.manual_seed(1000 * input_set + seed)
+        for t in (x, w) + ((bias,) if with_bias else ()):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        eager.fill_(float("nan"))
+        linear(x, w, bias, eager)
+        assert_matches_float64_within_rounding(eager, x, w, bias)
+        if graph is None:
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                linear(x, w, bias, replayed)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                linear(x, w, bias, replayed)
+        for _ in range(2):
+            replayed.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, eager)

@@ -4,7 +4,10 @@ unmasked tiles, bit-identical repeats, clear errors, and on the GPU the decode s
 import pytest
 import torch
 
-from tests.kernels.float64_linear import assert_matches_float64_within_rounding
+from tests.kernels.float64_linear import (
+    assert_eager_and_graph_replay_match_float64,
+    assert_matches_float64_within_rounding,
+)
 from tpfuse.kernels.gemv import gemv_ref, gemv_triton
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -111,35 +114,9 @@ def test_float64_check_catches_one_lost_k_tile_at_decode_sizes():
 def test_gemv_on_gpu_matches_float64_and_replays_in_a_graph_bit_identically(
     num_cols, hidden, with_bias, dtype
 ):
-    # Three input sets through the same buffers: eager calls checked against float64, and a graph
-    # captured once replays each set bit-identically to the eager result.
-    gen = torch.Generator(device="cuda")
-    x = torch.empty(1, hidden, device="cuda", dtype=dtype)
-    w = torch.empty(num_cols, hidden, device="cuda", dtype=dtype)
-    bias = torch.empty(num_cols, device="cuda", dtype=dtype) if with_bias else None
-    eager = _poisoned_out(num_cols, dtype, "cuda")
-    replayed = torch.empty_like(eager)
-    graph = None
-    for input_set in range(3):
-        gen.manual_seed(1000 * input_set + hidden)
-        for t in (x, w) + ((bias,) if with_bias else ()):
-            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
-        eager.fill_(float("nan"))
-        gemv_triton(x, w, bias, eager)
-        assert_matches_float64_within_rounding(eager, x, w, bias)
-        if graph is None:
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                gemv_triton(x, w, bias, replayed)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                gemv_triton(x, w, bias, replayed)
-        for _ in range(2):
-            replayed.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, eager)
+    assert_eager_and_graph_replay_match_float64(
+        gemv_triton, 1, num_cols, hidden, with_bias, dtype, seed=hidden
+    )
 
 
 def test_gemv_benchmark_runs_end_to_end_at_tiny_shapes(monkeypatch):

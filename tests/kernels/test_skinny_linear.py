@@ -11,7 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernels.float64_linear import assert_matches_float64_within_rounding
+from tests.kernels.float64_linear import (
+    assert_eager_and_graph_replay_match_float64,
+    assert_matches_float64_within_rounding,
+)
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket, skinny_linear_ref, skinny_linear_triton
 
 ON_GPU = torch.cuda.is_available()
@@ -136,37 +139,11 @@ def test_skinny_linear_rejects_what_it_cannot_compute_with_the_fix(x, w, bias, o
 def test_skinny_linear_on_gpu_matches_float64_and_replays_in_a_graph_bit_identically(
     num_cols, hidden, with_bias, rows, swap, split_k
 ):
-    # Three bf16 input sets through the same buffers: eager calls checked against float64, and a
-    # graph captured once replays each set bit-identically to the eager result.
-    dtype = torch.bfloat16
     tile = Tile(row_bucket(rows), 64 if swap else 32, 128, 3, 4, swap, split_k)
-    gen = torch.Generator(device="cuda")
-    x = torch.empty(rows, hidden, device="cuda", dtype=dtype)
-    w = torch.empty(num_cols, hidden, device="cuda", dtype=dtype)
-    bias = torch.empty(num_cols, device="cuda", dtype=dtype) if with_bias else None
-    eager = _poisoned_out(rows, num_cols, dtype)
-    replayed = torch.empty_like(eager)
-    graph = None
-    for input_set in range(3):
-        gen.manual_seed(1000 * input_set + hidden + rows)
-        for t in (x, w) + ((bias,) if with_bias else ()):
-            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
-        eager.fill_(float("nan"))
-        skinny_linear_triton(x, w, bias, eager, tile=tile)
-        assert_matches_float64_within_rounding(eager, x, w, bias)
-        if graph is None:
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                skinny_linear_triton(x, w, bias, replayed, tile=tile)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                skinny_linear_triton(x, w, bias, replayed, tile=tile)
-        for _ in range(2):
-            replayed.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, eager)
+    assert_eager_and_graph_replay_match_float64(
+        lambda x, w, bias, out: skinny_linear_triton(x, w, bias, out, tile=tile),
+        rows, num_cols, hidden, with_bias, torch.bfloat16, seed=hidden + rows,
+    )  # fmt: skip
 
 
 def test_skinny_linear_benchmark_runs_end_to_end_at_tiny_shapes(monkeypatch):

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
+from tpfuse.kernels.gemv import gemv_ref
 
 MAX_ROWS = 64
 
@@ -82,15 +83,9 @@ def skinny_linear_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (nn.Linear layout); bias: [N] or None; all one dtype. Returns [M, N]
-    of x.dtype: x.float() @ weight.float().T (+ bias) rounded once; written into out when given."""
-    result = x.float() @ weight.float().T
-    if bias is not None:
-        result += bias.float()
-    result = result.to(x.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    of x.dtype: x.float() @ weight.float().T (+ bias) rounded once, as gemv_ref computes it for any
+    number of rows; written into out when given."""
+    return gemv_ref(x, weight, bias, out)
 
 
 @triton.jit
