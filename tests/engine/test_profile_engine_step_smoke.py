@@ -30,3 +30,16 @@ def test_profile_engine_step_smoke_run_reports_three_decode_steps_with_phases_an
         assert {"schedule", "pack", "execute", "postprocess"} <= set(step["phase_us"])
     assert result["top_host_functions"] and result["top_host_functions"][0]["self_us"] > 0
     assert "GPU idle" in proc.stdout and os.path.exists(result["trace"])
+
+
+def test_profile_engine_step_times_speculative_steps_with_a_simulated_eagle3_head(tmp_path):
+    out = tmp_path / "profile.json"
+    args = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--steps", "3",
+            "--context", "20", "--warmups", "1", "--eagle3-simulate", "3", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "SIMULATED" in proc.stdout  # every output of the benchmark-only mode says so
+    steps = json.loads(out.read_text())["results"]["1"]["per_step"]
+    assert len(steps) == 3
+    for step in steps:  # each profiled step is a speculative one that ran the verify forward
+        assert step["phase_us"]["spec_step"] > 0 and step["phase_us"]["spec_execute"] > 0

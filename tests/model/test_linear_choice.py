@@ -148,3 +148,27 @@ def test_on_the_gpu_the_measured_choice_is_the_faster_route_and_the_engine_makes
         assert (choice.route is not None) == (choice.triton_us <= linear_choice.MARGIN * choice.cublas_us)
     outputs = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(outputs[0].token_ids) == 8
+
+
+def test_the_engine_times_buckets_up_to_its_largest_graph_step_and_the_eagle3_head_is_routed(tmp_path):
+    from tests.engine.spec_helpers import spec_config, write_eagle3_head
+    from tpfuse.config import EngineConfig
+    from tpfuse.engine.runner import max_step_rows
+    from tpfuse.engine.spec_worker import SpecWorker
+
+    assert max_step_rows(EngineConfig(model="tiny", cuda_graph_max_bs=8, max_running_requests=4)) == 4
+    with_spec = EngineConfig(model="tiny", cuda_graph_max_bs=4, speculative=spec_config("ngram"))
+    assert max_step_rows(with_spec) == 16  # 4 rows x (newest token + spec_config's 3 drafts)
+    head_dir = write_eagle3_head(str(tmp_path))
+    tree = spec_config("eagle3", head_dir, eagle_topk=2, num_draft_tokens=8)
+    assert (
+        max_step_rows(EngineConfig(model="tiny", cuda_graph_max_bs=2, speculative=tree)) == 16
+    )  # 2 x 8 nodes
+    config = EngineConfig(model="tiny", speculative=spec_config("eagle3", head_dir))
+    model, model_config = load_for_test("tiny")
+    parallel = layers.ParallelContext(0, 1, None)
+    head = SpecWorker(config, model, model_config, parallel, "cpu").head
+    routed = {tuple(w.shape) for w, _ in layers.projections(head)}
+    h = model_config.hidden_size
+    assert (head.config.draft_vocab_size, h) in routed and (h, 3 * h) in routed  # lm_head, fc
+    assert len(list(layers.projections(head))) == 9  # fc, q, k, v, o, gate, up, down, lm_head

@@ -39,11 +39,12 @@ from tpfuse.model.loader import load_model
 
 
 def max_step_rows(config: EngineConfig) -> int:
-    """The most rows a captured decode or verify step feeds the projections (an upper bound): the
-    largest graph batch times the query tokens per sequence (1 + drafts, or the tree's nodes)."""
+    """The most rows a captured decode or verify step feeds the projections: the largest graph batch
+    times the query tokens per sequence (1 + drafts in a chain; a tree's num_draft_tokens, which
+    count its root)."""
     per_seq = 1
     if config.speculative.enabled:
-        per_seq += max(config.speculative.num_steps, config.speculative.num_draft_tokens or 0)
+        per_seq = max(1 + config.speculative.num_steps, config.speculative.num_draft_tokens or 0)
     return min(config.cuda_graph_max_bs, config.max_running_requests) * per_seq
 
 
