@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -261,9 +262,10 @@ def main() -> None:
         disable_overlap_schedule=args.disable_overlap_schedule,
     )
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as head_dir:
+    with tempfile.TemporaryDirectory() as head_dir:  # the head is read while the engine starts
         if args.eagle3_simulate is not None:
-            config.speculative = eagle3_simulation(config, head_dir, args.num_steps, args.eagle3_simulate)
+            speculative = eagle3_simulation(config, head_dir, args.num_steps, args.eagle3_simulate)
+            config = dataclasses.replace(config, speculative=speculative)  # validated as a new config
         engine = LLMEngine(config)
     if engine.spec_decoder is not None:
         engine.spec_decoder.policy = None  # fixed k: every decode step drafts num_steps tokens

@@ -79,6 +79,22 @@ def _gemv_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+def check_dtypes_and_bias(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """The checks the linear kernels share (this one and skinny_linear.py): x and weight both bf16 or
+    both fp16, bias None or [N] of their dtype, contiguous."""
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{kernel} needs x and weight both bf16 or both fp16; got {x.dtype} and {weight.dtype}"
+        )
+    num_cols = weight.shape[0]
+    if bias is not None and (bias.shape != (num_cols,) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(
+            f"bias must be [{num_cols}] {x.dtype}, contiguous; got {tuple(bias.shape)} {bias.dtype}"
+        )
+
+
 def _check(x, weight, bias, out) -> None:
     num_cols = weight.shape[0] if weight.dim() == 2 else None
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -87,14 +103,9 @@ def _check(x, weight, bias, out) -> None:
         )
     if x.shape[0] != 1:
         raise ValueError(f"gemv computes one row; got {x.shape[0]}: use F.linear for more")
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gemv needs x and weight both bf16 or both fp16; got {x.dtype} and {weight.dtype}")
+    check_dtypes_and_bias("gemv", x, weight, bias)
     if not (x.is_contiguous() and weight.stride(1) == 1):
         raise ValueError("gemv needs x contiguous and weight contiguous along K: call .contiguous() first")
-    if bias is not None and (bias.shape != (num_cols,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(
-            f"bias must be [{num_cols}] {x.dtype}, contiguous; got {tuple(bias.shape)} {bias.dtype}"
-        )
     if out is not None and (out.shape != (1, num_cols) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be [1, {num_cols}] {x.dtype}, contiguous")
 

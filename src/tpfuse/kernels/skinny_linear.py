@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
-from tpfuse.kernels.gemv import gemv_ref
+from tpfuse.kernels.gemv import check_dtypes_and_bias, gemv_ref
 
 MAX_ROWS = 64
 
@@ -173,16 +173,9 @@ def _check(x, weight, bias, out) -> None:
         )
     row_bucket(x.shape[0])
     num_rows, num_cols = x.shape[0], weight.shape[0]
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"skinny_linear needs x and weight both bf16 or both fp16; got {x.dtype} and {weight.dtype}"
-        )
+    check_dtypes_and_bias("skinny_linear", x, weight, bias)
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_linear needs x and weight contiguous along K: call .contiguous() first")
-    if bias is not None and (bias.shape != (num_cols,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(
-            f"bias must be [{num_cols}] {x.dtype}, contiguous; got {tuple(bias.shape)} {bias.dtype}"
-        )
     if out is not None and (out.shape != (num_rows, num_cols) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{num_rows}, {num_cols}] {x.dtype}, contiguous along N")
 
