@@ -48,7 +48,9 @@ PHASES = [  # (label, attribute path from the engine, method); a label may wrap 
     ("sample", "executor.runner", "_choose_tokens"),  # sampler path (non-greedy, banned ids, eager)
     ("read_tokens", "executor.runner", "wait"),  # waits for the ids (D2H copy and event)
     ("postprocess", "scheduler", "postprocess"),
-    ("spec_step", "spec_decoder", "run"),  # with --eagle3-simulate: pack, replay, verify, read back
+    ("schedule", "scheduler", "schedule_next_spec_decode"),  # chained speculative steps
+    ("spec_launch", "spec_decoder", "launch"),  # with --eagle3-simulate: pack, replay, verify
+    ("spec_wait", "spec_decoder", "wait"),  # reads the verified tokens back
     ("spec_execute", "executor", "execute_spec"),
 ]
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

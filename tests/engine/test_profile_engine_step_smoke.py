@@ -42,4 +42,4 @@ def test_profile_engine_step_times_speculative_steps_with_a_simulated_eagle3_hea
     steps = json.loads(out.read_text())["results"]["1"]["per_step"]
     assert len(steps) == 3
     for step in steps:  # each profiled step is a speculative one that ran the verify forward
-        assert step["phase_us"]["spec_step"] > 0 and step["phase_us"]["spec_execute"] > 0
+        assert step["phase_us"]["spec_launch"] > 0 and step["phase_us"]["spec_execute"] > 0

@@ -79,8 +79,8 @@ def test_window_drafting_proposes_what_extending_only_the_lagging_positions_prop
     window_steps = []
     original = window.engine.spec_decoder.executor.execute_spec
 
-    def counting(packed):
-        forward = original(packed)
+    def counting(packed, *shift):  # shift: a chained step's (spec_chain.py)
+        forward = original(packed, *shift)
         window_steps.append(forward.spec.header.ext_window)
         return forward
 

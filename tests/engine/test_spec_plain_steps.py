@@ -21,9 +21,9 @@ def test_k_zero_steps_run_plain_and_drafting_resumes_losslessly(tmp_path):
     choices = iter([0] * 12 + [3] * 1000)  # twelve choices of no drafts (some in mixed steps), then k = 3
     decoder.policy.choose = lambda num_decode: next(choices)
     plain_steps, spec_steps = [], []
-    launch, run = executor.launch, decoder.run
+    launch, spec_launch = executor.launch, decoder.launch
     executor.launch = lambda *a, **kw: plain_steps.append(1) or launch(*a, **kw)
-    decoder.run = lambda *a: spec_steps.append(1) or run(*a)
+    decoder.launch = lambda *a, **kw: spec_steps.append(1) or spec_launch(*a, **kw)
     outputs = [o.token_ids for o in llm.generate(PROMPTS[:3], greedy(40))]
     assert outputs == expected
     assert len(plain_steps) >= 4, "k = 0 decode steps should run as plain (overlapped) decodes"

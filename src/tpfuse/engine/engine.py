@@ -10,6 +10,9 @@ still banning ids, nothing waiting, KV blocks free), the next step is packed and
 this step's ids are read, taking them as input ids on the device; the GPU runs the two steps back
 to back while the host postprocesses. If a request then finishes, arrives or is aborted, the
 launched step is dropped and the batch scheduled again, so tokens equal the synchronous path's.
+
+Speculative steps chain the same way (TP=1, EAGLE-3 chain drafting): while a window step runs, the
+next one is packed as a template and shifted on the device by the accepted counts (spec_chain.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
+from tpfuse.engine.spec_decoder import SpecPending
 
 
 @dataclass(slots=True)
@@ -105,7 +109,14 @@ class LLMEngine:
         self.plain_when_k_is_zero = (
             config.tp_size == 1 and spec.enabled and spec.adaptive and not config.disable_overlap_schedule
         )
-        self._in_flight = None  # (batch, PendingStep) launched ahead, not yet read
+        # Chained speculative steps (spec_chain.py): TP=1, EAGLE-3 chain drafting in windows.
+        self.chain_spec = (
+            config.tp_size == 1
+            and self.spec_decoder is not None
+            and self.spec_decoder.ext_window > 0
+            and not config.disable_overlap_schedule
+        )
+        self._in_flight = None  # (batch, PendingStep or SpecPending) launched ahead, not yet read
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -156,9 +167,11 @@ class LLMEngine:
         if self._in_flight is not None:
             batch, pending = self._in_flight
             self._in_flight = None
+            speculative = isinstance(pending, SpecPending)
             if self._still_scheduled(batch):
-                return self._complete(batch, pending, started, chained=True)
-            self.executor.wait(pending)  # dropped: a request finished, arrived or was aborted
+                complete = self._complete_spec if speculative else self._complete
+                return complete(batch, pending, started, chained=True)
+            self._drop(pending)  # a request finished, arrived or was aborted
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -166,10 +179,7 @@ class LLMEngine:
             return []
         seed, banned = self.config.seed, self.scheduler.banned_token_ids
         if self.spec_decoder is not None and not self._runs_plain(batch):
-            emitted = self.spec_decoder.run(batch, seed, banned)
-            outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
-            self.spec_decoder.step_finished(time.perf_counter() - started)
-            return outputs
+            return self._complete_spec(batch, self.spec_decoder.launch(batch, seed, banned), started)
         if self.overlap or self.spec_decoder is not None:  # with a spec decoder: a plain k = 0 step
             return self._complete(
                 batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)), started
@@ -209,6 +219,27 @@ class LLMEngine:
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )
+
+    def _drop(self, pending) -> None:
+        """Lets a step launched ahead complete and discards it."""
+        if isinstance(pending, SpecPending):
+            self.spec_decoder.drop(pending)
+        else:
+            self.executor.wait(pending)
+
+    def _complete_spec(self, batch, pending, started: float, chained: bool = False) -> list[StepOutput]:
+        """Speculative twin of _complete: launches the step after batch as a chained template when it
+        is known already (spec_chain.py), then reads batch's tokens and postprocesses them."""
+        decoder = self.spec_decoder
+        if self.chain_spec and pending.pure_decode and pending.decode_rows:
+            following = self.scheduler.schedule_next_spec_decode(batch)
+            if following is not None and decoder.chained_num_draft_tokens(following) is not None:
+                seed, banned = self.config.seed, self.scheduler.banned_token_ids
+                self._in_flight = (following, decoder.launch(following, seed, banned, previous=pending))
+        emitted = decoder.wait(pending)
+        outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
+        decoder.step_finished(time.perf_counter() - started, chained)
+        return outputs
 
     def _outputs(self, updates) -> list[StepOutput]:
         outputs = []
@@ -258,7 +289,7 @@ class LLMEngine:
         """Releases the executor (worker processes for TP > 1) and the device memory of this process's
         runner (weights, KV cache, CUDA graphs). Safe to call twice; the engine is unusable afterwards."""
         if self._in_flight is not None:
-            self.executor.wait(self._in_flight[1])
+            self._drop(self._in_flight[1])
             self._in_flight = None
         close = getattr(self.executor, "shutdown", None)
         if close is not None:

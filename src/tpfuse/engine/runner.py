@@ -293,9 +293,11 @@ class ModelRunner:
         step, logits, _ = self._forward(packed)
         return step, logits
 
-    def execute_spec(self, packed: torch.Tensor) -> SpecForward:
-        """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py)."""
-        return run_spec_forward(self, packed)
+    def execute_spec(self, packed: torch.Tensor, shift=None) -> SpecForward:
+        """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py).
+        shift: (accepted [D], emitted [D, k'+1], k') of the step in flight when packed is a chained
+        template (spec_chain.py; TP=1 only)."""
+        return run_spec_forward(self, packed, shift)
 
     @torch.inference_mode()
     def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:

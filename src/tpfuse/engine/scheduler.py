@@ -147,6 +147,38 @@ class Scheduler:
                 bm.append_slot(seq, 1)
         return Batch(list(batch.seqs), [1] * len(batch.seqs))
 
+    def schedule_next_spec_decode(self, batch: Batch) -> Batch | None:
+        """Chained speculative steps: the batch schedule() will return after batch, a speculative
+        decode of every running request still in flight, when no sequence finishes, nothing arrives
+        and nothing is aborted, whatever number of drafts batch accepts. Reserves KV blocks for the
+        largest case (batch emits 1 + lookahead tokens, then the next step verifies 1 + lookahead
+        positions). None when that batch cannot be known now: a request waits, a row is not a
+        decode, a row could reach max_tokens or max_model_len within the two steps (its draft
+        count would depend on what batch accepts), a row still bans ids (min_tokens), or blocks
+        would have to be freed."""
+        ahead = self.num_lookahead_tokens
+        if self.waiting or not ahead or len(batch.seqs) != len(self.running):
+            return None
+        if len(batch.seqs) * (1 + ahead) > self.max_num_batched_tokens:
+            return None
+        bm = self.block_manager
+        new_blocks = 0
+        reserve = 2 * ahead + 1  # positions past the newest: batch's emitted tokens, then k + 1 more
+        for seq, running, n in zip(batch.seqs, self.running, batch.num_new_tokens, strict=True):
+            length = len(seq.token_ids)
+            if seq is not running or n != 1 or seq.num_computed_tokens + 1 != length:
+                return None
+            p = seq.params
+            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - length)
+            if room < 2 * (ahead + 1) or seq.num_output_tokens + 1 < p.min_tokens:
+                return None
+            new_blocks += max(0, seq.num_blocks_for(length + reserve) - len(seq.block_table))
+        if new_blocks > bm.num_free_blocks:
+            return None
+        for seq in batch.seqs:
+            bm.append_slot(seq, reserve)
+        return Batch(list(batch.seqs), [1] * len(batch.seqs))
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

@@ -1,24 +1,28 @@
 """Rank 0's half of a speculative step: choose k, draft on the host (n-gram), pack, verify, account.
 
-`SpecDecoder.run(batch, ...)` replaces the plain executor.run when --speculative-algorithm is set. It
-returns the tokens each sequence gets this step: one sampled token for a prefill row that reached its
-end, the accepted drafts plus one target token for a decode (verify) row, None otherwise. Verification
-is greedy (temperature 0) or rejection sampling, both lossless; with
---speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py).
-The chosen tokens reach the other ranks as input ids of the next packed step.
+`SpecDecoder.launch(batch, ...)` replaces the plain executor's launch when --speculative-algorithm is
+set, and `wait(pending)` returns the tokens each sequence gets from that step: one sampled token for
+a prefill row that reached its end, the accepted drafts plus one target token for a decode (verify)
+row, None otherwise. Verification is greedy (temperature 0) or rejection sampling, both lossless;
+with --speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py).
+The chosen tokens reach the other ranks as input ids of the next packed step. At TP=1 with EAGLE-3
+chain drafting the engine launches the next step before waiting for this one (spec_chain.py).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tpfuse.config import EngineConfig
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.spec_chain import template_batch
 from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
+from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length, simulate_acceptance
@@ -61,6 +65,20 @@ class SpecStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
 
+@dataclass
+class SpecPending:
+    """A launched speculative step whose results are on their way to the host."""
+
+    batch: Batch
+    num_draft_tokens: int  # k of the step
+    decode_rows: list[int]  # the batch rows that verify
+    sampled: list[int]  # the sampled ids of the prefill rows that reached their end, in row order
+    pure_decode: bool
+    catch_up: bool  # a k = 0 step run so the drafters catch up (not timed as a k = 0 step)
+    result: VerifyResult | TreeVerifyResult | None = None  # device result of the verify rows
+    readback: PendingStep | None = None  # [accepted, drafts, emitted ids...] per verify row
+
+
 class SpecDecoder:
     """config: the engine settings; executor: ModelRunner or TensorParallelExecutor (with
     execute_spec and a rank-0 `runner`); max_model_len: the engine's."""
@@ -100,11 +118,12 @@ class SpecDecoder:
             self.simulated_rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
             print(f"tpfuse: WARNING: {SIMULATED_ACCEPTANCE_NOTICE}", file=sys.stderr, flush=True)
         self.stats = SpecStats(spec.num_steps)
+        self.readback = TokenReadback(self.runner.device)
         self.current_num_draft_tokens = spec.num_steps
         self._chosen: tuple[int, int] | None = None  # (rows, k) chosen ahead for the coming run()
         self._timed_step: tuple[int, int] | None = None  # (decode rows, k) of the step being timed
         self._timed_catch_up: int | None = None  # decode rows of the catch-up step being timed
-        self._last_plain_done: float | None = None  # when the last plain decode step completed
+        self._last_step_done: float | None = None  # when the last step (plain or speculative) completed
         self._after_catch_up: int | None = None  # k chosen for a step that had to catch up first
 
     def choose_num_draft_tokens(self, num_decode: int) -> int:
@@ -122,7 +141,7 @@ class SpecDecoder:
     def chooses_plain_decode(self, batch: Batch) -> bool:
         """Adaptive policy only: whether the policy gives this all-decode batch k = 0, so the engine
         runs it as a plain decode (no drafter work; the drafter catches up when drafting resumes).
-        Otherwise the chosen k is kept for the run() of this batch. Asked again before that run (the
+        Otherwise the chosen k is kept for the launch() of this batch. Asked again before that run (the
         engine asks while the step before runs, to launch this one early, and again when it
         schedules it), it answers from the kept choice: the policy decides once per step (a second
         choose() would tick its clocks twice and undo a refresh it had started). A seeded sampled
@@ -133,14 +152,18 @@ class SpecDecoder:
             return False
         if any(s.params.seed is not None and s.params.temperature > 0.0 for s in batch.seqs):
             return False
-        if self._chosen is not None and self._chosen[0] == rows:
+        if self._kept_choice(rows):
             return False
-        k = self.choose_num_draft_tokens(rows)
-        self._chosen = (rows, k) if k else None
-        if k:
-            return False
+        self._chosen = None  # taken by the plain step
         self.current_num_draft_tokens = 0
         return True
+
+    def _kept_choice(self, num_decode: int) -> int:
+        """The k chosen for the coming step of num_decode rows: the one kept from an earlier question
+        about that step, else the policy's choice, kept until a launch (or plain step) takes it."""
+        if self._chosen is None or self._chosen[0] != num_decode:
+            self._chosen = (num_decode, self.choose_num_draft_tokens(num_decode))
+        return self._chosen[1]
 
     def plain_step_finished(self, num_rows: int, chained: bool, own_seconds: float) -> None:
         """A plain decode step of num_rows rows completed. When it was chained (launched while the
@@ -150,14 +173,20 @@ class SpecDecoder:
         scheduling to completion: the gap since the last plain step would hold the steps between."""
         now = time.perf_counter()
         if self.policy is not None:
-            if chained and self._last_plain_done is not None:
-                self.policy.record_step(num_rows, 0, now - self._last_plain_done)
+            if chained and self._last_step_done is not None:
+                self.policy.record_step(num_rows, 0, now - self._last_step_done)
             elif not chained:
                 self.policy.record_step(num_rows, 0, own_seconds)
-        self._last_plain_done = now
+        self._last_step_done = now
 
-    def step_finished(self, seconds: float) -> None:
-        """The engine's wall time of the last run() step, scheduling and postprocessing included."""
+    def step_finished(self, seconds: float, chained: bool = False) -> None:
+        """A speculative step completed; seconds: the engine's wall time of it, scheduling and
+        postprocessing included. A chained step (launched while the one before ran) costs, as a
+        chained plain step does, the time since that one completed."""
+        now = time.perf_counter()
+        if chained and self._last_step_done is not None:
+            seconds = now - self._last_step_done
+        self._last_step_done = now
         if self.policy is not None:
             if self._timed_step is not None:
                 self.policy.record_step(*self._timed_step, seconds)
@@ -167,14 +196,39 @@ class SpecDecoder:
 
     def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[list[int] | None]:
         """One speculative step of batch; returns the tokens of each sequence (None: none)."""
-        self._last_plain_done = None
+        return self.wait(self.launch(batch, engine_seed, banned_token_ids))
+
+    def chained_num_draft_tokens(self, batch: Batch) -> int | None:
+        """The k of a chained launch of batch (the step after one in flight, see spec_chain.py), or
+        None when batch cannot be chained: no window drafter, a row that samples (only greedy
+        verification or the simulation keeps the template's inputs independent of acceptance), or a
+        k of 0 (that step runs plain). The chosen k is kept for whichever launch runs batch."""
+        if not self.ext_window or self.tree:
+            return None
+        if self.simulated_rate is None and any(s.params.temperature > 0.0 for s in batch.seqs):
+            return None
+        return self._kept_choice(len(batch.seqs)) or None
+
+    def launch(
+        self, batch: Batch, engine_seed: int, banned_token_ids, previous: SpecPending | None = None
+    ) -> SpecPending:
+        """Enqueues one speculative step of batch (drafting, the target's forward, verification) and
+        the copy of its results to the host; returns without waiting for them (see wait).
+        previous: the step in flight before batch; batch is then packed as a template that the
+        device shifts by previous's accepted counts (spec_chain.py: the caller checked
+        chained_num_draft_tokens and scheduled batch with schedule_next_spec_decode)."""
         decode_rows = [i for i, n in enumerate(batch.num_new_tokens) if is_decode_row(batch.seqs[i], n)]
         chosen, self._chosen = self._chosen, None
         if chosen is not None and chosen[0] == len(decode_rows):
             k = chosen[1]
         else:
             k = self.choose_num_draft_tokens(len(decode_rows))
-        catch_up = bool(k) and self.ext_window > 0 and lags_after_plain_steps(batch, self.ext_window)
+        catch_up = (
+            previous is None
+            and bool(k)
+            and self.ext_window > 0
+            and lags_after_plain_steps(batch, self.ext_window)
+        )
         if catch_up:
             self._after_catch_up, k = k, 0  # drafting resumes next step, inside the window graphs
         if decode_rows:
@@ -189,7 +243,7 @@ class SpecDecoder:
         graphs = self.runner.graphs
         pad_to = graphs.bucket(len(batch.seqs)) if graphs is not None and pure_decode else None
         packed = pack_spec_step(
-            batch,
+            batch if previous is None else template_batch(batch),
             self.block_size,
             engine_seed,
             banned_token_ids,
@@ -203,27 +257,44 @@ class SpecDecoder:
             ext_window=self.ext_window,
             catch_up_budget=self.max_num_batched_tokens,
         )
-        if not self.ngram:
-            for seq in batch.seqs:
-                seq.num_drafter_tokens = max(seq.num_drafter_tokens, seq.num_computed_tokens)
-        forward = self.executor.execute_spec(packed)
+        if previous is None:
+            forward = self.executor.execute_spec(packed)
+        else:
+            shift = (previous.result.num_accepted, previous.result.token_ids, previous.num_draft_tokens)
+            forward = self.runner.execute_spec(packed, shift)
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)
-        emitted_rows: list[list[int]] = []
+        pending = SpecPending(batch, k, decode_rows, sampled, pure_decode, catch_up)
         if decode_rows:
             seeded = [batch.seqs[row].params.seed is not None for row in decode_rows]
             if self.tree and k:
-                result, counts = self._verify_tree(forward, batch, decode_rows, any(seeded))
+                pending.result, counts = self._verify_tree(forward, batch, decode_rows, any(seeded))
             else:
-                result, counts = self._verify(forward, k, any(seeded), all(seeded))
-            emitted_rows, accepted, num_drafts = self._to_host(result, counts)
+                pending.result, counts = self._verify(forward, k, any(seeded), all(seeded))
+            result = pending.result
+            both = torch.cat(
+                [result.num_accepted[:, None], counts[:, None].to(torch.int64), result.token_ids], 1
+            )
+            pending.readback = self.readback.start(both.view(-1), [], False, 0)
+        return pending
+
+    def wait(self, pending: SpecPending) -> list[list[int] | None]:
+        """The tokens each sequence of a launched step gets (None: none): waits for its results and
+        accounts for them (acceptance statistics, the policy's step timing)."""
+        batch, decode_rows, k = pending.batch, pending.decode_rows, pending.num_draft_tokens
+        if not self.ngram:
+            for seq in batch.seqs:
+                seq.num_drafter_tokens = max(seq.num_drafter_tokens, seq.num_computed_tokens)
+        emitted_rows: list[list[int]] = []
+        if decode_rows:
+            emitted_rows, accepted, num_drafts = self._read_verified(pending)
             if self.tree and k:
-                self._record_kv_moves(batch, decode_rows, result.path_nodes, accepted)
+                self._record_kv_moves(batch, decode_rows, pending.result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
-            if self.policy is not None and pure_decode and catch_up:  # a catch-up is no k = 0 step
+            if self.policy is not None and pending.pure_decode and pending.catch_up:  # no k = 0 step
                 self._timed_catch_up = len(decode_rows)
-            elif self.policy is not None and pure_decode:
+            elif self.policy is not None and pending.pure_decode:
                 self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)
@@ -231,11 +302,16 @@ class SpecDecoder:
         for row, tokens in zip(decode_rows, emitted_rows, strict=True):
             out[row] = tokens
         decode_set = set(decode_rows)
-        sampled_iter = iter(sampled)
+        sampled_iter = iter(pending.sampled)
         for i in range(len(batch.seqs)):
             if i not in decode_set and batch.samples(i):
                 out[i] = [next(sampled_iter)]
         return out
+
+    def drop(self, pending: SpecPending) -> None:
+        """Discards a launched step whose batch changed before it was read (it still completes)."""
+        if pending.readback is not None:
+            self.readback.read(pending.readback)
 
     @torch.inference_mode()
     def _verify(
@@ -257,7 +333,10 @@ class SpecDecoder:
             counts, probs = spec.num_drafts, None
         if self.simulated_rate is not None:
             target = logits.argmax(dim=-1)
-            return simulate_acceptance(drafts, target, self.simulated_rate, spec.seeds, counts), counts
+            result = simulate_acceptance(
+                drafts, target, self.simulated_rate, spec.request_seeds, spec.output_index, counts
+            )
+            return result, counts
         if spec.header.all_greedy:
             return greedy_verify(drafts, logits, counts), counts
         sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
@@ -332,9 +411,9 @@ class SpecDecoder:
             )
         return result, depth_limit
 
-    @staticmethod
-    def _to_host(result: VerifyResult, counts: torch.Tensor) -> tuple[list[list[int]], list[int], list[int]]:
-        """(emitted tokens, accepted drafts, drafts) per row, in one device-to-host copy."""
-        both = torch.cat([result.num_accepted[:, None], counts[:, None].to(torch.int64), result.token_ids], 1)
-        rows = both.tolist()
+    def _read_verified(self, pending: SpecPending) -> tuple[list[list[int]], list[int], list[int]]:
+        """(emitted tokens, accepted drafts, drafts) per verify row, from the step's one host copy."""
+        flat = self.readback.read(pending.readback)
+        width = pending.result.token_ids.shape[1] + 2
+        rows = [flat[i : i + width] for i in range(0, len(flat), width)]
         return [row[2 : 3 + row[0]] for row in rows], [row[0] for row in rows], [row[1] for row in rows]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.engine.spec_chain import shift_by_accepted
 from tpfuse.engine.spec_inputs import SpecInputs, read_spec_header, unpack_spec
 from tpfuse.engine.step_inputs import StepInputs, read_header, unpack_step
 from tpfuse.spec.drafter import DraftProposal
@@ -41,13 +42,18 @@ def _place_tree(step: StepInputs, spec: SpecInputs, tree: DraftTree, max_depth: 
 
 
 @torch.inference_mode()
-def run_spec_forward(runner, packed: torch.Tensor) -> SpecForward:
-    """runner: this rank's ModelRunner (with runner.spec); packed: the CPU packed speculative step."""
+def run_spec_forward(runner, packed: torch.Tensor, shift=None) -> SpecForward:
+    """runner: this rank's ModelRunner (with runner.spec); packed: the CPU packed speculative step.
+    shift: (accepted, emitted, k') of the step before when packed is a chained template: the device
+    copy is shifted by them first (spec_chain.shift_by_accepted)."""
     header = read_header(packed)
     spec_header = read_spec_header(packed, header)
     device_packed = runner._to_device(packed)
     step = unpack_step(header, device_packed)
     spec = unpack_spec(header, spec_header, device_packed)
+    if shift is not None:
+        accepted, emitted, max_shift = shift
+        shift_by_accepted(step, spec, accepted, emitted, runner.block_size, max_shift)
     k, num_decode = spec_header.num_draft_tokens, spec_header.num_decode
     graphs = runner.graphs
     if spec_header.ext_window:

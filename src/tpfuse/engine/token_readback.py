@@ -65,9 +65,10 @@ class TokenReadback:
     def to_list(self, tokens: torch.Tensor) -> list[int]:
         """tokens [N] as Python ints (waits for them)."""
         pending = self.start(tokens, list(range(tokens.numel())), False, tokens.numel())
-        return self._read(pending)
+        return self.read(pending)
 
-    def _read(self, pending: PendingStep) -> list[int]:
+    def read(self, pending: PendingStep) -> list[int]:
+        """All values of a started copy as Python ints (waits for them)."""
         if pending.event is not None:
             pending.event.synchronize()
         return pending.host.tolist()
@@ -77,7 +78,7 @@ class TokenReadback:
         out: list[int | None] = [None] * pending.num_rows
         if pending.tokens is None:
             return out
-        values = self._read(pending)
+        values = self.read(pending)
         if pending.by_row:
             for row in pending.rows:
                 out[row] = values[row]

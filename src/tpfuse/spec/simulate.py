@@ -21,6 +21,7 @@ SIMULATED_ACCEPTANCE_NOTICE = (
     "timings are real, the generated tokens are not the model's output"
 )
 _STREAM_SIMULATE = 3
+_MAX_DRAFTS = 64  # counters of one step: output_index * _MAX_DRAFTS + draft position
 
 
 def expected_acceptance_length(acceptance_rate: float, num_draft_tokens: int) -> float:
@@ -53,23 +54,30 @@ def simulate_acceptance(
     draft_token_ids: torch.Tensor,
     target_token_ids: torch.Tensor,
     acceptance_rate: float,
-    seeds: torch.Tensor,
+    request_seeds: torch.Tensor,
+    output_index: torch.Tensor,
     num_draft_tokens: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accepts a random prefix of the drafts (each position with probability acceptance_rate, chained)
     and emits the accepted drafts followed by the target's token at the first unaccepted position.
 
     draft_token_ids: [B, k] int64; target_token_ids: [B, k+1] int64, what the target would emit at
-    each verify position (its greedy or sampled token); seeds: [B] int64; num_draft_tokens: [B] real
-    drafts per row. The result is NOT lossless: it exists to time speculation, see the module doc.
+    each verify position (its greedy or sampled token); request_seeds: [B] int64, one per request;
+    output_index: [B] int64, the output index each row's step starts at (the draws of a row depend
+    on these two only, so a step packed ahead and shifted on the device draws what it would have
+    drawn packed synchronously); num_draft_tokens: [B] real drafts per row. The result is NOT
+    lossless: it exists to time speculation, see the module doc.
     """
     batch, k = draft_token_ids.shape
     if target_token_ids.shape != (batch, k + 1):
         raise ValueError(
             f"target_token_ids must be [B, k+1] = {(batch, k + 1)}, got {tuple(target_token_ids.shape)}"
         )
+    if k > _MAX_DRAFTS:
+        raise ValueError(f"the simulation draws for at most {_MAX_DRAFTS} drafts per step, got {k}")
     device = draft_token_ids.device
-    u = uniform(seeds.to(device), _STREAM_SIMULATE, torch.arange(k, device=device))
+    counters = output_index.to(device)[:, None] * _MAX_DRAFTS + torch.arange(k, device=device)
+    u = uniform(request_seeds.to(device), _STREAM_SIMULATE, counters)
     accept = (u < acceptance_rate) & draft_mask(num_draft_tokens, batch, k, device)
     num_accepted = accepted_prefix_length(accept)
     last = target_token_ids.gather(1, num_accepted[:, None])[:, 0]
