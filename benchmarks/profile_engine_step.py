@@ -131,6 +131,10 @@ def analyse_trace(trace: dict, num_steps: int) -> list[dict]:
             if begin <= e["ts"] < end
             and launch_of.get(e.get("args", {}).get("correlation")) not in ("cudaGraphLaunch", None)
         )
+        kernel_us = collections.Counter()
+        for e in device:
+            if begin <= e["ts"] < end:
+                kernel_us[e["name"][:70]] += e["dur"]
         phase_us = collections.Counter()
         for e in phases:
             if begin <= e["ts"] < end:
@@ -143,6 +147,7 @@ def analyse_trace(trace: dict, num_steps: int) -> list[dict]:
                 "phase_us": dict(phase_us),
                 "runtime_calls": dict(calls),
                 "outside_graph": dict(outside),
+                "kernel_us": dict(kernel_us),
             }
         )
     return results
@@ -179,6 +184,7 @@ def summarise(per_step: list[dict]) -> dict:
         "phase_us": median_counts("phase_us"),
         "runtime_calls": median_counts("runtime_calls"),
         "outside_graph": median_counts("outside_graph"),
+        "kernel_us": median_counts("kernel_us"),
     }
 
 
@@ -201,6 +207,10 @@ def print_report(
                 f"  step {i:3d}: wall {s['wall_us']:8.1f}  busy {s['gpu_busy_us']:8.1f}  "
                 f"idle {s['gpu_idle_us']:7.1f}"
             )
+    kernels = sorted(summary["kernel_us"].items(), key=lambda kv: -kv[1])
+    print(f"device time by kernel (us per step, median; top {len(hosts)} of {len(kernels)}):")
+    for name, us in kernels[: len(hosts)]:
+        print(f"  {us:8.1f}  {name}")
     print("top host functions by self time (us per step, cProfile):")
     for row in hosts:
         print(

@@ -134,3 +134,28 @@ def test_the_policy_decides_once_per_step_when_the_engine_asks_ahead(tmp_path, m
     assert outputs == expected
     assert 2 in drafted, "the k = 2 chosen while the engine looked ahead never ran"
     assert drafted.index(2) < drafted.index(3)
+
+
+def test_a_first_decode_step_outside_the_window_is_not_timed_for_the_policy(tmp_path):
+    """A row's first decode after its prefill drafts outside the window (the drafter extends over the
+    whole prompt, eagerly): a one-off that costs many decode steps, so the policy is not told its
+    time; every window step's is."""
+    path = write_eagle3_head(str(tmp_path))
+    llm = LLM(config=EngineConfig(**ENGINE, speculative=spec_config("eagle3", path, adaptive=True)))
+    decoder, runner = llm.engine.spec_decoder, llm.engine.executor
+    decoder.policy.choose = lambda num_decode: 3
+    told = []
+    decoder.policy.record_step = lambda rows, k, seconds: told.append(k)
+    windows = []  # ext_window of every speculative step with decode rows
+    execute = runner.execute_spec
+
+    def recording(packed, *shift):
+        forward = execute(packed, *shift)
+        if forward.spec.header.num_decode:
+            windows.append(forward.spec.header.ext_window)
+        return forward
+
+    runner.execute_spec = recording
+    llm.generate(PROMPTS[0], greedy(30))
+    assert windows[0] == 0 and all(windows[1:]), windows
+    assert told == [3] * (len(windows) - 1)

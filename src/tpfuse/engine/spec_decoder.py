@@ -73,7 +73,7 @@ class SpecPending:
     num_draft_tokens: int  # k of the step
     decode_rows: list[int]  # the batch rows that verify
     sampled: list[int]  # the sampled ids of the prefill rows that reached their end, in row order
-    pure_decode: bool
+    timed: bool  # its time tells the policy what a decode step of its k costs
     catch_up: bool  # a k = 0 step run so the drafters catch up (not timed as a k = 0 step)
     result: VerifyResult | TreeVerifyResult | None = None  # device result of the verify rows
     readback: PendingStep | None = None  # [accepted, drafts, emitted ids...] per verify row
@@ -265,7 +265,11 @@ class SpecDecoder:
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)
-        pending = SpecPending(batch, k, decode_rows, sampled, pure_decode, catch_up)
+        # With a window drafter, a drafting step outside the window (a row's first decode after its
+        # prefill: the drafter extends over the whole prompt, eagerly) says nothing about what the
+        # next decode steps cost, so the policy is not told its time.
+        one_off = bool(self.ext_window and k and not forward.spec.header.ext_window)
+        pending = SpecPending(batch, k, decode_rows, sampled, pure_decode and not one_off, catch_up)
         if decode_rows:
             seeded = [batch.seqs[row].params.seed is not None for row in decode_rows]
             if self.tree and k:
@@ -292,9 +296,9 @@ class SpecDecoder:
             if self.tree and k:
                 self._record_kv_moves(batch, decode_rows, pending.result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
-            if self.policy is not None and pending.pure_decode and pending.catch_up:  # no k = 0 step
+            if self.policy is not None and pending.timed and pending.catch_up:  # no k = 0 step
                 self._timed_catch_up = len(decode_rows)
-            elif self.policy is not None and pending.pure_decode:
+            elif self.policy is not None and pending.timed:
                 self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)
