@@ -67,6 +67,20 @@ def test_auto_takes_the_fastest_triton_route_only_where_it_needs_at_most_the_mar
     assert linear_choice.route(torch.randn(2, 80).bfloat16()[:, ::2], w, None) is None  # strided K
 
 
+def test_the_margin_variable_moves_the_threshold_and_a_bad_value_names_the_variable(monkeypatch):
+    fake = lambda weights, rows, route: 10.0 if route is None else 9.8  # noqa: E731  0.98 of cuBLAS
+    monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", "0.985")
+    assert all(c.route is not None for c in linear_choice.choose(_weights(), max_rows=1, time_us=fake))
+    linear_choice.reset()
+    monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", "0.97")
+    assert all(c.route is None for c in linear_choice.choose(_weights(), max_rows=1, time_us=fake))
+    linear_choice.reset()
+    for bad in ("fast", "0", "-1", "nan"):
+        monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", bad)
+        with pytest.raises(ValueError, match=f"TPFUSE_LINEAR_MARGIN='{bad}' must be a number"):
+            linear_choice.choose(_weights(), max_rows=1, time_us=fake)
+
+
 def test_auto_decides_nothing_on_cpu_and_float32_weights_are_never_candidates():
     assert linear_choice.choose(_weights(), max_rows=64) == []  # CPU weights, no timer: F.linear
     never = lambda *a, **k: pytest.fail("a float32 weight was timed")
@@ -145,7 +159,7 @@ def test_on_the_gpu_the_measured_choice_is_the_faster_route_and_the_engine_makes
     assert {c.bucket for c in decisions} >= {1, 16}
     for choice in decisions:
         assert choice.cublas_us > 0 and choice.triton_us > 0
-        assert (choice.route is not None) == (choice.triton_us <= linear_choice.MARGIN * choice.cublas_us)
+        assert (choice.route is not None) == (choice.triton_us <= linear_choice.margin() * choice.cublas_us)
     outputs = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(outputs[0].token_ids) == 8
 

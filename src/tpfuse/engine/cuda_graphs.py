@@ -126,8 +126,9 @@ class DecodeGraphs:
         self.block_tables[:batch_size].copy_(self.packed.take(index))
         return views["input_ids"], views["positions"], views["slot_mapping"]
 
-    def _forward(self, batch_size: int, k: int) -> torch.Tensor:
-        """Logits [batch_size * (k+1), vocab] (hidden [.., H] when logits are computed after replay)."""
+    def _forward(self, batch_size: int, k: int, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch_size * (k+1), vocab], written into `logits` when given (hidden [.., H] when
+        logits are computed after replay)."""
         tokens = batch_size * (k + 1)
         if k == 0:
             input_ids, positions, slot_mapping = self._load_from_packed(batch_size)
@@ -150,7 +151,7 @@ class DecodeGraphs:
         hidden, aux = self.model(input_ids, positions, attn, self.kv_caches)
         if self.write_features is not None:
             self.write_features(aux, slot_mapping)
-        return self.model.compute_logits(hidden) if self.graph_logits else hidden
+        return self.model.compute_logits(hidden, logits) if self.graph_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -173,8 +174,11 @@ class DecodeGraphs:
 
                 def body(size=size, k=k, target=target):
                     out = target[: size * (k + 1)]
-                    out.copy_(self._forward(size, k))
-                    if k == 0 and self.graph_logits:
+                    if not self.graph_logits:
+                        out.copy_(self._forward(size, k))
+                        return
+                    self._forward(size, k, logits=out)  # the logits land in the shared buffer
+                    if k == 0:
                         torch.argmax(out, dim=-1, out=self.token_ids[:size])
 
                 self.graphs[(size, k)], pool = self._capture_graph(body, pool)

@@ -236,12 +236,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = tied_to is not None
         self.comm = parallel.comm
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> [N, vocab_size] float32, identical on every rank."""
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] -> [N, vocab_size] float32, identical on every rank. out: an [N, vocab_size]
+        float32 tensor to write them into (a CUDA graph's static buffer: no extra copy)."""
         logits = _linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
-        return logits[:, : self.vocab_size].float()
+        if out is None:
+            return logits[:, : self.vocab_size].float()
+        return out.copy_(logits[:, : self.vocab_size])
 
 
 class RMSNorm(nn.Module):

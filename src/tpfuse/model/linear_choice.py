@@ -10,8 +10,9 @@ the most rows the engine's CUDA graphs use:
     of kernels/skinny_linear.py, the fastest kept;
 against F.linear (cuBLAS), all timed at the bucket's largest row count by CUDA-graph replay over the
 model's own weights of that shape (distinct tensors, so as L2-cold as in decode). The Triton route
-is taken where it needs at most MARGIN of cuBLAS's time. layers._linear then sends each input by
-its row count; more than 64 rows, and every unchosen case, stay on F.linear.
+is taken where it needs at most MARGIN of cuBLAS's time ($TPFUSE_LINEAR_MARGIN overrides it).
+layers._linear then sends each input by its row count; more than 64 rows, and every unchosen case,
+stay on F.linear.
 
 The choice is process-wide, keyed by (shape, dtype, device, bias, bucket): engines and ranks sharing
 a GPU share it, and a case is timed once. TPFUSE_LINEAR overrides it: auto (default, measured),
@@ -35,6 +36,7 @@ from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 log = logging.getLogger("tpfuse")
 
 MARGIN = 0.97  # the Triton route must need at most 97 % of cuBLAS's time: noise never flips a tie
+MARGIN_VARIABLE = "TPFUSE_LINEAR_MARGIN"  # overrides MARGIN (benchmarks: what a margin costs or gains)
 MODES = ("auto", "triton", "cublas")
 GEMV = "gemv"  # the route of bucket 1
 BUCKETS = (1, 16, 32, 64)
@@ -122,6 +124,21 @@ def mode() -> str:
     return value
 
 
+def margin() -> float:
+    """The largest share of cuBLAS's time a Triton route may need to be taken ($TPFUSE_LINEAR_MARGIN,
+    else MARGIN)."""
+    value = os.environ.get(MARGIN_VARIABLE)
+    if value is None:
+        return MARGIN
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 < share <= 1.5:
+        raise ValueError(f"{MARGIN_VARIABLE}={value!r} must be a number in (0, 1.5], e.g. 0.97; unset it")
+    return share
+
+
 def _candidates(rows_bucket: int) -> tuple[Route, ...]:
     return (GEMV,) if rows_bucket == 1 else TILES[rows_bucket]
 
@@ -149,7 +166,7 @@ def _decide(key: Key, weights, how: str, timer) -> Choice:
         return Choice(shape, dtype, rows_bucket, candidates[0] if how == "triton" else None)
     cublas_us = timer(weights, rows_bucket, None)
     triton_us, best = min((timer(weights, rows_bucket, c), i) for i, c in enumerate(candidates))
-    chosen = candidates[best] if triton_us <= MARGIN * cublas_us else None
+    chosen = candidates[best] if triton_us <= margin() * cublas_us else None
     return Choice(shape, dtype, rows_bucket, chosen, cublas_us, triton_us)
 
 

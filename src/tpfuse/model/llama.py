@@ -109,9 +109,10 @@ class LlamaForCausalLM(nn.Module):
             h, residual = comm.fused_add_rmsnorm_all_reduce(partial, residual, next_norm.weight, eps)
         return h, (torch.cat(aux, dim=-1) if aux else None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> [N, vocab_size] float32, the full vocabulary on every rank."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] -> [N, vocab_size] float32, the full vocabulary on every rank (written into
+        out when given)."""
+        return self.lm_head(hidden, out)
 
     def checkpoint_slots(self) -> dict[str, ShardSlot]:
         """Hugging Face tensor name -> where this rank's part of it goes. A tied lm_head has no slot."""
