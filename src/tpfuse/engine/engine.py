@@ -231,7 +231,7 @@ class LLMEngine:
         """Speculative twin of _complete: launches the step after batch as a chained template when it
         is known already (spec_chain.py), then reads batch's tokens and postprocesses them."""
         decoder = self.spec_decoder
-        if self.chain_spec and pending.decode_rows and len(pending.decode_rows) == len(batch.seqs):
+        if self.chain_spec and pending.pure_decode and pending.decode_rows:
             following = self.scheduler.schedule_next_spec_decode(batch)
             if following is not None and decoder.chained_num_draft_tokens(following) is not None:
                 seed, banned = self.config.seed, self.scheduler.banned_token_ids

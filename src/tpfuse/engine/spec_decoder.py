@@ -73,6 +73,7 @@ class SpecPending:
     num_draft_tokens: int  # k of the step
     decode_rows: list[int]  # the batch rows that verify
     sampled: list[int]  # the sampled ids of the prefill rows that reached their end, in row order
+    pure_decode: bool
     timed: bool  # its time tells the policy what a decode step of its k costs
     catch_up: bool  # a k = 0 step run so the drafters catch up (not timed as a k = 0 step)
     result: VerifyResult | TreeVerifyResult | None = None  # device result of the verify rows
@@ -218,21 +219,7 @@ class SpecDecoder:
         device shifts by previous's accepted counts (spec_chain.py: the caller checked
         chained_num_draft_tokens and scheduled batch with schedule_next_spec_decode)."""
         decode_rows = [i for i, n in enumerate(batch.num_new_tokens) if is_decode_row(batch.seqs[i], n)]
-        chosen, self._chosen = self._chosen, None
-        if chosen is not None and chosen[0] == len(decode_rows):
-            k = chosen[1]
-        else:
-            k = self.choose_num_draft_tokens(len(decode_rows))
-        catch_up = (
-            previous is None
-            and bool(k)
-            and self.ext_window > 0
-            and lags_after_plain_steps(batch, self.ext_window)
-        )
-        if catch_up:
-            self._after_catch_up, k = k, 0  # drafting resumes next step, inside the window graphs
-        if decode_rows:
-            self.current_num_draft_tokens = k
+        k, catch_up = self._take_num_draft_tokens(batch, len(decode_rows), chained=previous is not None)
         host_drafts = None
         if self.ngram:
             host_drafts = {}
@@ -269,19 +256,41 @@ class SpecDecoder:
         # prefill: the drafter extends over the whole prompt, eagerly) says nothing about what the
         # next decode steps cost, so the policy is not told its time.
         one_off = bool(self.ext_window and k and not forward.spec.header.ext_window)
-        pending = SpecPending(batch, k, decode_rows, sampled, pure_decode and not one_off, catch_up)
+        pending = SpecPending(batch, k, decode_rows, sampled, pure_decode, not one_off, catch_up)
         if decode_rows:
-            seeded = [batch.seqs[row].params.seed is not None for row in decode_rows]
-            if self.tree and k:
-                pending.result, counts = self._verify_tree(forward, batch, decode_rows, any(seeded))
-            else:
-                pending.result, counts = self._verify(forward, k, any(seeded), all(seeded))
-            result = pending.result
-            both = torch.cat(
-                [result.num_accepted[:, None], counts[:, None].to(torch.int64), result.token_ids], 1
-            )
-            pending.readback = self.readback.start(both.view(-1), [], False, 0)
+            self._verify_and_start_readback(pending, forward)
         return pending
+
+    def _take_num_draft_tokens(self, batch: Batch, num_decode: int, chained: bool) -> tuple[int, bool]:
+        """(k, catch_up) of the step being launched: the k kept for it or the policy's; k = 0 and
+        catch_up when the drafters first have to catch up after plain steps (never in a chained
+        step: its rows drafted in the step before)."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] == num_decode:
+            k = chosen[1]
+        else:
+            k = self.choose_num_draft_tokens(num_decode)
+        catch_up = (
+            not chained and bool(k) and self.ext_window > 0 and lags_after_plain_steps(batch, self.ext_window)
+        )
+        if catch_up:
+            self._after_catch_up, k = k, 0  # drafting resumes next step, inside the window graphs
+        if num_decode:
+            self.current_num_draft_tokens = k
+        return k, catch_up
+
+    def _verify_and_start_readback(self, pending: SpecPending, forward) -> None:
+        """Enqueues the verification of pending's decode rows and the copy of [accepted, drafts,
+        emitted ids...] per row to the host."""
+        batch, rows, k = pending.batch, pending.decode_rows, pending.num_draft_tokens
+        seeded = [batch.seqs[row].params.seed is not None for row in rows]
+        if self.tree and k:
+            pending.result, counts = self._verify_tree(forward, batch, rows, any(seeded))
+        else:
+            pending.result, counts = self._verify(forward, k, any(seeded), all(seeded))
+        result = pending.result
+        both = torch.cat([result.num_accepted[:, None], counts[:, None].to(torch.int64), result.token_ids], 1)
+        pending.readback = self.readback.start(both.view(-1), [], False, 0)
 
     def wait(self, pending: SpecPending) -> list[list[int] | None]:
         """The tokens each sequence of a launched step gets (None: none): waits for its results and
@@ -296,10 +305,11 @@ class SpecDecoder:
             if self.tree and k:
                 self._record_kv_moves(batch, decode_rows, pending.result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
-            if self.policy is not None and pending.timed and pending.catch_up:  # no k = 0 step
+            if self.policy is not None and pending.pure_decode and pending.catch_up:  # no k = 0 step
                 self._timed_catch_up = len(decode_rows)
-            elif self.policy is not None and pending.timed:
-                self._timed_step = (len(decode_rows), k)
+            elif self.policy is not None and pending.pure_decode:
+                if pending.timed:
+                    self._timed_step = (len(decode_rows), k)
                 if k:
                     self.policy.record_acceptance(num_drafts, accepted)
         out: list[list[int] | None] = [None] * len(batch.seqs)
