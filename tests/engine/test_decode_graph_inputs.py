@@ -28,11 +28,11 @@ class RecordingModel:
         self.seen.append({name: value.clone() for name, value in seen.items()})
         return (input_ids * 31 + positions * 7).double().unsqueeze(1), None
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, out=None):
         target = hidden[:, 0].long() % VOCAB
         logits = torch.randn(hidden.shape[0], VOCAB, dtype=torch.float64).float()
         logits[torch.arange(hidden.shape[0]), target] = 1e4
-        return logits
+        return logits if out is None else out.copy_(logits)
 
 
 class EagerGraph:

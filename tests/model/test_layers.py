@@ -96,6 +96,16 @@ def test_lm_head_gathers_the_full_vocabulary_from_padded_shards():
     torch.testing.assert_close(torch.cat(shards, dim=-1)[:, :vocab], hidden_states @ table.T)
 
 
+def test_lm_head_writes_into_a_given_buffer_what_it_returns_without_one():
+    """The CUDA graphs hand the shared float32 logits buffer in (no extra copy): same values."""
+    head = ParallelLMHead(13, 8, ranks(1)[0], torch.bfloat16)
+    head.weight.data.normal_()
+    hidden = torch.randn(3, 8).bfloat16()
+    out = torch.full((3, 13), float("nan"))
+    assert head(hidden, out) is out
+    assert torch.equal(out, head(hidden)) and head(hidden).dtype == torch.float32
+
+
 def test_tied_lm_head_shares_the_embedding_weight():
     ctx = ranks(1)[0]
     embedding = VocabParallelEmbedding(10, 4, ctx, DTYPE)
