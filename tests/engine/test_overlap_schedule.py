@@ -1,7 +1,8 @@
 """The overlap schedule (the next decode step launched before this one's ids are read) gives exactly
 the synchronous engine's tokens and finish reasons: greedy and seeded sampling, stop ids, EOS,
 max_tokens and min_tokens in the middle of a batch, requests arriving and aborted mid-run, and
-preemption under a tiny KV budget."""
+preemption under a tiny KV budget. A launched step is never thrown away: a row that finished
+meanwhile has its token discarded, and an arriving request joins the step after it."""
 
 import pytest
 
@@ -20,10 +21,12 @@ def _engine(overlap: bool, **kw) -> LLMEngine:
     config = EngineConfig(model="tiny", device="cpu", disable_overlap_schedule=not overlap, **kw)
     engine = LLMEngine(config)
     launches = engine.chained_launches = [0]
+    total = engine.launches = [0]
     launch = engine.executor.launch
 
     def counting_launch(batch, packed, previous=None):
         launches[0] += previous is not None
+        total[0] += 1
         return launch(batch, packed, previous)
 
     engine.executor.launch = counting_launch
@@ -49,11 +52,15 @@ def _run(engine: LLMEngine, arrivals: dict, aborts: dict) -> dict:
     return {r: (tokens[r], reasons.get(r)) for r in tokens}
 
 
-def _both(arrivals, aborts=None, **kw) -> tuple[dict, dict, int]:
+def _both(arrivals, aborts=None, launches=None, **kw) -> tuple[dict, dict, int]:
+    """Runs the synchronous and the overlapped engine; launches: a list that receives both engines'
+    step launch counts (sync, overlapped)."""
     results = []
     for overlap in (False, True):
         engine = _engine(overlap, **kw)
         results.append((_run(engine, arrivals, aborts or {}), engine.chained_launches[0]))
+        if launches is not None:
+            launches.append(engine.launches[0])
         engine.shutdown()
     (sync, sync_chained), (overlapped, chained) = results
     assert sync_chained == 0
@@ -83,10 +90,12 @@ def test_stop_token_and_eos_finishing_mid_batch_match_sync():
     stop_at = base["r1"][0][7]  # r1 stops on its eighth token
     eos_like = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[base["r2"][0][4]])
     arrivals = {0: [("r0", greedy(30)), ("r1", greedy(30, stop_token_ids=[stop_at])), ("r2", eos_like)]}
-    sync, overlapped, chained = _both(arrivals, num_kv_blocks=256)
+    launches = []
+    sync, overlapped, chained = _both(arrivals, launches=launches, num_kv_blocks=256)
     assert overlapped == sync
     assert sync["r1"][1] == "stop" and len(sync["r1"][0]) <= 8 and sync["r2"][1] == "stop"
     assert chained > 10
+    assert launches[1] == launches[0], "the step in flight when a row stopped still served the others"
 
 
 def test_requests_arriving_and_aborted_mid_run_match_sync():
@@ -97,7 +106,17 @@ def test_requests_arriving_and_aborted_mid_run_match_sync():
     }
     aborts = {6: ["r1"], 11: ["r3"]}
     sync, overlapped, chained = _both(arrivals, aborts, num_kv_blocks=256)
-    assert overlapped == sync
+    aborted = {"r1", "r3"}
+    assert {r: v for r, v in overlapped.items() if r not in aborted} == {
+        r: v for r, v in sync.items() if r not in aborted
+    }
+    # An arrival joins the step after the one in flight, so an abort given at a fixed engine step may
+    # cut a request a token earlier or later; either way its tokens are those of one stream.
+    full = _both({0: [("r1", seeded(24, 5)), ("r3", seeded(12, 8))]}, num_kv_blocks=256)[0]
+    for request_id in aborted:
+        tokens = overlapped[request_id][0]
+        assert overlapped[request_id][1] == sync[request_id][1] == "abort"
+        assert tokens == full[request_id][0][: len(tokens)]
     assert sync["r1"][1] == "abort" and len(sync["r1"][0]) < 24
     assert chained > 10
 

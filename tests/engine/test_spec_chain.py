@@ -179,3 +179,26 @@ def test_chained_steps_accept_what_synchronous_steps_accept(tmp_path):
         assert llm.engine.spec_decoder.stats.acceptance_length > 2.0
     assert counts[False]["chained"] == 0 and counts[True]["chained"] > 4, counts
     assert outputs[True] == outputs[False]
+
+
+def test_a_row_that_stops_while_the_next_step_is_in_flight_wastes_no_step(tmp_path):
+    """r1 stops on a token mid-run: the chained step already launched keeps serving the other rows
+    (the stopped row's tokens are discarded), so the chained engine launches exactly as many steps
+    as the synchronous one, and every request gets the same tokens."""
+    kw = {**ENGINE, "enable_prefix_caching": False}
+    plain = [o.token_ids for o in LLM(**kw).generate(PROMPTS[:3], greedy(30))]
+    late = next(i for i in range(15, 30) if plain[1][i] not in plain[1][:i])  # chaining by then
+    params = [greedy(30), greedy(30, stop_token_ids=[plain[1][late]]), greedy(30)]
+    path = write_eagle3_head(str(tmp_path))
+    outputs, counts = {}, {}
+    for chain in (False, True):
+        config = EngineConfig(
+            **kw, disable_overlap_schedule=not chain, speculative=spec_config("eagle3", path, adaptive=False)
+        )
+        llm = LLM(config=config)
+        counts[chain] = _count_chained(llm)
+        outputs[chain] = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
+    assert outputs[True] == outputs[False]
+    assert outputs[True][0] == plain[0] and len(outputs[True][1]) == late + 1
+    assert counts[True]["chained"] > 4
+    assert counts[True]["launched"] == counts[False]["launched"], counts

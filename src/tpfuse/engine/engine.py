@@ -8,8 +8,9 @@ Overlap schedule (TP=1, no speculation, unless --disable-overlap-schedule): when
 decode step is known before its tokens are (the same requests, none due to finish by length or
 still banning ids, nothing waiting, KV blocks free), the next step is packed and launched before
 this step's ids are read, taking them as input ids on the device; the GPU runs the two steps back
-to back while the host postprocesses. If a request then finishes, arrives or is aborted, the
-launched step is dropped and the batch scheduled again, so tokens equal the synchronous path's.
+to back while the host postprocesses. If a request then finishes (a stop id, EOS) or is aborted,
+the launched step still runs and that row's token is discarded; a request that arrives joins the
+step after it. Every request gets the tokens the synchronous path gives it.
 
 Speculative steps chain the same way (TP=1, EAGLE-3 chain drafting): while a window step runs, the
 next one is packed as a template and shifted on the device by the accepted counts (spec_chain.py).
@@ -164,14 +165,11 @@ class LLMEngine:
         """Runs one batch; returns an output for every request that got a token (finished ones last
         time they appear). Returns [] when there is nothing to do."""
         started = time.perf_counter()
-        if self._in_flight is not None:
+        if self._in_flight is not None:  # it runs whatever happened since its launch (see _complete)
             batch, pending = self._in_flight
             self._in_flight = None
-            speculative = isinstance(pending, SpecPending)
-            if self._still_scheduled(batch):
-                complete = self._complete_spec if speculative else self._complete
-                return complete(batch, pending, started, chained=True)
-            self._drop(pending)  # a request finished, arrived or was aborted
+            complete = self._complete_spec if isinstance(pending, SpecPending) else self._complete
+            return complete(batch, pending, started, chained=True)
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -193,19 +191,14 @@ class LLMEngine:
         """Whether this step of a speculative engine runs as a plain (overlapped) decode."""
         return self.plain_when_k_is_zero and self.spec_decoder.chooses_plain_decode(batch)
 
-    def _still_scheduled(self, batch) -> bool:
-        """Whether schedule() would return batch (launched ahead) now."""
-        running = self.scheduler.running
-        return (
-            not self.scheduler.waiting
-            and len(running) == len(batch.seqs)
-            and all(a is b for a, b in zip(running, batch.seqs, strict=True))
-        )
-
     def _complete(self, batch, pending, started: float, chained: bool = False) -> list[StepOutput]:
         """Launches the step after batch when it is known already, then reads batch's ids and
         postprocesses them. started: when this engine step began; chained: batch was launched while
-        the step before it ran."""
+        the step before it ran. A chained batch is kept whatever happened since its launch: the
+        tokens of a row that finished or was aborted meanwhile are discarded (postprocess skips
+        finished sequences; the step's KV writes land past their computed positions, in blocks
+        that no later step can reuse before this one has run), and requests that arrived meanwhile
+        join the step after it."""
         plain = self.spec_decoder is not None
         following = self.scheduler.schedule_next_decode(batch, plain=plain)
         if following is not None and plain and not self._runs_plain(following):

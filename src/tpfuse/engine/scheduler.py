@@ -197,11 +197,14 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
         """Advances each sequence by its chunk, appends its sampled token (None where it did not
-        sample) and finishes it if it should stop. Returns the sequences that got a token."""
+        sample) and finishes it if it should stop. Returns the sequences that got a token. A
+        sequence that finished (or was aborted) after batch was launched ahead gets nothing."""
         updated = []
         bm = self.block_manager
         sealing = bm.enable_prefix_caching
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n
             if sealing and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
                 bm.seal_computed_blocks(seq)
@@ -220,10 +223,13 @@ class Scheduler:
         """Speculative steps: emitted[i] are the tokens seqs[i] gets this step (None: none). A decode
         that emits a + 1 tokens had a drafts accepted, whose KV is valid too, so it advances by a + 1.
         Tokens are appended one at a time and the first that finishes the sequence (stop token, EOS,
-        max_tokens, max_model_len) ends the run. Returns (sequence, tokens it got) pairs."""
+        max_tokens, max_model_len) ends the run. Returns (sequence, tokens it got) pairs; a sequence
+        that finished (or was aborted) after batch was launched ahead gets nothing."""
         updated = []
         bm = self.block_manager
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, emitted, strict=True):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n + (len(tokens) - 1 if tokens else 0)
             taken = []
             for token in tokens or ():

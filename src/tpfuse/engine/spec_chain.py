@@ -16,8 +16,9 @@ accepted counts of step N before the replay (`shift_by_accepted`):
 Everything else in the template does not depend on a, given the conditions the engine chains under
 (the same decode rows in the same order, greedy verification or simulated acceptance, no min_tokens
 ban left, room for the full k whatever step N accepts). So a chained step computes exactly what the
-synchronous path would have packed. If a request finishes, arrives or is aborted meanwhile, the
-engine drops the launched step (its KV writes lie past every sequence's computed positions).
+synchronous path would have packed. If a request finishes or is aborted meanwhile, the launched
+step still runs for the others and that row's tokens are discarded (its KV writes lie past the
+sequence's computed positions); a request that arrives joins the step after it.
 """
 
 from __future__ import annotations
