@@ -152,3 +152,15 @@ def test_disable_overlap_schedule_flag_reaches_the_engine_config():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--disable-overlap-schedule"])).disable_overlap_schedule
     assert not engine_config_from_args(parser.parse_args([])).disable_overlap_schedule
+
+
+def test_a_step_in_flight_whose_rows_all_stopped_does_not_linger():
+    """When every row of the step launched ahead stops (here on a stop id), that step serves nobody:
+    the engine discards it at once instead of holding it while idle, where completing it later would
+    time the idle gap as a step."""
+    engine = _engine(True, num_kv_blocks=64)
+    first = _run(engine, {0: [("r0", greedy(12))]}, {})["r0"][0]
+    stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first[6]], ignore_eos=True)
+    tokens = _run(engine, {0: [("r0", stop)]}, {})["r0"]  # the same prompt again
+    assert tokens[1] == "stop" and engine.chained_launches[0] > 2
+    assert engine._in_flight is None

@@ -209,9 +209,16 @@ class LLMEngine:
         sampled = self.executor.wait(pending)
         if plain:
             self.spec_decoder.plain_step_finished(len(batch.seqs), chained, time.perf_counter() - started)
-        return self._outputs(
-            [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
-        )
+        updates = [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
+        self._drop_in_flight_if_it_serves_nobody()
+        return self._outputs(updates)
+
+    def _drop_in_flight_if_it_serves_nobody(self) -> None:
+        """A step launched ahead whose rows have all finished is waited for and discarded now, so it
+        never lingers while the engine idles (its completion would then time the idle gap)."""
+        if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight[0].seqs):
+            self._drop(self._in_flight[1])
+            self._in_flight = None
 
     def _drop(self, pending) -> None:
         """Lets a step launched ahead complete and discards it."""
@@ -232,6 +239,7 @@ class LLMEngine:
         emitted = decoder.wait(pending)
         outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
         decoder.step_finished(time.perf_counter() - started, chained)
+        self._drop_in_flight_if_it_serves_nobody()
         return outputs
 
     def _outputs(self, updates) -> list[StepOutput]:
