@@ -93,6 +93,23 @@ def test_the_template_holds_a_placeholder_where_the_newest_id_goes():
     assert spec.ext_next_ids[:-1].tolist() == seq.token_ids[-(WINDOW - 1) :]
 
 
+def test_a_template_sees_the_ids_with_one_placeholder_appended():
+    from tpfuse.engine.spec_chain import _WithOneMore
+
+    ids = [5, 6, 7]
+    view, expected = _WithOneMore(ids), [5, 6, 7, TEMPLATE_TOKEN]
+    assert len(view) == 4 and list(view) == expected
+    for i in range(-4, 4):
+        assert view[i] == expected[i]
+    for a in range(5):
+        for b in range(5):
+            assert view[a:b] == expected[a:b]
+    assert view[1:] == expected[1:] and view[:-1] == expected[:-1]
+    for bad in (4, -5):
+        with pytest.raises(IndexError):
+            view[bad]
+
+
 def test_only_a_window_step_of_the_same_decode_rows_can_be_shifted():
     batch = _decoding_batch(random.Random(1), 2)
     step, spec = _unpack(pack_spec_step(template_batch(batch), BLOCK, 7, lambda s: [], K, 1024))

@@ -51,9 +51,10 @@ class _WithOneMore(SequenceABC):
             if step != 1:
                 raise ValueError("a template's ids support contiguous slices only")
             return self._ids[start:stop] + ([TEMPLATE_TOKEN] if stop > n >= start else [])
-        if index in (n, -1):
-            return TEMPLATE_TOKEN
-        return self._ids[index]
+        position = index + n + 1 if index < 0 else index
+        if not 0 <= position <= n:
+            raise IndexError(f"token index {index} is outside a template of {n + 1} ids")
+        return TEMPLATE_TOKEN if position == n else self._ids[position]
 
 
 class _AfterOneToken:
