@@ -195,10 +195,6 @@ class SpecDecoder:
                 self.policy.record_catch_up(self._timed_catch_up, seconds)
         self._timed_step = self._timed_catch_up = None
 
-    def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[list[int] | None]:
-        """One speculative step of batch; returns the tokens of each sequence (None: none)."""
-        return self.wait(self.launch(batch, engine_seed, banned_token_ids))
-
     def chained_num_draft_tokens(self, batch: Batch) -> int | None:
         """The k of a chained launch of batch (the step after one in flight, see spec_chain.py), or
         None when batch cannot be chained: no window drafter, a row that samples (only greedy
@@ -323,7 +319,7 @@ class SpecDecoder:
         return out
 
     def drop(self, pending: SpecPending) -> None:
-        """Discards a launched step whose batch changed before it was read (it still completes)."""
+        """Waits for a launched step and discards it (every row finished meanwhile, or shutdown)."""
         if pending.readback is not None:
             self.readback.read(pending.readback)
 
