@@ -3,6 +3,7 @@ shifted on the device by that step's accepted counts, equals the step packed syn
 the engine's chained path gives the synchronous path's tokens."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Batch, Scheduler
 from tpfuse.engine.sequence import Sequence
-from tpfuse.engine.spec_chain import TEMPLATE_TOKEN, shift_by_accepted, template_batch
+from tpfuse.engine.spec_chain import TEMPLATE_TOKEN, continued_results, shift_by_accepted, template_batch
 from tpfuse.engine.spec_inputs import pack_spec_step, read_spec_header, unpack_spec
 from tpfuse.engine.step_inputs import read_header, unpack_step
 
@@ -54,23 +55,29 @@ def _fields(inputs) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_shifted_template_equals_the_step_packed_after_the_accepted_tokens(seed):
+@pytest.mark.parametrize("leave_out", [False, True])
+def test_a_shifted_template_equals_the_step_packed_after_the_accepted_tokens(seed, leave_out):
+    """leave_out: rows of the step before finished while it ran; the template holds the others,
+    which take their shifts from the rows they continue."""
     rng = random.Random(seed)
     rows, k_before, k = rng.randrange(1, 5), rng.randrange(0, K + 1), rng.randrange(1, K + 1)
+    before = _decoding_batch(rng, rows + leave_out)
+    kept = sorted(rng.sample(range(len(before.seqs)), rows))
+    batch = Batch([before.seqs[row] for row in kept], [1] * rows)
     pad_to = rows + rng.randrange(0, 3)
-    batch = _decoding_batch(rng, rows)
     template = _pack(template_batch(batch), k, pad_to)
     step, spec = _unpack(template.clone())
     assert spec.header.ext_window == WINDOW
-    accepted = [rng.randrange(0, k_before + 1) for _ in range(rows)]
-    emitted = torch.full((rows, k_before + 1), -1, dtype=torch.int64)
-    for row, (seq, a) in enumerate(zip(batch.seqs, accepted, strict=True)):
+    accepted = [rng.randrange(0, k_before + 1) for _ in before.seqs]
+    emitted = torch.full((len(before.seqs), k_before + 1), -1, dtype=torch.int64)
+    for row, (seq, a) in enumerate(zip(before.seqs, accepted, strict=True)):
         tokens = [rng.randrange(100, 200) for _ in range(a + 1)]
         emitted[row, : a + 1] = torch.tensor(tokens)
         seq.num_drafter_tokens = seq.num_computed_tokens  # as SpecDecoder.wait leaves it
         seq.token_ids += tokens
         seq.num_computed_tokens += a + 1
-    shift_by_accepted(step, spec, torch.tensor(accepted), emitted, BLOCK, k_before)
+    result = SimpleNamespace(num_accepted=torch.tensor(accepted), token_ids=emitted)
+    shift_by_accepted(step, spec, *continued_results(before, batch, result), BLOCK, k_before)
     expected_step, expected_spec = _unpack(_pack(batch, k, pad_to))
     for (name, got), want in zip(
         [*_fields(step).items(), *_fields(spec).items()],
@@ -117,14 +124,17 @@ def test_only_a_window_step_of_the_same_decode_rows_can_be_shifted():
         shift_by_accepted(step, spec, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1), BLOCK, 0)
 
 
-def _scheduler_with(seq: Sequence, max_model_len: int = 1024) -> Scheduler:
+def _scheduler_with(*seqs: Sequence, max_model_len: int = 1024) -> Scheduler:
+    """A scheduler whose running requests are seqs, each decoding its first output token."""
     scheduler = Scheduler(
         BlockManager(64, BLOCK), 8, 64, max_model_len, eos_token_ids={2}, num_lookahead_tokens=K
     )
-    scheduler.add(seq)
+    for seq in seqs:
+        scheduler.add(seq)
     scheduler.schedule()
-    seq.num_computed_tokens = len(seq.token_ids)
-    seq.token_ids.append(5)  # decoding now
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq.token_ids)
+        seq.token_ids.append(5)  # decoding now
     return scheduler
 
 
@@ -137,16 +147,42 @@ def test_the_next_speculative_decode_reserves_blocks_for_the_largest_shift():
 
 
 @pytest.mark.parametrize(
-    ("params", "why"),
+    ("params", "max_model_len", "why"),
     [
-        (SamplingParams(max_tokens=2 * K + 2), "max_tokens within two steps"),
-        (SamplingParams(max_tokens=64, min_tokens=3), "min_tokens still bans ids"),
+        (SamplingParams(max_tokens=64), 10 + 2 * K + 1, "max_model_len within two steps"),
+        (SamplingParams(max_tokens=64, min_tokens=3), 1024, "min_tokens still bans ids"),
     ],
 )
-def test_no_next_speculative_decode_when_acceptance_could_change_it(params, why):
+def test_no_next_speculative_decode_when_acceptance_could_change_it(params, max_model_len, why):
     seq = Sequence("a", list(range(1, 10)), params, BLOCK)
-    scheduler = _scheduler_with(seq)
+    scheduler = _scheduler_with(seq, max_model_len=max_model_len)
     assert scheduler.schedule_next_spec_decode(Batch([seq], [1])) is None, why
+
+
+def test_rows_near_max_tokens_chain_while_a_row_surely_outlives_the_step_in_flight():
+    """A row near max_tokens may finish in the step in flight (its tokens past max_tokens are cut in
+    postprocessing, and its draft count does not depend on them): it is chained if another row is
+    sure to go on; a row that the step's first token finishes is left out."""
+    near, sure, last = (Sequence(n, list(range(1, 10)), SamplingParams(max_tokens=m), BLOCK) for n, m in
+                        (("near", K + 2), ("sure", K + 3), ("last", 2)))  # fmt: skip
+    scheduler = _scheduler_with(near, sure, last)  # K + 1, K + 2 and 1 tokens to go
+    following = scheduler.schedule_next_spec_decode(Batch([near, sure, last], [1, 1, 1]))
+    assert following is not None and following.seqs == [near, sure]
+    near, last = (Sequence(n, list(range(1, 10)), SamplingParams(max_tokens=m), BLOCK) for n, m in
+                  (("near", K + 2), ("last", 2)))  # fmt: skip
+    scheduler = _scheduler_with(near, last)
+    assert scheduler.schedule_next_spec_decode(Batch([near, last], [1, 1])) is None  # none surely goes on
+
+
+def test_the_next_speculative_decode_leaves_out_rows_that_finished():
+    a, b, c = (Sequence(name, list(range(1, 10)), SamplingParams(max_tokens=64), BLOCK) for name in "abc")
+    scheduler = _scheduler_with(a, b, c)
+    scheduler.finish(b, "stop")
+    following = scheduler.schedule_next_spec_decode(Batch([a, b, c], [1, 1, 1]))
+    assert following is not None and following.seqs == [a, c] and following.num_new_tokens == [1, 1]
+    scheduler.finish(a, "stop")
+    scheduler.finish(c, "length")
+    assert scheduler.schedule_next_spec_decode(Batch([a, b, c], [1, 1, 1])) is None  # nobody left
 
 
 def test_no_next_speculative_decode_while_a_request_waits():
@@ -158,13 +194,15 @@ def test_no_next_speculative_decode_while_a_request_waits():
 
 def _count_chained(llm) -> dict:
     decoder = llm.engine.spec_decoder
-    counts = {"chained": 0, "launched": 0}
+    counts = {"chained": 0, "launched": 0, "left_out_rows": 0}
     launch = decoder.launch
 
-    def counting(*args, previous=None, **kwargs):
+    def counting(batch, *args, previous=None, **kwargs):
         counts["launched"] += 1
         counts["chained"] += previous is not None
-        return launch(*args, previous=previous, **kwargs)
+        if previous is not None:
+            counts["left_out_rows"] += len(previous.batch.seqs) - len(batch.seqs)
+        return launch(batch, *args, previous=previous, **kwargs)
 
     decoder.launch = counting
     return counts
@@ -218,4 +256,24 @@ def test_a_row_that_stops_while_the_next_step_is_in_flight_wastes_no_step(tmp_pa
     assert outputs[True] == outputs[False]
     assert outputs[True][0] == plain[0] and len(outputs[True][1]) == late + 1
     assert counts[True]["chained"] > 4
+    assert counts[True]["launched"] == counts[False]["launched"], counts
+
+
+def test_the_chain_goes_on_past_rows_that_finish(tmp_path):
+    """Requests with different max_tokens finish at different steps, and each finish lands in a step
+    whose successor is already in flight: that successor is kept, the chained step after it leaves
+    the finished row out, and every request gets the synchronous engine's tokens."""
+    path = write_eagle3_head(str(tmp_path))
+    params = [greedy(n, seed=11) for n in (19, 26, 33, 40)]
+    outputs, counts = {}, {}
+    for chain in (False, True):
+        kw = {**ENGINE, "enable_prefix_caching": False, "disable_overlap_schedule": not chain}
+        spec = spec_config("eagle3", path, adaptive=False, simulate_acceptance_length=3.0)
+        llm = LLM(config=EngineConfig(**kw, speculative=spec))
+        counts[chain] = _count_chained(llm)
+        outputs[chain] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outputs[True] == outputs[False]
+    assert [len(tokens) for tokens in outputs[True]] == [19, 26, 33, 40]
+    # r0 finishes before the chain starts (r3's prompt is still prefilled in chunks), r3 last
+    assert counts[True]["left_out_rows"] == 2, counts
     assert counts[True]["launched"] == counts[False]["launched"], counts

@@ -47,11 +47,20 @@ def test_decode_row_carries_its_newest_token_and_k_draft_slots_at_the_next_posit
     assert spec.header.num_draft_tokens == K and spec.header.pure_decode == 0
 
 
-def test_rows_near_max_tokens_use_fewer_drafts_and_store_no_kv_for_the_rest():
-    batch = _batch(decode_max_tokens=4)  # 2 generated: this step may emit 2 tokens, so 1 draft
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=64))
+def test_rows_near_max_model_len_use_fewer_drafts_and_store_no_kv_for_the_rest():
+    batch = _batch()  # 7 ids: within max_model_len 9 this step may emit 2 tokens, so 1 draft
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=9))
     assert spec.num_drafts.tolist() == [1]
     assert step.slot_mapping[2:4].tolist() == [-1, -1]
+
+
+def test_rows_near_max_tokens_draft_in_full():
+    """Postprocessing cuts the tokens past max_tokens; a draft count that depended on the row's
+    output length would depend on the acceptance of the step before (chained steps cannot know it)."""
+    batch = _batch(decode_max_tokens=3)  # 2 generated: one more token ends the row
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=64))
+    assert spec.num_drafts.tolist() == [K]
+    assert (step.slot_mapping[:4] >= 0).all()
 
 
 def test_host_drafts_fill_the_verify_row():

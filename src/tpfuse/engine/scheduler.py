@@ -149,35 +149,47 @@ class Scheduler:
 
     def schedule_next_spec_decode(self, batch: Batch) -> Batch | None:
         """Chained speculative steps: the batch schedule() will return after batch, a speculative
-        decode of every running request still in flight, when no sequence finishes, nothing arrives
-        and nothing is aborted, whatever number of drafts batch accepts. Reserves KV blocks for the
-        largest case (batch emits 1 + lookahead tokens, then the next step verifies 1 + lookahead
-        positions). None when that batch cannot be known now: a request waits, a row is not a
-        decode, a row could reach max_tokens or max_model_len within the two steps (its draft
-        count would depend on what batch accepts), a row still bans ids (min_tokens), or blocks
-        would have to be freed."""
+        decode of every running request still in flight, when nothing arrives meanwhile, whatever
+        number of drafts batch accepts. Its rows are batch's rows, in order, less those that finished
+        while batch ran (they ride along in batch, their tokens discarded) and those that batch's
+        token will finish (max_tokens). Reserves KV blocks for the largest case (batch emits
+        1 + lookahead tokens, then the next step verifies 1 + lookahead positions). None when that
+        batch cannot be known now: a request waits, a row is not a decode, a row could reach
+        max_model_len within the two steps (its draft count would depend on what batch accepts), a
+        row still bans ids (min_tokens), or blocks would have to be freed; and when no row is sure
+        to outlive batch."""
         ahead = self.num_lookahead_tokens
-        if self.waiting or not ahead or len(batch.seqs) != len(self.running):
+
+        def continues(seq: Sequence) -> bool:  # past batch, whatever batch accepts
+            return not seq.is_finished and seq.params.max_tokens - seq.num_output_tokens > 1
+
+        rows = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if continues(s)]
+        running = [seq for seq in self.running if continues(seq)]
+        if self.waiting or not ahead or len(rows) != len(running):
             return None
-        if len(batch.seqs) * (1 + ahead) > self.max_num_batched_tokens:
+        if all(s.params.max_tokens - s.num_output_tokens <= 1 + ahead for s, _ in rows):
+            return None  # every row may finish in batch: the step after would likely serve nobody
+        if len(rows) * (1 + ahead) > self.max_num_batched_tokens:
             return None
         bm = self.block_manager
         new_blocks = 0
         reserve = 2 * ahead + 1  # positions past the newest: batch's emitted tokens, then k + 1 more
-        for seq, running, n in zip(batch.seqs, self.running, batch.num_new_tokens, strict=True):
+        for (seq, n), same in zip(rows, running, strict=True):
             length = len(seq.token_ids)
-            if seq is not running or n != 1 or seq.num_computed_tokens + 1 != length:
+            if seq is not same or n != 1 or seq.num_computed_tokens + 1 != length:
                 return None
-            p = seq.params
-            room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - length)
-            if room < 2 * (ahead + 1) or seq.num_output_tokens + 1 < p.min_tokens:
+            if (
+                self.max_model_len - length < 2 * (ahead + 1)
+                or seq.num_output_tokens + 1 < seq.params.min_tokens
+            ):
                 return None
             new_blocks += max(0, seq.num_blocks_for(length + reserve) - len(seq.block_table))
         if new_blocks > bm.num_free_blocks:
             return None
-        for seq in batch.seqs:
+        seqs = [seq for seq, _ in rows]
+        for seq in seqs:
             bm.append_slot(seq, reserve)
-        return Batch(list(batch.seqs), [1] * len(batch.seqs))
+        return Batch(seqs, [1] * len(seqs))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

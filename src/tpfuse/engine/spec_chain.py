@@ -18,7 +18,9 @@ Everything else in the template does not depend on a, given the conditions the e
 ban left, room for the full k whatever step N accepts). So a chained step computes exactly what the
 synchronous path would have packed. If a request finishes or is aborted meanwhile, the launched
 step still runs for the others and that row's tokens are discarded (its KV writes lie past the
-sequence's computed positions); a request that arrives joins the step after it.
+sequence's computed positions), and the step chained after it leaves that row out: its template
+rows take their shifts from the rows they continue (continued_results). A request that arrives joins
+the first step scheduled after it.
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ class _AfterOneToken:
 def template_batch(batch: Batch) -> Batch:
     """The batch to pack for the step after `batch` (all decode rows) while `batch` runs."""
     return Batch([_AfterOneToken(seq) for seq in batch.seqs], list(batch.num_new_tokens))
+
+
+def continued_results(before: Batch, batch: Batch, result) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [D], emitted [D, k'+1]) of the step before, on the device, for the rows of batch:
+    batch's rows are before's rows in order, less those that finished while before ran."""
+    if len(batch.seqs) == len(before.seqs):
+        return result.num_accepted, result.token_ids
+    row_of = {id(seq): row for row, seq in enumerate(before.seqs)}
+    rows = torch.tensor([row_of[id(seq)] for seq in batch.seqs])
+    if result.num_accepted.is_cuda:  # pinned: the copy must not wait for the step in flight
+        rows = rows.pin_memory().to(result.num_accepted.device, non_blocking=True)
+    return result.num_accepted[rows], result.token_ids[rows]
 
 
 def _lookup_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

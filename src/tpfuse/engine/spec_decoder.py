@@ -20,7 +20,7 @@ import torch
 from tpfuse.config import EngineConfig
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
-from tpfuse.engine.spec_chain import template_batch
+from tpfuse.engine.spec_chain import continued_results, template_batch
 from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
@@ -243,8 +243,8 @@ class SpecDecoder:
         if previous is None:
             forward = self.executor.execute_spec(packed)
         else:
-            shift = (previous.result.num_accepted, previous.result.token_ids, previous.num_draft_tokens)
-            forward = self.runner.execute_spec(packed, shift)
+            accepted, emitted = continued_results(previous.batch, batch, previous.result)
+            forward = self.runner.execute_spec(packed, (accepted, emitted, previous.num_draft_tokens))
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)

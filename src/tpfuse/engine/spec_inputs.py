@@ -4,7 +4,7 @@ Rows of the forward: a *decode row* (a sequence whose only uncomputed token is i
 position L >= 1) carries num_draft_tokens + 1 query tokens: the newest token and k drafts at
 positions L..L+k. Drafts come from the host (n-gram: already in input_ids) or from the drafter on
 every rank (written into input_ids before the forward). A row may use fewer drafts (num_drafts[d]
-< k, near max_tokens or when n-gram finds fewer): its unused query tokens store no KV (slot -1) and
+< k, near max_model_len or when n-gram finds fewer): its unused query tokens store no KV (slot -1) and
 their logits are ignored. Other rows are prefill chunks, sampled as in a plain step.
 
 *Drafter rows* are the rows whose drafter KV lags the target's: positions [d0, computed) with their
@@ -106,10 +106,11 @@ class SpecInputs:
 
 
 def draft_limit(seq: Sequence, num_draft_tokens: int, max_model_len: int) -> int:
-    """Drafts worth verifying for seq: a step emits at most drafts + 1 tokens, and never more than
-    max_tokens or max_model_len still allow."""
-    room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq))
-    return max(0, min(num_draft_tokens, room - 1))
+    """Drafts seq can verify: a step emits at most drafts + 1 tokens, whose positions must lie within
+    max_model_len. max_tokens does not limit them: postprocessing cuts a row's tokens at max_tokens,
+    and a limit that depends on how many tokens the row has would make a chained step's draft counts
+    depend on what the step before it accepts (spec_chain.py)."""
+    return max(0, min(num_draft_tokens, max_model_len - len(seq) - 1))
 
 
 def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
