@@ -191,9 +191,26 @@ def test_a_bucket_between_explored_buckets_borrows_interpolated_costs_instead_of
     for batch in (4, 64):
         run(server, policy, batch, steps=policy.min_cost_samples * (K + 1))
     assert policy.step_cost(16, 2) == pytest.approx(server.cost(16, 2))
-    assert policy.step_cost(1, 2) is None  # below every explored bucket: nothing to interpolate from
     choices = run(server, policy, batch=16, steps=20)
     assert set(choices) == {server.best_k(16, 16)}  # no exploration steps in bucket 16
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_a_bucket_below_every_explored_one_starts_from_the_nearest_ones_choice(rate):
+    """A draining batch passes through smaller buckets for a few steps each: it must not explore every
+    k in each. The nearest explored bucket's costs are upper bounds that keep its choice, which is
+    safe since drafting pays at least as well at a smaller batch; a bucket above explores."""
+    server = SyntheticServer(rate=rate, per_token=2e-4)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    run(server, policy, batch=16, steps=policy.min_cost_samples * (K + 1) + 20)  # explored, then runs
+    chosen = policy.committed(16)
+    assert chosen is not None
+    assert policy.step_cost(2, 3) == policy.step_cost(16, 3)  # borrowed: no cost of its own yet
+    for batch in (8, 4, 2, 1):
+        choices = run(server, policy, batch, steps=6)
+        assert set(choices) == {chosen}, batch  # no exploration on the way down
+        assert chosen <= server.best_k(batch, batch)
+    assert policy.step_cost(32, 0) is None  # above every explored bucket: explored
 
 
 def test_a_bucket_leaves_a_choice_that_is_a_few_percent_worse():

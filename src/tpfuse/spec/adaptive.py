@@ -11,7 +11,14 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
   next ones until about 1 / alpha have been seen, then the EMA takes over, so a one-off slow step
   (a JIT compile, a page fault) among the first samples does not move it. A bucket where k was
   never measured borrows a cost interpolated linearly in batch size from the nearest buckets on
-  either side where it was (decode step time grows smoothly with the batch);
+  either side where it was (decode step time grows smoothly with the batch). A bucket below every
+  one where k was measured borrows the nearest one's cost: an upper bound, the same for every k
+  measured there, so the bucket starts from that bucket's choice, which is safe: drafting pays at
+  least as well at a smaller batch (the verify's extra tokens cost less beside the weights read
+  once). Its own samples and the rechecks below move it from there. So a batch that drains row by
+  row does not explore every k in each smaller bucket it passes (on the H200 that cost 5 % of a
+  round at acceptance length 3 and batch 32). A bucket above every measured one explores: there
+  drafting may pay less;
 - per draft position i the conditional acceptance rate r_i = P(draft i accepted | drafts before it
   accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i. r_i is a ratio of time-decayed sums,
   rows that passed position i over rows that tested it, every row's weight halving each
@@ -26,10 +33,10 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
 and picks the k that maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost.
 Guards against the ways such controllers fail in practice:
 
-- exploration: a k with neither a measured nor an interpolated cost in this bucket is tried
+- exploration: a k with neither a measured nor a borrowed cost in this bucket is tried
   `min_cost_samples` times (the first dropped, the median of the others) before the bucket commits
-  to a choice (or seed costs from a start-up profile, `set_cost`); a bucket between explored ones
-  needs no exploration;
+  to a choice (or seed costs from a start-up profile, `set_cost`); a bucket between or below
+  explored ones needs no exploration;
 - hysteresis: a bucket switches k only after some other k beats the committed one by more than
   `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
   The margin is small (2 %): it bounds how far below the best (by the estimates) a bucket may sit
@@ -37,7 +44,7 @@ Guards against the ways such controllers fail in practice:
 - no switch on stale evidence: the cost of a k that is not being run stops being measured while the
   context grows and the committed k's cost grows with it, so an old sample makes it look cheaper than
   it is. When a challenger has won `switch_patience` steps but its cost in this bucket is older than
-  `stale_after` of the bucket's steps (or was only interpolated), the bucket runs it for
+  `stale_after` of the bucket's steps (or was only borrowed), the bucket runs it for
   `refresh_steps` consecutive steps to measure it afresh (their median replaces the aged estimate:
   `refresh_weight` 1) and the streak starts over. Consecutive, not one: a lone k = 0 step runs
   without the plain-decode overlap (the engine launches a plain step while the one before it runs)
@@ -184,7 +191,8 @@ class AdaptivePolicy:
 
     def step_cost(self, decode_batch_size: int, num_draft_tokens: int) -> float | None:
         """Seconds per step in this batch's bucket: measured there, else interpolated from the
-        nearest measured buckets on either side; None when neither exists."""
+        nearest measured buckets on either side, else the nearest measured bucket's above; None
+        when no bucket at or above it was measured."""
         return self._estimated_cost(self.bucket_of(decode_batch_size), num_draft_tokens)
 
     def expected_tokens_per_second(self, decode_batch_size: int, num_draft_tokens: int) -> float | None:
@@ -201,8 +209,10 @@ class AdaptivePolicy:
             return self._cost[(bucket, k)]
         below = [b for b in self.batch_buckets if b < bucket and self._measured(b, k)]
         above = [b for b in self.batch_buckets if b > bucket and self._measured(b, k)]
-        if not below or not above:
+        if not above:
             return None
+        if not below:
+            return self._cost[(above[0], k)]
         lo, hi = below[-1], above[0]
         t = (bucket - lo) / (hi - lo)
         return self._cost[(lo, k)] + t * (self._cost[(hi, k)] - self._cost[(lo, k)])
@@ -220,7 +230,7 @@ class AdaptivePolicy:
         return self._measured(bucket, k) and age > self.stale_after
 
     def _stale(self, bucket: int, k: int) -> bool:
-        return not self._measured(bucket, k) or self._aged(bucket, k)  # interpolated or aged
+        return not self._measured(bucket, k) or self._aged(bucket, k)  # borrowed or aged
 
     def _choose(self, batch: int, bucket: int) -> int:
         self._clock[bucket] = self._clock.get(bucket, 0) + 1
@@ -294,7 +304,7 @@ class AdaptivePolicy:
 
     def snapshot(self, decode_batch_size: int) -> dict:
         """What the policy believes for this batch's bucket (for benchmark records and debugging):
-        the committed k, each k's cost estimate in ms (None: unknown; measured or interpolated) and
+        the committed k, each k's cost estimate in ms (None: unknown; measured or borrowed) and
         expected tokens per second, and the per-position acceptance rates."""
         bucket = self.bucket_of(decode_batch_size)
         costs = {k: self._estimated_cost(bucket, k) for k in range(self.max_num_draft_tokens + 1)}
