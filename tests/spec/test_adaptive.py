@@ -177,6 +177,23 @@ def test_a_one_off_slow_step_among_the_first_samples_does_not_set_the_cost():
     assert policy.step_cost(1, 2) == pytest.approx(0.006, rel=0.02)
 
 
+def test_a_one_off_stall_in_steady_state_does_not_flip_the_choice_but_a_lasting_rise_moves_the_cost():
+    """Seen on the H200 (L = 2, batch 16): one 106 ms step among 6.5 ms ones, taken whole into the
+    moving average, made k = 3 look 15 % dearer and the bucket ran k = 2 for about 70 steps."""
+    server = SyntheticServer(rate=0.8)
+    policy = AdaptivePolicy(K, BUCKETS, probe_interval=10**9)
+    run(server, policy, batch=16, steps=100)
+    best = policy.committed(16)
+    assert best == server.best_k(16, 16) and best > 0
+    steady = policy.step_cost(16, best)
+    policy.record_step(16, best, 16 * steady)
+    assert policy.step_cost(16, best) <= steady * (1 + policy.cost_ema_alpha * (policy.OUTLIER_RATIO - 1))
+    assert set(run(server, policy, batch=16, steps=100)) == {best}
+    for _ in range(40):  # the step really got twice as slow: the estimate follows
+        policy.record_step(16, best, 2 * steady)
+    assert policy.step_cost(16, best) == pytest.approx(2 * steady, rel=0.05)
+
+
 def test_a_seeded_cost_stays_in_the_estimate_when_samples_arrive():
     policy = AdaptivePolicy(K, BUCKETS)
     policy.set_cost(1, 1, 0.010)

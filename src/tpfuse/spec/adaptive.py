@@ -9,16 +9,17 @@ extend) and `record_acceptance` with how many drafts each row accepted. The poli
   the exact batch inside it. The first sample of each (bucket, k) is dropped (the first replay of a
   captured graph uploads it to the device, a one-off cost) and the estimate is the median of the
   next ones until about 1 / alpha have been seen, then the EMA takes over, so a one-off slow step
-  (a JIT compile, a page fault) among the first samples does not move it. A bucket where k was
-  never measured borrows a cost interpolated linearly in batch size from the nearest buckets on
-  either side where it was (decode step time grows smoothly with the batch). A bucket below every
-  one where k was measured borrows the nearest one's cost: an upper bound, the same for every k
-  measured there, so the bucket starts from that bucket's choice, which is safe: drafting pays at
-  least as well at a smaller batch (the verify's extra tokens cost less beside the weights read
-  once). Its own samples and the rechecks below move it from there. So a batch that drains row by
-  row does not explore every k in each smaller bucket it passes (on the H200 that cost 5 % of a
-  round at acceptance length 3 and batch 32). A bucket above every measured one explores: there
-  drafting may pay less;
+  (a JIT compile, a page fault) among the first samples does not move it; later samples enter the
+  EMA clipped at OUTLIER_RATIO times the estimate, so a one-off stall cannot flip the choice. A
+  bucket where k was never measured borrows a cost interpolated linearly in batch size from the
+  nearest buckets on either side where it was (decode step time grows smoothly with the batch). A
+  bucket below every one where k was measured borrows the nearest one's cost: an upper bound, the
+  same for every k measured there, so the bucket starts from that bucket's choice, which is safe:
+  drafting pays at least as well at a smaller batch (the verify's extra tokens cost less beside the
+  weights read once). Its own samples and the rechecks below move it from there. So a batch that
+  drains row by row does not explore every k in each smaller bucket it passes (on the H200 that
+  cost 5 % of a round at acceptance length 3 and batch 32). A bucket above every measured one
+  explores: there drafting may pay less;
 - per draft position i the conditional acceptance rate r_i = P(draft i accepted | drafts before it
   accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i. r_i is a ratio of time-decayed sums,
   rows that passed position i over rows that tested it, every row's weight halving each
@@ -89,6 +90,9 @@ from collections.abc import Sequence
 
 class AdaptivePolicy:
     CATCH_UP_SAMPLES = 5  # catch-up costs kept per bucket; their lower median is the estimate
+    # A sample enters the moving average at most this many times the estimate: a one-off stall (on
+    # the H200 a 106 ms step among 6.5 ms ones) moves it by at most 5 %, a lasting change is followed
+    OUTLIER_RATIO = 1.5
 
     def __init__(
         self,
@@ -343,7 +347,10 @@ class AdaptivePolicy:
             early.append(seconds)
             self._cost[key] = statistics.median(early)
             return
-        weight = max(self.cost_ema_alpha, self.refresh_weight) if aged else self.cost_ema_alpha
+        if aged:  # re-measured: the sample replaces (refresh_weight 1) or outweighs the old estimate
+            weight = max(self.cost_ema_alpha, self.refresh_weight)
+        else:
+            weight, seconds = self.cost_ema_alpha, min(seconds, self.OUTLIER_RATIO * self._cost[key])
         self._cost[key] += weight * (seconds - self._cost[key])
 
     def record_catch_up(self, decode_batch_size: int, seconds: float) -> None:
