@@ -219,19 +219,25 @@ def test_chained_steps_give_plain_greedy_tokens(tmp_path, adaptive):
     assert counts["chained"] >= counts["launched"] // 3, counts
 
 
-def test_chained_steps_accept_what_synchronous_steps_accept(tmp_path):
-    """With simulated acceptance (drafts accepted whatever the target says) rows shift by 0..k each
-    step; the chained engine must emit exactly the synchronous engine's tokens, drafts included."""
-    path = write_eagle3_head(str(tmp_path))
+def _simulated_runs(path: str, params) -> tuple[dict, dict]:
+    """PROMPTS generated synchronously (False) and chained (True) with simulated acceptance length 3:
+    (token ids per prompt, launch counts) per mode."""
     outputs, counts = {}, {}
     for chain in (False, True):
         kw = {**ENGINE, "enable_prefix_caching": False, "disable_overlap_schedule": not chain}
         spec = spec_config("eagle3", path, adaptive=False, simulate_acceptance_length=3.0)
         llm = LLM(config=EngineConfig(**kw, speculative=spec))
         counts[chain] = _count_chained(llm)
-        # seeded: an unseeded request's draws mix in its sequence id, which differs between engines
-        outputs[chain] = [o.token_ids for o in llm.generate(PROMPTS, greedy(40, seed=11))]
+        outputs[chain] = [o.token_ids for o in llm.generate(PROMPTS, params)]
         assert llm.engine.spec_decoder.stats.acceptance_length > 2.0
+    return outputs, counts
+
+
+def test_chained_steps_accept_what_synchronous_steps_accept(tmp_path):
+    """With simulated acceptance (drafts accepted whatever the target says) rows shift by 0..k each
+    step; the chained engine must emit exactly the synchronous engine's tokens, drafts included."""
+    # seeded: an unseeded request's draws mix in its sequence id, which differs between engines
+    outputs, counts = _simulated_runs(write_eagle3_head(str(tmp_path)), greedy(40, seed=11))
     assert counts[False]["chained"] == 0 and counts[True]["chained"] > 4, counts
     assert outputs[True] == outputs[False]
 
@@ -263,15 +269,8 @@ def test_the_chain_goes_on_past_rows_that_finish(tmp_path):
     """Requests with different max_tokens finish at different steps, and each finish lands in a step
     whose successor is already in flight: that successor is kept, the chained step after it leaves
     the finished row out, and every request gets the synchronous engine's tokens."""
-    path = write_eagle3_head(str(tmp_path))
     params = [greedy(n, seed=11) for n in (19, 26, 33, 40)]
-    outputs, counts = {}, {}
-    for chain in (False, True):
-        kw = {**ENGINE, "enable_prefix_caching": False, "disable_overlap_schedule": not chain}
-        spec = spec_config("eagle3", path, adaptive=False, simulate_acceptance_length=3.0)
-        llm = LLM(config=EngineConfig(**kw, speculative=spec))
-        counts[chain] = _count_chained(llm)
-        outputs[chain] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    outputs, counts = _simulated_runs(write_eagle3_head(str(tmp_path)), params)
     assert outputs[True] == outputs[False]
     assert [len(tokens) for tokens in outputs[True]] == [19, 26, 33, 40]
     # r0 finishes before the chain starts (r3's prompt is still prefilled in chunks), r3 last
