@@ -154,13 +154,18 @@ def test_disable_overlap_schedule_flag_reaches_the_engine_config():
     assert not engine_config_from_args(parser.parse_args([])).disable_overlap_schedule
 
 
-def test_a_step_in_flight_whose_rows_all_stopped_does_not_linger():
+def test_a_step_in_flight_whose_rows_all_stopped_is_set_aside_and_never_completed():
     """When every row of the step launched ahead stops (here on a stop id), that step serves nobody:
-    the engine discards it at once instead of holding it while idle, where completing it later would
-    time the idle gap as a step."""
+    the engine sets it aside without waiting for it (the last outputs do not wait for it) and reads
+    it at the start of the next step, never completing it as a step (which would time the idle gap
+    before the next request as one); the next request gets its tokens as if it had not existed."""
     engine = _engine(True, num_kv_blocks=64)
     first = _run(engine, {0: [("r0", greedy(12))]}, {})["r0"][0]
     stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first[6]], ignore_eos=True)
     tokens = _run(engine, {0: [("r0", stop)]}, {})["r0"]  # the same prompt again
     assert tokens[1] == "stop" and engine.chained_launches[0] > 2
-    assert engine._in_flight is None
+    assert engine._in_flight is None and engine._serving_nobody is not None
+    generated = engine.num_generated_tokens
+    assert engine.step() == [] and engine._serving_nobody is None
+    assert engine.num_generated_tokens == generated
+    assert _run(engine, {0: [("r0", greedy(12))]}, {})["r0"][0] == first

@@ -118,6 +118,7 @@ class LLMEngine:
             and not config.disable_overlap_schedule
         )
         self._in_flight = None  # (batch, PendingStep or SpecPending) launched ahead, not yet read
+        self._serving_nobody = None  # a launched step whose rows all finished: read, unused, next step
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -165,6 +166,9 @@ class LLMEngine:
         """Runs one batch; returns an output for every request that got a token (finished ones last
         time they appear). Returns [] when there is nothing to do."""
         started = time.perf_counter()
+        if self._serving_nobody is not None:  # done by now unless this step follows at once
+            self._drop(self._serving_nobody)
+            self._serving_nobody = None
         if self._in_flight is not None:  # it runs whatever happened since its launch (see _complete)
             batch, pending = self._in_flight
             self._in_flight = None
@@ -214,10 +218,11 @@ class LLMEngine:
         return self._outputs(updates)
 
     def _drop_in_flight_if_it_serves_nobody(self) -> None:
-        """A step launched ahead whose rows have all finished is waited for and discarded now, so it
-        never lingers while the engine idles (its completion would then time the idle gap)."""
+        """A step launched ahead whose rows have all finished is set aside, to be read and discarded
+        at the start of the next step: never completed as a step (which would time an idle gap as
+        one), and not waited for now (the last outputs would wait for a step that serves nobody)."""
         if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight[0].seqs):
-            self._drop(self._in_flight[1])
+            self._serving_nobody = self._in_flight[1]
             self._in_flight = None
 
     def _drop(self, pending) -> None:
@@ -289,9 +294,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Releases the executor (worker processes for TP > 1) and the device memory of this process's
         runner (weights, KV cache, CUDA graphs). Safe to call twice; the engine is unusable afterwards."""
+        if self._serving_nobody is not None:
+            self._drop(self._serving_nobody)
         if self._in_flight is not None:
             self._drop(self._in_flight[1])
-            self._in_flight = None
+        self._serving_nobody = self._in_flight = None
         close = getattr(self.executor, "shutdown", None)
         if close is not None:
             close()
