@@ -160,14 +160,18 @@ class Scheduler:
         to outlive batch."""
         ahead = self.num_lookahead_tokens
 
-        def continues(seq: Sequence) -> bool:  # past batch, whatever batch accepts
-            return not seq.is_finished and seq.params.max_tokens - seq.num_output_tokens > 1
+        def tokens_left(seq: Sequence) -> int:  # before batch's tokens: batch emits 1 to 1 + ahead
+            return seq.params.max_tokens - seq.num_output_tokens
 
-        rows = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if continues(s)]
-        running = [seq for seq in self.running if continues(seq)]
+        rows = [
+            (s, n)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if not s.is_finished and tokens_left(s) > 1
+        ]
+        running = [seq for seq in self.running if tokens_left(seq) > 1]  # none finished
         if self.waiting or not ahead or len(rows) != len(running):
             return None
-        if all(s.params.max_tokens - s.num_output_tokens <= 1 + ahead for s, _ in rows):
+        if all(tokens_left(s) <= 1 + ahead for s, _ in rows):
             return None  # every row may finish in batch: the step after would likely serve nobody
         if len(rows) * (1 + ahead) > self.max_num_batched_tokens:
             return None
