@@ -48,7 +48,7 @@ def main() -> int:
         if out_dir:
             with open(os.path.join(out_dir, f"comm_{name}.json"), "w") as f:
                 json.dump(result, f, indent=1)
-        from tpfuse.bench.comm import format_table
+        from tpfuse.comm.bench import format_table
 
         print(format_table(result))
         print(f"({time.monotonic() - started:.0f} s)", flush=True)

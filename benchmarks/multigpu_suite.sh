@@ -25,7 +25,7 @@ if [ "$what" = comm ]; then
   for tp in 2 4 8; do
     if [ "$tp" -le "$gpus" ]; then
       timeout 120 python3 -m tpfuse comm-bench --nproc "$tp" --json > "$OUT/comm_tp$tp.json" 2> "$OUT/comm_bench_tp$tp.err" \
-        && python3 -c "import json, sys; from tpfuse.bench.comm import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+        && python3 -c "import json, sys; from tpfuse.comm.bench import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
           "$OUT/comm_tp$tp.json" | tee "$OUT/comm_bench_tp$tp.log" | tail -n 40
     fi
   done

@@ -42,7 +42,7 @@ def devices_for(tp_size: int) -> list[int]:
 def _allreduce_rank(rank, tp_size, port, devices, mode, hidden, iters, queue):
     import torch.distributed as dist
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     torch.cuda.set_device(devices[rank])
     backend = "nccl" if len(set(devices)) == len(devices) else "gloo"

@@ -31,7 +31,8 @@ def _packed(obj) -> bytes:
 
 
 def _run_collectives(rank, world_size):
-    from tpfuse.comm.communicator import GlooCpuCopyCommunicator, create_communicator
+    from tpfuse.comm.communicator import GlooCpuCopyCommunicator
+    from tpfuse.comm.factory import create_communicator
 
     comm = create_communicator(device="cpu", mode="auto", max_tokens=ROWS, hidden_size=HIDDEN)
     out = {"type": type(comm).__name__, "rank": comm.rank, "world_size": comm.world_size}
@@ -135,7 +136,7 @@ def test_cpu_copy_fallback_sums_in_float32_and_returns_the_input_dtype(gloo_run)
 def test_world_size_one_gives_the_identity_communicator():
     import torch.distributed as dist
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     if group is None:

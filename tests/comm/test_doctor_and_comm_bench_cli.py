@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tpfuse.bench.comm import METHODS, SHARED_WARNING, chosen_method, format_table
 from tpfuse.cli import main
+from tpfuse.comm.bench import METHODS, SHARED_WARNING, chosen_method, format_table
 
 
 @pytest.fixture

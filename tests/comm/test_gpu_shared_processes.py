@@ -61,7 +61,7 @@ def _inputs(world_size, tokens, call):
 def _communicator_rank(rank, world_size):
     import torch.distributed as dist
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     torch.cuda.set_device(0)
     comm = create_communicator(device="cuda:0", max_tokens=256, hidden_size=HIDDEN, dtype=torch.bfloat16)
@@ -136,7 +136,7 @@ def test_a_graph_replayed_a_thousand_times_reproduces_the_first_call_exactly(sha
 def _crashed_peer_rank(rank, world_size):
     import torch.distributed as dist
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     torch.cuda.set_device(0)
     comm = create_communicator(device="cuda:0", max_tokens=8, hidden_size=256, timeout_s=1.0)

@@ -20,7 +20,7 @@ WORLD_SIZES = [n for n in (2, 4, 8) if n <= torch.cuda.device_count()] or [2]
 
 
 def _rank(rank, world_size, mode):
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     device = torch.device("cuda", rank)
     comm = create_communicator(
@@ -100,7 +100,7 @@ def test_ten_thousand_calls_and_a_thousand_graph_replays_reproduce_the_first_cal
 def _silent_peer_rank(rank, world_size):
     import time
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
 
     device = torch.device("cuda", rank)
     comm = create_communicator(device=device, mode="fused", max_tokens=8, hidden_size=HIDDEN,

@@ -7,6 +7,7 @@ alignment), the arguments the kernel declares unspecialised left out."""
 
 import torch
 
+from tpfuse import knobs
 from tpfuse.config import EngineConfig
 from tpfuse.engine.llm import LLM
 from tpfuse.kernels import decode_merge, prefill_attention
@@ -42,6 +43,7 @@ class RecordingKernel:
 
 def test_a_speculative_run_launches_only_prefill_variants_compiled_at_start_up(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
     recorder = RecordingKernel(prefill_attention._prefill_kernel)
     merges = RecordingKernel(decode_merge._decode_merge_kernel)  # the key-split partials' merge
     monkeypatch.setattr(prefill_attention, "_prefill_kernel", recorder)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tpfuse.kernels as kernels
+from tpfuse import knobs
 from tpfuse.kernels import (
     activation,
     decode_attention,
@@ -39,12 +40,14 @@ def test_every_reference_has_a_triton_twin_with_the_same_parameters(module, name
 @pytest.mark.parametrize("mode,expected", [("torch", "_ref"), ("triton", "_triton"), ("auto", "_ref")])
 def test_cpu_tensors_take_the_reference_unless_triton_is_forced(monkeypatch, mode, expected):
     monkeypatch.setenv("TPFUSE_KERNELS", mode)
+    knobs.reload()
     picked = kernels._pick(rmsnorm, "rmsnorm", torch.zeros(1))
     assert picked is getattr(rmsnorm, f"rmsnorm{expected}")
 
 
 def test_forced_triton_runs_through_the_public_op(monkeypatch):
     monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
     out = kernels.silu_and_mul(x)
     torch.testing.assert_close(out, activation.silu_and_mul_ref(x))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.model.harness import PagedSequences, load_for_test
+from tpfuse import knobs
 from tpfuse.kernels.skinny_linear import Tile
 from tpfuse.model import layers, linear_choice
 from tpfuse.model.linear_choice import GEMV, TILES
@@ -15,6 +16,7 @@ from tpfuse.model.linear_choice import GEMV, TILES
 @pytest.fixture(autouse=True)
 def fresh_decisions(monkeypatch):
     monkeypatch.delenv("TPFUSE_LINEAR", raising=False)
+    knobs.reload()
     linear_choice.reset()
     yield
     linear_choice.reset()
@@ -70,13 +72,16 @@ def test_auto_takes_the_fastest_triton_route_only_where_it_needs_at_most_the_mar
 def test_the_margin_variable_moves_the_threshold_and_a_bad_value_names_the_variable(monkeypatch):
     fake = lambda weights, rows, route: 10.0 if route is None else 9.8  # noqa: E731  0.98 of cuBLAS
     monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", "0.99")
+    knobs.reload()
     assert all(c.route is not None for c in linear_choice.choose(_weights(), max_rows=1, time_us=fake))
     linear_choice.reset()
     monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", "0.97")
+    knobs.reload()
     assert all(c.route is None for c in linear_choice.choose(_weights(), max_rows=1, time_us=fake))
     linear_choice.reset()
     for bad in ("fast", "0", "-1", "nan"):
         monkeypatch.setenv("TPFUSE_LINEAR_MARGIN", bad)
+        knobs.reload()
         with pytest.raises(ValueError, match=f"TPFUSE_LINEAR_MARGIN='{bad}' must be a number"):
             linear_choice.choose(_weights(), max_rows=1, time_us=fake)
 
@@ -89,12 +94,14 @@ def test_auto_decides_nothing_on_cpu_and_float32_weights_are_never_candidates():
 
 def test_an_unknown_tpfuse_linear_value_names_the_choices(monkeypatch):
     monkeypatch.setenv("TPFUSE_LINEAR", "fast")
+    knobs.reload()
     with pytest.raises(ValueError, match="TPFUSE_LINEAR='fast' is not one of auto, triton, cublas"):
         linear_choice.choose(_weights())
 
 
 def test_forced_cublas_keeps_f_linear(monkeypatch):
     monkeypatch.setenv("TPFUSE_LINEAR", "cublas")
+    knobs.reload()
     assert all(c.route is None for c in linear_choice.choose(_weights(), max_rows=64))
     monkeypatch.setattr(layers, "gemv_op", lambda *a: pytest.fail("the GEMV ran"))
     monkeypatch.setattr(layers, "skinny_linear_op", lambda *a, **k: pytest.fail("a few-row tile ran"))
@@ -106,6 +113,7 @@ def test_forced_cublas_keeps_f_linear(monkeypatch):
 
 def test_forced_triton_takes_the_first_tile_of_every_bucket_up_to_max_rows(monkeypatch):
     monkeypatch.setenv("TPFUSE_LINEAR", "triton")
+    knobs.reload()
     decided = linear_choice.choose(_weights()[:1], max_rows=20)
     assert [(c.bucket, c.route) for c in decided] == [(1, GEMV), (16, TILES[16][0]), (32, TILES[32][0])]
     assert all(isinstance(TILES[b][0], Tile) and TILES[b][0].split_k == 1 for b in (16, 32, 64))
@@ -120,10 +128,12 @@ def _three_passes(model):
 
 def test_every_projection_of_prefill_decode_and_verify_passes_takes_its_route_and_logits_agree(monkeypatch):
     monkeypatch.setenv("TPFUSE_KERNELS", "triton")  # Triton (interpreted on CPU) for CPU tensors too
+    knobs.reload()
     # fp16: under TRITON_INTERPRET=1 tl.dot gets bf16 operands wrong (tests/kernels/test_skinny_linear.py)
     model, config = load_for_test("tiny", dtype="float16")
     plain = _three_passes(model)
     monkeypatch.setenv("TPFUSE_LINEAR", "triton")
+    knobs.reload()
     projections = list(layers.projections(model))
     assert len(projections) == 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer; lm_head
     assert all(c.route is not None for c in linear_choice.choose(projections, max_rows=16))

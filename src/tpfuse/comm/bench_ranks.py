@@ -1,4 +1,4 @@
-"""The per-rank side of `tpfuse comm-bench` with one process per rank (tpfuse.bench.comm drives it).
+"""The per-rank side of `tpfuse comm-bench` with one process per rank (tpfuse.comm.bench drives it).
 
 Each rank builds every path it can (NCCL, torch symmetric memory, tpfuse's workspace), and all ranks
 vote on which of them work before timing, so a path that fails on one rank is skipped everywhere
@@ -66,7 +66,7 @@ def rank_main(rank: int, world_size: int, port: int, cfg: dict, queue) -> None:
 def _run(rank, world_size, port, cfg):
     import torch.distributed as dist
 
-    from tpfuse.bench.comm import METHODS, _inputs, _row, chosen_method, environment, tpfuse_calls
+    from tpfuse.comm.bench_rows import METHODS, _inputs, _row, chosen_method, environment, tpfuse_calls
     from tpfuse.comm.communicator import TorchDistributedCommunicator
     from tpfuse.comm.topology import gate_process_workspace
     from tpfuse.comm.tuning import agree_max, time_per_call_us

@@ -56,7 +56,7 @@ def _doctor(args) -> int:
 
 
 def _comm_bench(args) -> int:
-    from tpfuse.bench.comm import BenchConfig, run
+    from tpfuse.comm.bench import BenchConfig, run
 
     nproc = args.nproc
     if args.ranks_per_gpu:

@@ -138,9 +138,3 @@ class GlooCpuCopyCommunicator(TorchDistributedCommunicator):
     def describe(self):
         return super().describe().replace("torch.distributed gloo", "gloo through CPU copies", 1)
 
-
-def create_communicator(*args, **kwargs) -> Communicator:
-    """Builds the communicator of one rank; see tpfuse.comm.factory.create_communicator."""
-    from tpfuse.comm.factory import create_communicator as create
-
-    return create(*args, **kwargs)

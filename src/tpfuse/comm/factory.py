@@ -14,11 +14,11 @@ CPU copies, and tpfuse's kernels carry every message that fits (the fallback can
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 
+from tpfuse import knobs
 from tpfuse.comm.communicator import (
     Communicator,
     GlooCpuCopyCommunicator,
@@ -37,7 +37,7 @@ from tpfuse.comm.workspace import (
 )
 
 MODES = ("auto", "fused", "nccl")
-PEER_MEMORY_ENV = "TPFUSE_PEER_MEMORY"  # "symm_mem" or "cuda_ipc": try only that backend
+PEER_MEMORY_ENV = knobs.PEER_MEMORY  # "symm_mem" or "cuda_ipc": try only that backend
 DEFAULT_MAX_WORKSPACE_BYTES = 32 << 20  # per slot; the custom kernels are for decode-sized messages
 
 
@@ -97,7 +97,7 @@ def create_communicator(
     slot_bytes = min(max_tokens * row_bytes, max_workspace_bytes)
     reason = None
     try:
-        forced = os.environ.get(PEER_MEMORY_ENV)
+        forced = knobs.current.peer_memory
         one_gpu = sharing == dist.get_world_size(group)
         backends = (forced,) if forced else (PEER_MEMORY_ORDER_ONE_GPU if one_gpu else PEER_MEMORY_ORDER)
         programs = programs_per_rank(device, sharing)

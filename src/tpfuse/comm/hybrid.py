@@ -6,16 +6,15 @@ streams of one process; no fallback there, every message must fit the workspace)
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tpfuse import knobs
 from tpfuse.comm import launch
 from tpfuse.comm.communicator import Communicator
 from tpfuse.comm.plan import FALLBACK, Plan, unmeasured_plan
 from tpfuse.comm.workspace import RankWorkspace, create_virtual_workspaces
 
-CHECK_ENV = "TPFUSE_COMM_CHECK"  # "1": synchronise and check the error word after every call
+CHECK_ENV = knobs.COMM_CHECK  # "1": synchronise and check the error word after every call
 
 
 class CustomCommunicator(Communicator):
@@ -37,7 +36,7 @@ class CustomCommunicator(Communicator):
         self.fallback = fallback
         self.rank = workspace.rank
         self.world_size = workspace.world_size
-        self.checked = os.environ.get(CHECK_ENV) == "1" if checked is None else checked
+        self.checked = knobs.current.comm_check if checked is None else checked
 
     @property
     def fallback_name(self) -> str:

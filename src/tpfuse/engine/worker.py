@@ -70,7 +70,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
     builds this rank's ModelRunner. Every rank runs this in step."""
     import torch.distributed as dist
 
-    from tpfuse.comm.communicator import create_communicator
+    from tpfuse.comm.factory import create_communicator
     from tpfuse.engine.runner import ModelRunner
     from tpfuse.model.loader import load_model_config
 

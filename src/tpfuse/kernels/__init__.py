@@ -8,10 +8,9 @@ Callers import the op names below and never branch themselves.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tpfuse import knobs
 from tpfuse.kernels import (
     activation,
     counter_random,
@@ -48,7 +47,7 @@ rope_cos_sin_cache = rope.rope_cos_sin_cache
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    mode = os.environ.get("TPFUSE_KERNELS", "auto")
+    mode = knobs.current.kernels
     if mode == "torch":
         return False
     if mode == "triton":

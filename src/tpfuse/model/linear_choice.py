@@ -22,13 +22,13 @@ triton (every eligible case, the first tile of each bucket, untimed: tests), cub
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
@@ -40,7 +40,7 @@ log = logging.getLogger("tpfuse")
 # and at 0.97 the 64-row down tile (0.970-0.975 of cuBLAS) stayed on cuBLAS, costing 29 us per batch-64
 # decode step measured side by side.
 MARGIN = 0.98
-MARGIN_VARIABLE = "TPFUSE_LINEAR_MARGIN"  # overrides MARGIN (benchmarks: what a margin costs or gains)
+MARGIN_VARIABLE = knobs.LINEAR_MARGIN  # overrides MARGIN (benchmarks: what a margin costs or gains)
 MODES = ("auto", "triton", "cublas")
 GEMV = "gemv"  # the route of bucket 1
 BUCKETS = (1, 16, 32, 64)
@@ -122,7 +122,7 @@ def _eligible(weight: torch.Tensor) -> bool:
 
 
 def mode() -> str:
-    value = os.environ.get("TPFUSE_LINEAR", "auto")
+    value = knobs.current.linear
     if value not in MODES:
         raise ValueError(f"TPFUSE_LINEAR={value!r} is not one of {', '.join(MODES)}; unset it for auto")
     return value
@@ -131,7 +131,7 @@ def mode() -> str:
 def margin() -> float:
     """The largest share of cuBLAS's time a Triton route may need to be taken ($TPFUSE_LINEAR_MARGIN,
     else MARGIN)."""
-    value = os.environ.get(MARGIN_VARIABLE)
+    value = knobs.current.linear_margin
     if value is None:
         return MARGIN
     try:
