@@ -18,6 +18,8 @@ from tpfuse.kernels import (
     gemv,
     kv_store,
     prefill_attention,
+    quant_fp8,
+    quant_int,
     rmsnorm,
     rope,
     rope_store_kv,
@@ -28,7 +30,9 @@ from tpfuse.kernels import (
 __all__ = [
     "counter_uniform",
     "decode_attention_op",
+    "fp8_linear_op",
     "fused_add_rmsnorm",
+    "int_linear_op",
     "gemv_op",
     "prefill_attention_op",
     "rmsnorm_op",
@@ -130,3 +134,24 @@ def skinny_linear_op(x, weight, bias=None, tile=None):
 def counter_uniform(seeds, stream, counters):
     """uniform(seed, stream, counter) draws, [B, N] float64 (kernels/counter_random.py)."""
     return _pick(counter_random, "uniform", seeds)(seeds, stream, counters)
+
+
+def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=None):
+    """x [M, K] @ dequant(packed [N, K*bits/32] int32, scales/offsets [N, K/group]).T (+ bias) -> [M, N]
+    (kernels/quant_int.py: W4A16/W8A16, group-wise; tile: its launch configuration)."""
+    if use_triton(x):
+        return quant_int.int_linear_triton(x, packed, scales, offsets, bits, group_size, bias, tile=tile)
+    return quant_int.int_linear_ref(x, packed, scales, offsets, bits, group_size, bias)
+
+
+def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):
+    """x [M, K] @ (weight [N, K] e4m3 * scale [N/block[0], K/block[1]] fp32).T (+ bias) -> [M, N]
+    (kernels/quant_fp8.py). w8a8: x quantized to FP8 too, FP8 tensor cores (prefill on GPUs where
+    quant_fp8.fp8_dot_supported)."""
+    if use_triton(x):
+        if w8a8:
+            return quant_fp8.fp8_w8a8_triton(x, weight, scale, block, bias, tile=tile)
+        return quant_fp8.fp8_linear_triton(x, weight, scale, block, bias, tile=tile)
+    if w8a8:
+        return quant_fp8.fp8_w8a8_ref(x, weight, scale, block, bias)
+    return quant_fp8.fp8_linear_ref(x, weight, scale, block, bias)
