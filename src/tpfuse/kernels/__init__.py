@@ -16,7 +16,11 @@ from tpfuse.kernels import (
     counter_random,
     decode_attention,
     gemv,
+    grouped_topk,
     kv_store,
+    mla_decode,
+    mla_prefill,
+    mla_store,
     prefill_attention,
     quant_fp8,
     quant_int,
@@ -34,6 +38,9 @@ __all__ = [
     "fused_add_rmsnorm",
     "int_linear_op",
     "gemv_op",
+    "grouped_topk_op",
+    "mla_decode_op",
+    "mla_prefill_op",
     "prefill_attention_op",
     "rmsnorm_op",
     "rope_op",
@@ -43,6 +50,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_linear_op",
     "store_kv",
+    "store_latent_op",
     "use_triton",
     "warm_up_prefill_attention",
 ]
@@ -155,3 +163,30 @@ def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):
     if w8a8:
         return quant_fp8.fp8_w8a8_ref(x, weight, scale, block, bias)
     return quant_fp8.fp8_linear_ref(x, weight, scale, block, bias)
+
+
+def store_latent_op(latent, k_pe, cache, slot_mapping):
+    """MLA: latent [T, R] and rotated k_pe [T, P] into cache [num_blocks, block_size, R + P] at
+    slot_mapping (slot < 0 skipped; kernels/mla_store.py)."""
+    return _pick(mla_store, "store_latent", latent)(latent, k_pe, cache, slot_mapping)
+
+
+def mla_decode_op(q_latent, q_rope, cache, block_tables, seq_lens, scale):
+    """MLA decode over the absorbed latent: q_latent [B, H, R], q_rope [B, H, P] -> [B, H, R]
+    (kernels/mla_decode.py)."""
+    return _pick(mla_decode, "mla_decode", q_latent)(q_latent, q_rope, cache, block_tables, seq_lens, scale)
+
+
+def mla_prefill_op(q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale):
+    """MLA causal prefill / verify over the absorbed latent: [T, H, R] (kernels/mla_prefill.py)."""
+    return _pick(mla_prefill, "mla_prefill", q_latent)(
+        q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    )
+
+
+def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
+    """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k] float32, ids [T, k] int32); torch on
+    every device, CUDA-graph safe (kernels/grouped_topk.py)."""
+    return grouped_topk.grouped_topk(
+        router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
+    )

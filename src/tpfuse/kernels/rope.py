@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox layout: rotate the two halves of each head), with llama3 scaling."""
+"""Rotary position embedding (neox layout: rotate the two halves of each head); llama3 and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ def rope_cos_sin_cache(
 ) -> torch.Tensor:
     """Returns [max_positions, head_dim] float32: cos in the first half, sin in the second.
 
-    scaling: a Hugging Face `rope_scaling` dict; None, type "default" and type "llama3" are supported.
+    scaling: a Hugging Face `rope_scaling` dict; None, type "default", "llama3" and "yarn" are supported
+    (YaRN's attention factor multiplies cos and sin, as transformers applies it).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "llama3":
+    attention_factor = 1.0
+    if kind == "yarn":
+        inv_freq, attention_factor = yarn_inv_freq(head_dim, theta, scaling)
+    elif kind == "llama3":
         factor = scaling["factor"]
         low_freq_factor = scaling.get("low_freq_factor", 1.0)
         high_freq_factor = scaling.get("high_freq_factor", 4.0)
@@ -31,10 +35,44 @@ def rope_cos_sin_cache(
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif kind != "default":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, llama3")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, llama3, yarn")
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor).float()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float64, attention factor on cos/sin) of YaRN: frequencies between the
+    beta_fast and beta_slow rotation counts blend from extrapolated to interpolated (divided by factor)."""
+    factor = scaling["factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return extrapolated / factor * ramp + extrapolated * keep, float(attention_factor)
 
 
 def rope_ref(

@@ -1,0 +1,107 @@
+"""Triton MLA attention (absorbed latent, paged) against the float64 references, at odd sizes."""
+
+import pytest
+import torch
+
+from tests.kernels.paged import assert_close_to_float64, random_paged_kv
+from tpfuse.kernels.mla_attention import mla_attention_launch
+from tpfuse.kernels.mla_decode import mla_decode_launch, mla_decode_ref, mla_decode_triton
+from tpfuse.kernels.mla_prefill import mla_prefill_ref, mla_prefill_triton
+from tpfuse.kernels.mla_store import store_latent_ref, store_latent_triton
+
+RANK, ROPE = 40, 8  # neither a power of two nor equal
+
+
+def _latent_case(context_lens, block_size, heads, q_tokens, dtype, seed, rank=RANK, rope=ROPE):
+    """(q_latent [T, H, R], q_rope [T, H, P], cache [nb, bs, R + P] NaN in unused slots, tables, lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, _, tables, lens = random_paged_kv(context_lens, block_size, 1, rank + rope, dtype, gen)
+    cache = cache[:, :, 0].contiguous()
+    q_latent = torch.randn(q_tokens, heads, rank, generator=gen).to(dtype)
+    q_rope = torch.randn(q_tokens, heads, rope, generator=gen).to(dtype)
+    return q_latent, q_rope, cache, tables, lens
+
+
+def _decode_expected(q_latent, q_rope, cache, tables, lens, scale):
+    return mla_decode_ref(q_latent.double(), q_rope.double(), cache.double(), tables, lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [3, 20])
+def test_mla_decode_matches_float64_reference_at_odd_sizes(heads, dtype):
+    q_lat, q_rope, cache, tables, lens = _latent_case([1, 13, 37], 4, heads, 3, dtype, seed=heads)
+    out = mla_decode_triton(q_lat, q_rope, cache, tables, lens, 0.21)
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.21), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_mla_decode_merges_any_number_of_splits(num_splits):
+    q_lat, q_rope, cache, tables, lens = _latent_case([5, 70, 33, 2], 8, 5, 4, torch.float32, seed=num_splits)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.3, num_splits, block_m=16, block_n=16)
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.3), torch.float32)
+
+
+def test_mla_decode_splits_are_deterministic_and_give_zeros_without_keys():
+    q_lat, q_rope, cache, tables, lens = _latent_case([6, 50], 4, 4, 2, torch.float32, seed=11)
+    lens[0] = 0  # a padding row of a CUDA-graph batch
+    first = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, block_m=16, block_n=16)
+    again = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, block_m=16, block_n=16)
+    assert torch.equal(first, again)
+    assert torch.equal(first[0], torch.zeros_like(first[0]))
+    assert_close_to_float64(
+        first[1:], _decode_expected(q_lat, q_rope, cache, tables, lens, 0.25)[1:], torch.float32
+    )
+
+
+def _prefill_case(context_lens, query_lens, heads, dtype, seed):
+    q_lat, q_rope, cache, tables, lens = _latent_case(context_lens, 4, heads, sum(query_lens), dtype, seed)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q_lat, q_rope, cache, tables, lens, starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_prefill_is_causal_over_the_paged_context_at_odd_sizes(dtype):
+    # a whole prompt, a chunk after 9 cached tokens, a one-token row, a verify of 4 after 20
+    contexts, queries = [11, 17, 1, 24], [11, 8, 1, 4]
+    q_lat, q_rope, cache, tables, lens, starts = _prefill_case(contexts, queries, 3, dtype, seed=7)
+    out = mla_prefill_triton(q_lat, q_rope, cache, tables, lens, starts, max(queries), 0.19)
+    expected = mla_prefill_ref(
+        q_lat.double(), q_rope.double(), cache.double(), tables, lens, starts, 11, 0.19
+    )
+    assert_close_to_float64(out, expected, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_verify_rows_with_split_keys_match_float64(num_splits):
+    contexts, queries = [30, 9], [3, 3]
+    q_lat, q_rope, cache, tables, lens, starts = _prefill_case(contexts, queries, 5, torch.float32, seed=3)
+    out = mla_attention_launch(q_lat, q_rope, cache, tables, lens, starts, 3, 0.4, num_splits, 16, 16)
+    expected = mla_prefill_ref(q_lat.double(), q_rope.double(), cache.double(), tables, lens, starts, 3, 0.4)
+    assert_close_to_float64(out, expected, torch.float32)
+
+
+def test_mla_prefill_reference_at_one_token_is_the_decode_reference():
+    q_lat, q_rope, cache, tables, lens, starts = _prefill_case([7, 19], [1, 1], 2, torch.float64, seed=5)
+    assert torch.equal(
+        mla_prefill_ref(q_lat, q_rope, cache, tables, lens, starts, 1, 0.3),
+        mla_decode_ref(q_lat, q_rope, cache, tables, lens, 0.3),
+    )
+
+
+def test_mla_rejects_a_cache_row_that_does_not_hold_latent_and_rope():
+    q_lat, q_rope, cache, tables, lens = _latent_case([4], 4, 2, 1, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="kv_lora_rank \\+ rope_dim"):
+        mla_decode_triton(q_lat, q_rope, cache[..., :-1], tables, lens, 0.3)
+
+
+def test_store_latent_writes_rows_and_skips_negative_slots():
+    gen = torch.Generator().manual_seed(2)
+    latent_rows = torch.randn(5, RANK + 3, generator=gen)[:, :RANK]  # strided rows, as a split view gives
+    k_pe = torch.randn(5, ROPE, generator=gen)
+    slots = torch.tensor([3, -1, 0, 9, 14])
+    cache = torch.full((4, 4, RANK + ROPE), float("nan"))
+    expected = store_latent_ref(latent_rows, k_pe, cache.clone(), slots)
+    out = store_latent_triton(latent_rows, k_pe, cache, slots)
+    torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
+    assert torch.isnan(out.view(-1, RANK + ROPE)[1]).all()  # no token was stored at slot 1
+    assert torch.equal(out.view(-1, RANK + ROPE)[9], torch.cat([latent_rows[3], k_pe[3]]))

@@ -1,0 +1,121 @@
+"""The MLA kernels on CUDA at DeepSeek-V3 sizes (kv_lora_rank 512, rope 64; 128 heads at TP 1, 16 at
+TP 8), bfloat16, against float64, in and out of CUDA graphs (device machine only)."""
+
+import pytest
+import torch
+
+from tests.kernels.paged import assert_close_to_float64, random_paged_kv
+from tpfuse.kernels.grouped_topk import grouped_topk
+from tpfuse.kernels.mla_decode import mla_decode_ref, mla_decode_triton
+from tpfuse.kernels.mla_prefill import mla_prefill_ref, mla_prefill_triton
+from tpfuse.kernels.mla_store import store_latent_ref, store_latent_triton
+
+pytestmark = pytest.mark.gpu
+
+RANK, ROPE, BLOCK, CUDA = 512, 64, 16, "cuda"
+SCALE = 192**-0.5
+DTYPE = torch.bfloat16
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=_gen(seed)).to(CUDA, DTYPE)
+
+
+def _latent_cache(contexts, seed, spare_columns=2):
+    cache, _, tables, lens = random_paged_kv(contexts, BLOCK, 1, RANK + ROPE, DTYPE, _gen(seed), CUDA,
+                                             spare_columns=spare_columns)  # fmt: skip
+    return cache[:, :, 0].contiguous(), tables, lens
+
+
+def _decode_expected(q_lat, q_rope, cache, tables, lens):
+    return mla_decode_ref(q_lat.double(), q_rope.double(), cache.double(), tables, lens, SCALE)
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize(
+    "contexts", [[1, 33, 1024, 4097], [8192], [300] * 64], ids=["mixed", "long", "batch64"]
+)
+def test_mla_decode_on_cuda_matches_float64(heads, contexts):
+    cache, tables, lens = _latent_cache(contexts, seed=len(contexts) + heads)
+    q_lat, q_rope = _randn(len(contexts), heads, RANK, seed=1), _randn(len(contexts), heads, ROPE, seed=2)
+    out = mla_decode_triton(q_lat, q_rope, cache, tables, lens, SCALE)
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens), DTYPE)
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_mla_decode_replays_in_a_cuda_graph_with_changed_seq_lens(heads):
+    batch = 8
+    cache, tables, lens = _latent_cache([4096] * batch, seed=3, spare_columns=0)
+    q_lat, q_rope = _randn(batch, heads, RANK, seed=4), _randn(batch, heads, ROPE, seed=5)
+    static_lens = lens.clone()
+    mla_decode_triton(q_lat, q_rope, cache, tables, static_lens, SCALE)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = mla_decode_triton(q_lat, q_rope, cache, tables, static_lens, SCALE)
+    for step, new_lens in enumerate([[1, 17, 4096, 300, 2048, 16, 999, 0], [4096] * batch, [5] * batch]):
+        static_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q_lat.copy_(_randn(batch, heads, RANK, seed=100 + step))
+        q_rope.copy_(_randn(batch, heads, ROPE, seed=200 + step))
+        graph.replay()
+        expected = _decode_expected(q_lat, q_rope, cache, tables, static_lens)
+        assert_close_to_float64(static_out.clone(), expected, DTYPE)
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_mla_prefill_on_cuda_matches_float64(heads):
+    pairs = [(1024, 1024), (2048, 512), (4096, 4), (300, 0), (777, 777)]  # prefill, chunk, verify, idle, odd
+    cache, tables, lens = _latent_cache([c for c, _ in pairs], seed=6)
+    q_lens = torch.tensor([q for _, q in pairs])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(CUDA, torch.int32)
+    tokens, longest = int(q_lens.sum()), int(q_lens.max())
+    q_lat, q_rope = _randn(tokens, heads, RANK, seed=7), _randn(tokens, heads, ROPE, seed=8)
+    out = mla_prefill_triton(q_lat, q_rope, cache, tables, lens, starts, longest, SCALE)
+    expected = mla_prefill_ref(
+        q_lat.double(), q_rope.double(), cache.double(), tables, lens, starts, longest, SCALE
+    )
+    assert_close_to_float64(out, expected, DTYPE)
+
+
+def test_mla_verify_replays_in_a_cuda_graph():
+    batch, q_len, heads = 4, 4, 16
+    cache, tables, lens = _latent_cache([2048] * batch, seed=9, spare_columns=0)
+    starts = (torch.arange(batch + 1, dtype=torch.int32) * q_len).to(CUDA)
+    q_lat, q_rope = _randn(batch * q_len, heads, RANK, seed=10), _randn(batch * q_len, heads, ROPE, seed=11)
+    mla_prefill_triton(q_lat, q_rope, cache, tables, lens, starts, q_len, SCALE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = mla_prefill_triton(q_lat, q_rope, cache, tables, lens, starts, q_len, SCALE)
+    for new_lens in ([4, 100, 2048, 1500], [2048] * batch):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        expected = mla_prefill_ref(
+            q_lat.double(), q_rope.double(), cache.double(), tables, lens, starts, q_len, SCALE
+        )
+        assert_close_to_float64(static_out.clone(), expected, DTYPE)
+
+
+def test_store_latent_on_cuda_matches_reference():
+    latent, k_pe = _randn(37, RANK, seed=12), _randn(37, ROPE, seed=13)
+    slots = torch.randperm(64 * BLOCK, generator=_gen(14))[:37].to(CUDA)
+    slots[5] = -1
+    cache = torch.zeros(64, BLOCK, RANK + ROPE, dtype=DTYPE, device=CUDA)
+    expected = store_latent_ref(latent, k_pe, cache.clone(), slots)
+    assert torch.equal(store_latent_triton(latent, k_pe, cache, slots), expected)
+
+
+def test_grouped_topk_on_cuda_in_a_graph_matches_eager():
+    logits = torch.randn(64, 256, generator=_gen(15)).to(CUDA)
+    bias = (torch.randn(256, generator=_gen(16)) * 0.01).to(CUDA)
+    eager_w, eager_ids = grouped_topk(logits, bias, 8, 8, 4, True, 2.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = grouped_topk(logits, bias, 8, 8, 4, True, 2.5)
+    graph.replay()
+    assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w)
