@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tpfuse.comm import allreduce
+from tpfuse.comm import allreduce, allreduce_pcie
 
 POINTERS = {
     "x_ptr": "*bf16",
@@ -23,13 +23,14 @@ POINTERS = {
     "scale_ptr": "*fp32",
     "peer_table": "*i64",
     "buffer_ptr": "*i32",
+    "plan_ptr": "*i32",
 }
 SCALARS = {"eps": "fp32", "timeout": "i64"}
 
 
 def _ptx(kernel, epilogue, out_type="*bf16"):
     constexprs = dict(
-        WS=4, WS_P2=4, BLOCK=1024, CHUNK_BLOCK=256, EPILOGUE=epilogue, PHASES=7, INTERPRET=False
+        WS=4, WS_P2=4, BLOCK=1024, CHUNK_BLOCK=256, EPILOGUE=epilogue, PHASES=(1 << 62) - 1, INTERPRET=False
     )
     signature = {}
     for name in kernel.arg_names:
@@ -55,6 +56,9 @@ def main() -> None:
                 "one_shot_fp8": _ptx(
                     allreduce.one_shot_kernel, allreduce.EPILOGUE_NORM_FP8.value, "*fp8e4nv"
                 ),
+                "staged": _ptx(allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value),
+                "hierarchical": _ptx(allreduce_pcie.hierarchical_kernel, allreduce.EPILOGUE_NORM.value),
+                "pull": _ptx(allreduce_pcie.pull_kernel, allreduce.EPILOGUE_NORM.value),
             }
         )
     )

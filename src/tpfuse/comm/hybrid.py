@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse import knobs
-from tpfuse.comm import launch
+from tpfuse.comm import launch, schedules
 from tpfuse.comm.communicator import Communicator
 from tpfuse.comm.plan import FALLBACK, Plan, unmeasured_plan
 from tpfuse.comm.workspace import RankWorkspace, create_virtual_workspaces
@@ -22,6 +22,8 @@ class CustomCommunicator(Communicator):
 
     fallback: the communicator for messages the plan (or the workspace size) sends elsewhere; None
     means there is none (virtual ranks), and such a message raises ValueError.
+    candidates: the schedules the start-up measurement may choose from (default: every schedule the
+    workspace can run; the link probe removes some, `removed` says why).
     """
 
     def __init__(
@@ -37,6 +39,8 @@ class CustomCommunicator(Communicator):
         self.rank = workspace.rank
         self.world_size = workspace.world_size
         self.checked = knobs.current.comm_check if checked is None else checked
+        self.candidates: tuple[str, ...] = tuple(schedules.available(workspace))
+        self.removed: dict[str, str] = {}  # schedule -> why it is not a candidate (link probe findings)
 
     @property
     def fallback_name(self) -> str:
@@ -45,7 +49,10 @@ class CustomCommunicator(Communicator):
     def _algorithm(self, op: str, x: torch.Tensor) -> str:
         if x.device != self.workspace.device or not launch.fits(self.workspace, x):
             return FALLBACK
-        return self.plan.choose(op, x.numel() * x.element_size())
+        algorithm = self.plan.choose(op, x.numel() * x.element_size())
+        if algorithm != FALLBACK and not launch.fits(self.workspace, x, algorithm):
+            return FALLBACK
+        return algorithm
 
     def _fallback(self, what: str, x: torch.Tensor) -> Communicator:
         if self.fallback is None:
@@ -104,6 +111,7 @@ class CustomCommunicator(Communicator):
             f"({ws.layout.slot_bytes} bytes per slot, spin timeout {ws.timeout_s:g}s)"
         )
         notes = "".join(f"\nnote: {n}" for n in ws.notes)
+        notes += "".join(f"\nnot a candidate: {name}: {why}" for name, why in self.removed.items())
         return f"{head}\n{self.plan.describe()}{notes}"
 
 

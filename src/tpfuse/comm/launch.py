@@ -2,8 +2,10 @@
 
 Every function here is one rank's part of a collective: all ranks of the workspace must call the same
 function with the same shapes, in the same order (that is what keeps the device epochs in step).
-`phases` exists for the Triton interpreter, which cannot run ranks concurrently: tests call each phase
-for every rank in turn (push on all ranks, then reduce, then finish). On the GPU leave it at ALL_PHASES.
+`phases` exists for the Triton interpreter, which cannot run ranks concurrently: tests call each step
+for every rank in turn (bit i of the mask is step i; a schedule has schedules.get(name).steps(world)
+steps: push on all ranks, then reduce, then finish, ...). On the GPU leave it at ALL_PHASES.
+The schedules themselves (what each algorithm name launches) are in schedules.py.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import torch
 import triton
 
 from tpfuse.comm import allreduce as k
+from tpfuse.comm import schedules
+from tpfuse.comm.schedules import ALGORITHMS, NO_GATHER  # noqa: F401 - the names callers know
 from tpfuse.comm.sync import ALL_PHASES, interpreting
 from tpfuse.comm.workspace import RankWorkspace
-
-ALGORITHMS = ("one_shot", "two_shot")
-NO_GATHER = (1, 0, 0)  # one_shot_kernel's gather layout arguments, unused by the all-reduce epilogues
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -27,12 +28,13 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _check_fits(ws: RankWorkspace, rows: torch.Tensor, what: str) -> None:
-    nbytes = rows.numel() * rows.element_size()
+def _check_fits(ws: RankWorkspace, rows: torch.Tensor, what: str, algorithm: str = "one_shot") -> None:
+    nbytes = schedules.get(algorithm).slot_bytes_needed(rows.numel(), rows.element_size())
     if nbytes > ws.layout.slot_bytes:
         raise ValueError(
-            f"{what} of {tuple(rows.shape)} {rows.dtype} ({nbytes} bytes) exceeds the peer workspace slot of "
-            f"{ws.layout.slot_bytes} bytes; build the workspace for more tokens or use the fallback"
+            f"{what} of {tuple(rows.shape)} {rows.dtype} ({nbytes} bytes of slot for {algorithm}) exceeds "
+            f"the peer workspace slot of {ws.layout.slot_bytes} bytes; build the workspace for more tokens "
+            "or use the fallback"
         )
     if rows.device != ws.device:
         raise ValueError(f"{what}: tensor on {rows.device} but the workspace is on {ws.device}")
@@ -45,37 +47,22 @@ def _common(ws: RankWorkspace, num_rows: int) -> tuple[tuple[int], dict]:
     return grid, meta
 
 
-def fits(ws: RankWorkspace, x: torch.Tensor) -> bool:
-    """Whether x (any shape) fits one slot of the workspace."""
-    return x.numel() * x.element_size() <= ws.layout.slot_bytes
+def fits(ws: RankWorkspace, x: torch.Tensor, algorithm: str = "one_shot") -> bool:
+    """Whether x (any shape) fits one slot of the workspace for `algorithm`."""
+    return schedules.fits(ws, x, algorithm)
 
 
 def _launch(ws, algorithm, rows, residual, weight, out, residual_out, scale, eps, epilogue, phases):
+    schedule = schedules.get(algorithm)
+    unavailable = schedule.available(ws)
+    if unavailable:
+        raise ValueError(f"all-reduce algorithm {algorithm!r} cannot run on this workspace: {unavailable}")
     num_rows, hidden = rows.shape
     if num_rows == 0 or hidden == 0:
         return
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     grid, meta = _common(ws, num_rows)
-    lay = ws.layout
-    timeout = ws.timeout_for_kernel(meta["INTERPRET"])
-    block = triton.next_power_of_2(hidden)
     tensors = (rows, residual, weight, out, residual_out, scale, ws.peer_table, ws.words)
-    if algorithm == "one_shot":
-        k.one_shot_kernel[grid](
-            *tensors, ws.rank, num_rows, hidden, eps, timeout, lay.flag_off, lay.data_off, lay.slot_bytes,
-            lay.max_programs, *NO_GATHER, BLOCK=block, EPILOGUE=epilogue, PHASES=phases,
-            num_warps=k.num_warps_for(block), **meta,
-        )  # fmt: skip
-    else:
-        chunk = (hidden + ws.world_size - 1) // ws.world_size
-        chunk = (chunk + 7) // 8 * 8  # 16-byte aligned chunks where the hidden size allows
-        k.two_shot_kernel[grid](
-            *tensors, ws.rank, num_rows, hidden, chunk, eps, timeout, lay.flag_off, lay.data_off,
-            lay.gather_off, lay.slot_bytes, lay.max_programs, BLOCK=block,
-            CHUNK_BLOCK=triton.next_power_of_2(chunk), EPILOGUE=epilogue, PHASES=phases,
-            num_warps=k.num_warps_for(block), **meta,
-        )  # fmt: skip
+    schedule.launch(ws, grid, meta, tensors, num_rows, hidden, eps, epilogue, phases)
 
 
 def all_reduce(
@@ -89,7 +76,7 @@ def all_reduce(
     unchanged. Returns `out` (new unless given), same shape and dtype. Raises ValueError if x does not
     fit a slot."""
     rows = _as_rows(x)
-    _check_fits(ws, rows, "all_reduce input")
+    _check_fits(ws, rows, "all_reduce input", algorithm)
     out = torch.empty_like(rows) if out is None else out
     _launch(ws, algorithm, rows, rows, rows, out, out, rows, 0.0, k.EPILOGUE_SUM.value, phases)
     return out.view(x.shape)
@@ -112,7 +99,7 @@ def fused_add_rmsnorm(
     float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given.
     Bit-identical on every rank. Raises ValueError on shape or size problems."""
     rows = _as_rows(x)
-    _check_fits(ws, rows, "fused all-reduce input")
+    _check_fits(ws, rows, "fused all-reduce input", algorithm)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"

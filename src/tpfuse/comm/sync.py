@@ -36,11 +36,13 @@ FLAG_PUSH = tl.constexpr(0)  # one-shot data, two-shot scatter, all-gather data
 FLAG_GATHER = tl.constexpr(1)  # two-shot: the reduced chunk has been pushed
 NUM_FLAG_KINDS = 2
 
-# launch phases; the GPU runs all of them in one launch, the interpreter one at a time across ranks
+# launch phases; the GPU runs all of them in one launch, the interpreter one at a time across ranks.
+# A phase mask has bit i for step i of a schedule (one-shot and two-shot name theirs below; the
+# multi-step schedules of allreduce_pcie.py number theirs 0, 1, ...).
 PHASE_PUSH = tl.constexpr(1)
 PHASE_REDUCE = tl.constexpr(2)  # two-shot only: reduce own chunk and push it
 PHASE_FINISH = tl.constexpr(4)
-ALL_PHASES = 7
+ALL_PHASES = (1 << 62) - 1
 
 ARRIVED_WINDOW = tl.constexpr(0x80000000)
 
@@ -148,6 +150,48 @@ def wait_for_peers(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_prog
         missing = tl.sum(tl.where(arrived, 0, 1 << lanes), 0)
         tl.atomic_or(buffer_ptr + CTRL_ERROR, missing)
     # the acquire above was done by some threads; the barrier extends it to the whole program
+    tl.debug_barrier()
+
+
+@triton.jit
+def signal_ranks(peer_table, rank, epoch, kind, flag_off, max_programs, targets, WS: tl.constexpr,
+                 WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """signal_peers for the ranks in the bitmask `targets` (a runtime int) only. Lanes of other ranks
+    repeat this rank's store into its own buffer, which no schedule that signals selectively waits on."""
+    lanes = tl.arange(0, WS_P2)
+    chosen = (lanes < WS) & (((targets >> lanes) & 1) == 1)
+    base = tl.load(peer_table + tl.where(chosen, lanes, rank))
+    slot = flag_slot_offset(flag_off, kind, tl.program_id(0), rank, max_programs, WS)
+    tl.debug_barrier()
+    store_release_sys(base + slot, tl.zeros([WS_P2], tl.uint32) + epoch, INTERPRET)
+
+
+@triton.jit
+def wait_for_sources(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_programs, timeout, sources,
+                     WS: tl.constexpr, WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """wait_for_peers for the ranks in the bitmask `sources` (a runtime int) only; bounded the same way,
+    and only those ranks can be named in the error word."""
+    lanes = tl.arange(0, WS_P2)
+    ignored = (lanes >= WS) | (((sources >> lanes) & 1) == 0)
+    own_base = tl.load(peer_table + rank)
+    addresses = own_base + flag_slot_offset(flag_off, kind, tl.program_id(0), tl.where(ignored, 0, lanes),
+                                            max_programs, WS)  # fmt: skip
+    flags = load_acquire_sys(addresses, INTERPRET)
+    arrived = ((flags - epoch) < ARRIVED_WINDOW) | ignored
+    all_arrived = tl.min(arrived.to(tl.int32), 0)
+    start = clock_ns(INTERPRET)
+    waited = start - start
+    while (all_arrived == 0) & (tl.max(waited, 0) < timeout):
+        flags = load_acquire_sys(addresses, INTERPRET)
+        arrived = ((flags - epoch) < ARRIVED_WINDOW) | ignored
+        all_arrived = tl.min(arrived.to(tl.int32), 0)
+        if INTERPRET:
+            waited = waited + 1
+        else:
+            waited = clock_ns(INTERPRET) - start
+    if all_arrived == 0:
+        missing = tl.sum(tl.where(arrived, 0, 1 << lanes), 0)
+        tl.atomic_or(buffer_ptr + CTRL_ERROR, missing)
     tl.debug_barrier()
 
 

@@ -57,10 +57,13 @@ def time_per_call_us(fn, iters: int = 50, repeats: int = 5, use_graph: bool = Tr
 
 
 def candidates(comm, op: str, x, residual, weight):
-    """name -> zero-argument call, for one op: the custom algorithms and (if any) the fallback."""
+    """name -> zero-argument call, for one op: the custom algorithms still in comm.candidates that can
+    carry x, and (if any) the fallback."""
     ws = comm.workspace
     calls = {}
-    for algorithm in launch.ALGORITHMS:
+    for algorithm in comm.candidates:
+        if not launch.fits(ws, x, algorithm):
+            continue
         if op == "all_reduce":
             calls[algorithm] = lambda a=algorithm: launch.all_reduce(ws, x, a)
         else:

@@ -87,6 +87,8 @@ class RankWorkspace:
     timeout_s: float = DEFAULT_TIMEOUT_S
     notes: list[str] = field(default_factory=list)  # why other backends were not used
     keep_alive: list = field(default_factory=list)  # peer tensors / handles the addresses point into
+    islands: tuple | None = None  # rank islands for the hierarchical schedule (set_islands); None: none
+    island_plan: torch.Tensor | None = None  # [world_size + 3] int32 on the device, islands.island_plan
 
     @property
     def world_size(self) -> int:
@@ -104,6 +106,15 @@ class RankWorkspace:
     def timeout_for_kernel(self, interpret: bool) -> int:
         """Spin bound passed to kernels: nanoseconds on the GPU, iterations under the interpreter."""
         return 2 if interpret else int(self.timeout_s * 1e9)
+
+    def set_islands(self, islands) -> None:
+        """Use `islands` (a partition of the ranks, every rank the same) for the hierarchical schedule.
+        Call before any CUDA graph capture: it copies the plan table to the device."""
+        from tpfuse.comm.islands import island_plan, validate_islands
+
+        self.islands = validate_islands(islands, self.world_size)
+        plan = island_plan(self.islands, self.rank, self.world_size)
+        self.island_plan = torch.tensor(plan, dtype=torch.int32, device=self.device)
 
     def error_mask(self) -> int:
         """Bitmask of ranks whose flags never arrived (synchronises with the device)."""
