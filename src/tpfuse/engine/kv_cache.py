@@ -1,10 +1,12 @@
-"""KV cache sizing and allocation: how many paged blocks fit, and the per-layer tensors."""
+"""KV cache sizing and allocation: how many paged blocks fit, and the per-layer tensors of the layout
+the model declares (model/kv_layout.py; GQA (k, v) pairs unless the model says otherwise)."""
 
 from __future__ import annotations
 
 import torch
 
 from tpfuse.model.config import ModelConfig
+from tpfuse.model.kv_layout import GQACacheLayout, KVCacheLayout
 
 CPU_KV_BUDGET_BYTES = 64 * 2**20
 CUDA_CONTEXT_BYTES = 2**30
@@ -15,11 +17,25 @@ def num_kv_heads_local(model_config: ModelConfig, tp_size: int) -> int:
     return model_config.num_kv_heads // tp_size if model_config.num_kv_heads >= tp_size else 1
 
 
+def gqa_layout(model_config: ModelConfig, tp_size: int) -> GQACacheLayout:
+    """(k, v) per layer with this rank's KV heads."""
+    return GQACacheLayout(
+        model_config.num_layers,
+        num_kv_heads_local(model_config, tp_size),
+        model_config.head_dim,
+        model_config.dtype,
+    )
+
+
+def cache_layout(model, model_config: ModelConfig, tp_size: int) -> KVCacheLayout:
+    """The layout model declares (`model.kv_cache_layout(tp_size)`), else GQA pairs of its config."""
+    declare = getattr(model, "kv_cache_layout", None)
+    return declare(tp_size) if declare is not None else gqa_layout(model_config, tp_size)
+
+
 def bytes_per_block(model_config: ModelConfig, tp_size: int, block_size: int) -> int:
-    """K and V of every layer for block_size tokens on one rank."""
-    elem = torch.empty((), dtype=model_config.dtype).element_size()
-    heads = num_kv_heads_local(model_config, tp_size)
-    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * elem
+    """K and V of every layer for block_size tokens on one rank (GQA layout)."""
+    return gqa_layout(model_config, tp_size).bytes_per_block(block_size)
 
 
 def cuda_kv_blocks(
@@ -59,11 +75,4 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads_local, head_dim], zeroed
     (masked-out lanes of attention kernels may still read stale slots: they must not hold NaN)."""
-    shape = (num_blocks, block_size, num_kv_heads_local(model_config, tp_size), model_config.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=model_config.dtype, device=device),
-            torch.zeros(shape, dtype=model_config.dtype, device=device),
-        )
-        for _ in range(model_config.num_layers)
-    ]
+    return gqa_layout(model_config, tp_size).allocate(num_blocks, block_size, device)

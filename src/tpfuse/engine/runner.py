@@ -31,7 +31,7 @@ from tpfuse.engine.step_inputs import (
     unpack_step,
 )
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
-from tpfuse.kernels import sample, warm_up_prefill_attention
+from tpfuse.kernels import sample
 from tpfuse.model import linear_choice
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
@@ -103,7 +103,8 @@ class ModelRunner:
         if margin:
             limit = min(self.model_config.max_position_embeddings, self.spec.max_positions) - margin
             self.max_model_len = min(self.max_model_len, limit)
-        block_bytes = kv_cache.bytes_per_block(self.model_config, config.tp_size, self.block_size)
+        self.kv_layout = kv_cache.cache_layout(self.model, self.model_config, config.tp_size)
+        block_bytes = self.kv_layout.bytes_per_block(self.block_size)
         if self.spec is not None:
             block_bytes += self.spec.bytes_per_block(config.tp_size, self.block_size)
         if config.num_kv_blocks is not None:
@@ -119,9 +120,7 @@ class ModelRunner:
             num_blocks = agree_num_blocks(num_blocks)
         self.num_kv_blocks = num_blocks
         self.max_model_len = min(self.max_model_len, num_blocks * self.block_size - margin)
-        self.kv_caches = kv_cache.allocate_kv_caches(
-            self.model_config, config.tp_size, num_blocks, self.block_size, self.device
-        )
+        self.kv_caches = self.kv_layout.allocate(num_blocks, self.block_size, self.device)
         if self.spec is not None:
             self.spec.allocate(
                 num_blocks, self.block_size, config.tp_size, config.max_running_requests,
@@ -129,7 +128,7 @@ class ModelRunner:
             )  # fmt: skip
         tree = config.speculative.enabled and config.speculative.eagle_topk > 1
         num_heads = self.model.layers[0].self_attn.num_heads
-        warm_up_prefill_attention(*self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
+        self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.readback = TokenReadback(self.device)
@@ -163,19 +162,14 @@ class ModelRunner:
     def _warm_up_at_peak_load(self) -> None:
         """A forward over max_num_batched_tokens tokens (and sampling of the largest batch) so the
         activation peak is known before the KV cache takes the rest. K/V are not stored (slot -1)."""
-        mc, cfg = self.model_config, self.config
+        cfg = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)  # earlier engines in this process do not count
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_running_requests * self.max_model_len)
         seq_len = min(num_tokens, self.max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        heads = kv_cache.num_kv_heads_local(mc, cfg.tp_size)
-        shape = (1, self.block_size, heads, mc.head_dim)
         dev = dict(device=self.device)
-        caches = [
-            (torch.zeros(shape, dtype=mc.dtype, **dev), torch.zeros(shape, dtype=mc.dtype, **dev))
-            for _ in range(mc.num_layers)
-        ]
+        caches = self.kv_layout.allocate(1, self.block_size, self.device)
         starts = torch.tensor([0, *lens], **dev).cumsum(0).to(torch.int32)
         attn = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
