@@ -63,6 +63,7 @@ class EngineConfig:
     tp_size: int = 1
     devices: list[int] | None = None  # CUDA device of each rank; repeats allowed (ranks share a GPU)
     allreduce: str = "auto"  # auto (measured per size) | fused | nccl
+    allreduce_islands: str | None = None  # "0,1,2,3;4,5,6,7": rank islands (comm.islands checks them)
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by KV size
@@ -147,6 +148,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", type=int, default=d.tp_size)
     g.add_argument("--devices", type=_int_list, default=None, help="CUDA device per rank, e.g. 0,0")
     g.add_argument("--allreduce", default=d.allreduce, choices=["auto", "fused", "nccl"])
+    g.add_argument(
+        "--allreduce-islands",
+        default=None,
+        help="TP rank islands for the hierarchical all-reduce, ';' between islands, e.g. '0,1,2,3;4,5,6,7' "
+        "(default: derived from the PCIe/NUMA topology)",
+    )
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None)

@@ -137,4 +137,3 @@ class GlooCpuCopyCommunicator(TorchDistributedCommunicator):
 
     def describe(self):
         return super().describe().replace("torch.distributed gloo", "gloo through CPU copies", 1)
-

@@ -26,6 +26,7 @@ from tpfuse.comm.communicator import (
     TorchDistributedCommunicator,
 )
 from tpfuse.comm.hybrid import CustomCommunicator, programs_per_rank
+from tpfuse.comm.link_setup import configure_schedules
 from tpfuse.comm.plan import unmeasured_plan
 from tpfuse.comm.topology import gate_process_workspace
 from tpfuse.comm.tuning import measure_plan
@@ -60,12 +61,15 @@ def create_communicator(
     dtype: torch.dtype = torch.bfloat16,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+    islands: str | None = None,
 ) -> Communicator:
     """Collective over `group` (every rank calls it with the same arguments).
 
     max_tokens x hidden_size x dtype: the largest message the custom kernels should carry (decode
-    batch); capped at max_workspace_bytes per slot. Raises ValueError for a mode that cannot work here
-    and RuntimeError when mode "fused" is asked for but the kernels cannot run (the reason included).
+    batch); capped at max_workspace_bytes per slot. islands: `--allreduce-islands` ("0,1;2,3"), None to
+    derive them from the topology (link_setup.py; the link probe runs there too). Raises ValueError for
+    a mode that cannot work here (or bad islands) and RuntimeError when mode "fused" is asked for but
+    the kernels cannot run (the reason included).
     """
     import torch.distributed as dist
 
@@ -115,6 +119,7 @@ def create_communicator(
     comm = CustomCommunicator(
         ws, unmeasured_plan(fallback_name, dist.get_world_size(group), row_bytes, 1, ""), fallback
     )
+    configure_schedules(comm, group, device, islands, probe=sharing == 1 and mode == "auto")
     fitting_tokens = max(1, slot_bytes // row_bytes)
     if sharing > 1 or mode == "fused":
         why = (

@@ -41,6 +41,8 @@ class CustomCommunicator(Communicator):
         self.checked = knobs.current.comm_check if checked is None else checked
         self.candidates: tuple[str, ...] = tuple(schedules.available(workspace))
         self.removed: dict[str, str] = {}  # schedule -> why it is not a candidate (link probe findings)
+        self.links = None  # link_decision.LinkMeasurements when the link probe ran
+        self.probe_decision = None  # link_decision.ProbeDecision when the link probe ran
 
     @property
     def fallback_name(self) -> str:

@@ -98,6 +98,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
         group=None,
         device=device,
         mode=config.allreduce,
+        islands=config.allreduce_islands,
         max_tokens=min(config.cuda_graph_max_bs, config.max_running_requests),
         hidden_size=model_config.hidden_size,
         dtype=model_config.dtype,
