@@ -122,10 +122,18 @@ class ServerConfig:
     port: int = 30000
     api_key: str | None = None
     served_model_name: str | None = None  # default: the --model value
+    cors_allow_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
+    restart_engine: bool = True  # restart a dead engine process; else the server exits non-zero
+    engine_step_timeout: float = 120.0  # seconds without word from a busy engine: hung (0: never)
+    shutdown_drain_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGTERM
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+        if not self.engine_step_timeout >= 0:
+            raise ValueError(f"--engine-step-timeout must be >= 0 (0: off), got {self.engine_step_timeout}")
+        if not self.shutdown_drain_timeout >= 0:
+            raise ValueError(f"--shutdown-drain-timeout must be >= 0, got {self.shutdown_drain_timeout}")
 
 
 def _int_list(text: str) -> list[int]:
@@ -209,11 +217,42 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--api-key", default=None, help="required on /v1/* and /metrics when set")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--cors-allow-origins",
+        type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+        default=[],
+        help="comma-separated origins browsers may call from ('*' for any); default: no CORS",
+    )
+    g.add_argument(
+        "--restart-engine",
+        action=argparse.BooleanOptionalAction,
+        default=d.restart_engine,
+        help="restart the engine process when it dies (--no-restart-engine: exit non-zero instead)",
+    )
+    g.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=d.engine_step_timeout,
+        help="seconds a busy engine may go without a word before it is killed as hung (0: never)",
+    )
+    g.add_argument(
+        "--shutdown-drain-timeout",
+        type=float,
+        default=d.shutdown_drain_timeout,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they end with an error",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        cors_allow_origins=args.cors_allow_origins,
+        restart_engine=args.restart_engine,
+        engine_step_timeout=args.engine_step_timeout,
+        shutdown_drain_timeout=args.shutdown_drain_timeout,
     )

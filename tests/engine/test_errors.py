@@ -67,7 +67,7 @@ def test_max_model_len_beyond_the_model_is_rejected():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(temperature=-0.5), "temperature must lie in"),
         (dict(top_p=0.0), "top_p must lie in"),
         (dict(top_k=0), "top_k must be -1"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),

@@ -1,8 +1,12 @@
 """A small stand-in for LLMEngine with the same interface, for server tests that must not depend on
-the model: deterministic tokens, a step delay, a block-counted KV usage and a toy prefix cache."""
+the model: deterministic tokens, a step delay, a block-counted KV usage and a toy prefix cache.
+
+Faults on request, for the robustness tests: a running prompt that contains FAIL_STEP makes step()
+raise, DIE_IN_STEP ends the engine process, HANG_IN_STEP blocks step() for good."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -11,6 +15,9 @@ from tpfuse.model.tokenizer import ByteTokenizer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256
+FAIL_STEP = "<fail-step>"
+DIE_IN_STEP = "<die-in-step>"
+HANG_IN_STEP = "<hang-in-step>"
 
 
 @dataclass
@@ -31,6 +38,7 @@ class _Request:
         self.params = params
         self.cached = cached
         self.rng = random.Random(params.seed)
+        self.text = bytes(t for t in prompt if t < 256).decode("utf-8", "replace")
 
     @property
     def num_blocks(self) -> int:
@@ -76,10 +84,27 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def _faults(self, running) -> None:
+        for req in running:
+            if FAIL_STEP in req.text:
+                raise RuntimeError("a step failed on purpose (fake engine)")
+            if DIE_IN_STEP in req.text:
+                os._exit(3)
+            if HANG_IN_STEP in req.text:
+                time.sleep(3600)
+
+    def abort_failed_step(self):
+        running = list(self.requests)[: self.max_running]
+        for request_id in running:
+            del self.requests[request_id]
+        return running
+
     def step(self):
         time.sleep(self.step_delay_s)
         outputs = []
-        for req in list(self.requests.values())[: self.max_running]:
+        running = list(self.requests.values())[: self.max_running]
+        self._faults(running)
+        for req in running:
             token = req.next_token()
             req.tokens.append(token)
             self.generated += 1

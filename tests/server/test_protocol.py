@@ -82,8 +82,8 @@ def test_top_k_zero_means_off():
         ({"min_tokens": -1}, "min_tokens"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"stream": 1}, "stream"),
-        ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
-        ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
         ({"n": 2}, "n"),
         ({"logprobs": 3}, "logprobs"),
         ({"echo": True}, "echo"),
@@ -102,7 +102,7 @@ def test_bad_completion_field_is_named(fields, param):
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"max_completion_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ],
 )
 def test_bad_chat_field_is_named(fields, param):

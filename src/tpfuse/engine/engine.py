@@ -126,9 +126,10 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
-        """Queues a request. Raises ValueError for a duplicate id, an empty prompt, a token id outside
-        the vocabulary, or a prompt plus max_tokens longer than max_model_len."""
-        params = params or SamplingParams()
+        """Queues a request. Raises ValueError for a duplicate id, an empty prompt, a token id (of the
+        prompt or stop_token_ids) outside the vocabulary, or a prompt plus max_tokens longer than
+        max_model_len."""
+        params = (params or SamplingParams()).checked_for(self.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -264,6 +265,16 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def abort_failed_step(self) -> list[str]:
+        """After step() raised: forgets the steps launched ahead (unread) and aborts every running
+        request, whose step it was; returns their ids. Waiting requests stay queued, so the engine
+        serves on if the fault was one request's (a broken device fails the next step too)."""
+        self._in_flight = self._serving_nobody = None
+        request_ids = [seq.request_id for seq in self.scheduler.running]
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return request_ids
 
     def stats(self) -> EngineStats:
         spec = {}

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+INT64_MAX = (1 << 63) - 1
+GREEDY_BELOW = 1e-5  # positive temperatures below this are greedy (dividing by them overflows float32)
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass(slots=True)
@@ -13,7 +18,9 @@ class SamplingParams:
     an end-of-sequence token (unless ignore_eos), at any of stop_token_ids, at a stop string (the text
     is cut before it), or after max_tokens generated tokens. Neither end-of-sequence nor stop_token_ids
     can be sampled before min_tokens tokens exist. seed makes sampling reproducible whatever the batch;
-    None draws from the engine's seed.
+    None draws from the engine's seed. Temperatures in (0, GREEDY_BELOW) are stored as 0 (greedy).
+    Every integer fits int64, every float is finite; `checked_for(vocab_size)` adds the checks that
+    need the vocabulary.
     """
 
     temperature: float = 1.0
@@ -31,24 +38,40 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must lie in [0, {MAX_TEMPERATURE}] (0: greedy), got {self.temperature!r}"
+            )
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1 (off) or a positive int64, got {self.top_k!r}")
+        for name in ("max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be a non-negative int64, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+
+    def checked_for(self, vocab_size: int) -> SamplingParams:
+        """These params for a model of vocab_size tokens: raises ValueError for a stop token id outside
+        the vocabulary; a top_k that keeps the whole vocabulary becomes -1 (off)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
+        if self.top_k >= vocab_size:
+            return dataclasses.replace(self, top_k=-1)
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,10 @@
 """The FastAPI app: OpenAI-compatible endpoints over an EngineClient.
 
-Bodies are parsed by hand (server/protocol.py) so that every bad input is a 400 with an OpenAI-style
-error body naming the field, never a framework 422. /v1/* needs the API key when one is set.
+Bodies are decoded and validated by the server itself (request_body.py, then the pydantic models of
+schemas.py through protocol.py) so that every bad input is a 400 with an OpenAI-style error body
+naming the field, never a framework 422; /openapi.json still declares every body. /v1/* and
+/metrics need the API key when one is set. A 500 says only that it is one (the traceback goes to
+the log); SSE data escapes the characters some clients split lines on.
 """
 
 from __future__ import annotations
@@ -9,26 +12,59 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpfuse.config import ServerConfig
 from tpfuse.server import protocol, responses
-from tpfuse.server.engine_process import EngineClient, EngineDied
+from tpfuse.server.engine_client import EngineClient, EngineDied
 from tpfuse.server.generation import Generation
 from tpfuse.server.metrics import ServerMetrics
 from tpfuse.server.protocol import GenerateRequest, RequestError, error_body
+from tpfuse.server.request_body import decode_json_body
+from tpfuse.server.schemas import REQUEST_MODELS
 
 DISCONNECT_POLL_S = 0.5
+logger = logging.getLogger("tpfuse.server")
+# JSON leaves these raw, and clients that split lines on them (NEL, LINE/PARAGRAPH SEPARATOR) break.
+_SSE_ESCAPES = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    """JSON for an SSE data line: one line, whatever the text holds."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_SSE_ESCAPES)
+
+
+def _request_body_schema(model_name: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{model_name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _install_request_schemas(app: FastAPI, model_names: list[str]) -> None:
+    """Adds the request models (and what they reference) to the components of /openapi.json, with
+    `model` limited to the names this server serves."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            _, definitions = models_json_schema(
+                [(m, "validation") for m in REQUEST_MODELS], ref_template="#/components/schemas/{model}"
+            )
+            for model in REQUEST_MODELS:
+                definitions["$defs"][model.__name__]["properties"]["model"]["anyOf"][0]["enum"] = model_names
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _error(status: int, message: str, param=None, type="invalid_request_error", code=None) -> JSONResponse:
@@ -47,6 +83,17 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
 
     app = FastAPI(title="tpfuse", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
+    app.state.draining = False  # set on shutdown: new requests get 503
+    _install_request_schemas(app, model_names)
+    if server_config.cors_allow_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server_config.cors_allow_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -56,7 +103,8 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     @app.exception_handler(Exception)
     async def internal_error(request, exc):
         metrics.request_errors.labels("500").inc()
-        return _error(500, f"internal server error: {type(exc).__name__}: {exc}", type="internal_error")
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(500, "internal server error (the server log has the details)", type="internal_error")
 
     def check_api_key(request: Request) -> JSONResponse | None:
         if server_config.api_key is None:
@@ -75,14 +123,16 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
 
     @app.get("/health")
     async def health():
-        if client.failure is not None:
-            return JSONResponse({"status": "failed", "reason": client.failure}, status_code=503)
+        if app.state.draining:
+            return JSONResponse({"status": "stopping"}, status_code=503)
         if not client.is_ready:
-            return JSONResponse({"status": "starting"}, status_code=503)
+            return JSONResponse({"status": client.state}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        if (denied := check_api_key(request)) is not None:
+            return denied
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -96,20 +146,19 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
         if (denied := check_api_key(request)) is not None:
             return denied
         try:
+            if app.state.draining:
+                return _error(503, "the server is shutting down", type="service_unavailable")
             if not client.is_ready:
-                reason = client.failure or "the engine is still loading; retry when /health answers 200"
-                return _error(503, reason, type="service_unavailable")
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"the request body is not valid JSON: {exc}") from None
+                return _error(503, client.unavailable_reason(), type="service_unavailable")
+            body = decode_json_body(await request.body())
             parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
             req = parse(body, model_names)
-            prompt_ids = _tokenize(req, client)
-            params = protocol.sampling_params_for(req, len(prompt_ids), client.info.max_model_len)
+            info = client.info
+            prompt_ids = _tokenize(req, info.tokenizer)
+            params = protocol.sampling_params_for(req, len(prompt_ids), info.max_model_len, info.vocab_size)
             gen = Generation(
                 client,
-                client.info.tokenizer,
+                info.tokenizer,
                 metrics,
                 kind,
                 responses.new_response_id(kind),
@@ -130,11 +179,11 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             return StreamingResponse(_stream(gen, req), media_type="text/event-stream")
         return await _complete(request, gen, req)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body_schema("CompletionRequest"))
     async def completions(request: Request):
         return await generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         return await generate(request, "chat")
 
@@ -160,14 +209,15 @@ async def _unless_disconnected(request: Request, coroutine):
             raise ClientGone
 
 
-def _tokenize(req: GenerateRequest, client: EngineClient) -> list[int]:
-    tokenizer = client.info.tokenizer
+def _tokenize(req: GenerateRequest, tokenizer) -> list[int]:
     if req.prompt_token_ids is not None:
-        vocab_size = client.info.vocab_size
-        if vocab_size is not None and max(req.prompt_token_ids) >= vocab_size:
-            raise RequestError(f"'prompt' holds token ids >= the vocabulary size {vocab_size}", "prompt")
         return list(req.prompt_token_ids)
-    text = req.prompt if req.kind == "completion" else tokenizer.apply_chat_template(req.messages)
+    if req.kind == "completion":
+        return tokenizer.encode(req.prompt)
+    try:
+        text = tokenizer.apply_chat_template(req.messages)
+    except Exception as exc:  # a template may refuse an order of roles (jinja raises its own errors)
+        raise RequestError(f"the model's chat template refused the messages: {exc}", "messages") from None
     return tokenizer.encode(text)
 
 

@@ -49,38 +49,56 @@ def run_server(
     """Starts the engine process and serves HTTP until SIGINT/SIGTERM; then stops both.
 
     Prints "tpfuse server ready at URL" once the engine is loaded and the port is open (on_ready,
-    if given, is called with the URL too). Returns 0 after a clean shutdown, 1 if the engine failed.
-    engine_factory(config) builds the engine inside the engine process (default: LLMEngine).
+    if given, is called with the URL too). On a signal, requests in flight get
+    --shutdown-drain-timeout seconds to finish; streams still open then end with an error event.
+    Returns 0 after a clean shutdown, 1 if the engine failed to start or died during the run
+    (restarted or not: a supervisor should know). engine_factory(config) builds the engine inside
+    the engine process (default: LLMEngine).
     """
     import uvicorn
 
     from tpfuse.server.app import build_app
-    from tpfuse.server.engine_process import EngineClient, EngineDied, make_llm_engine
+    from tpfuse.server.engine_client import EngineClient, EngineDied
+    from tpfuse.server.engine_process import make_llm_engine
+    from tpfuse.server.http_server import DrainingServer
 
     model_names = [server_config.served_model_name or engine_config.model]
     if server_config.served_model_name and engine_config.model not in model_names:
         model_names.append(engine_config.model)
-    client = EngineClient(engine_config, engine_factory or make_llm_engine)
-    client.start()
+    failed = threading.Event()
+
+    def fatal(reason: str) -> None:
+        failed.set()
+        server.should_exit = True
+
+    client = EngineClient(
+        engine_config,
+        engine_factory or make_llm_engine,
+        restart=server_config.restart_engine,
+        step_timeout_s=server_config.engine_step_timeout,
+        on_fatal=fatal,
+    )
     app = build_app(client, server_config, model_names)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=server_config.host,
             port=server_config.port,
             log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
+            timeout_graceful_shutdown=server_config.shutdown_drain_timeout + 2,
+        ),
+        app,
+        client,
+        server_config.shutdown_drain_timeout,
     )
-    failed = threading.Event()
+    client.start()
 
     def announce() -> None:
         try:
             client.wait_ready()
         except EngineDied as exc:
             print(f"tpfuse serve: {exc}", file=sys.stderr, flush=True)
-            failed.set()
-            server.should_exit = True
+            fatal(str(exc))
             return
         while not server.started and not server.should_exit:
             threading.Event().wait(0.05)
@@ -103,7 +121,12 @@ def run_server(
         client.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 1 if failed.is_set() or not server.started else 0
+    if client.num_engine_deaths:
+        print(
+            f"tpfuse serve: the engine died {client.num_engine_deaths} time(s) during this run",
+            file=sys.stderr,
+        )
+    return 1 if failed.is_set() or client.num_engine_deaths or not server.started else 0
 
 
 def _bound_port(server, default: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tpfuse.engine.detokenizer import Detokenizer
-from tpfuse.server.engine_process import EngineClient, EngineDied
+from tpfuse.server.engine_client import EngineClient, EngineDied
 from tpfuse.server.metrics import ServerMetrics
 from tpfuse.server.protocol import RequestError
 

@@ -1,18 +1,31 @@
-"""OpenAI request parsing and response shapes, as plain dicts (no pydantic).
+"""OpenAI request validation: a body (already decoded by request_body.py) -> GenerateRequest.
 
-Parsing checks every field's type and range and raises RequestError naming the field, so the app
-can answer 400 with an OpenAI-style error body before anything reaches the engine. Limits that
-depend on the engine (the context length) are checked in `sampling_params_for`.
+Types and ranges come from the pydantic models in schemas.py; a violation is a RequestError naming
+the field (`messages[0].role`, `logit_bias`), so the app answers 400 with an OpenAI-style error body
+before anything reaches the engine. Limits that depend on the engine (context length, vocabulary)
+are checked in `sampling_params_for`. What tpfuse does not support is refused naming the field,
+never ignored.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpfuse.engine.sampling_params import SamplingParams
+from pydantic import BaseModel, ValidationError
 
-MAX_STOP_STRINGS = 16
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.server.schemas import ChatCompletionRequest, CompletionRequest
+
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_UNION_HINTS = {
+    "prompt": "a non-empty string or a non-empty list of token ids (or a list of exactly one of those)",
+    "stop": "a non-empty string or a list of up to 16 such strings",
+    "content": "a string or a list of text parts",
+    "tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+}
 
 
 class RequestError(ValueError):
@@ -40,6 +53,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None  # ... or token ids
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     max_tokens: int | None = None  # None: the rest of the context (chat only)
+    max_tokens_field: str = "max_tokens"  # the field that carried it
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -53,80 +67,47 @@ class GenerateRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _param(loc: tuple) -> str | None:
+    """A pydantic error location as the field path a client reads: ('messages', 0, 'role') ->
+    'messages[0].role'; union member tags are dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and _FIELD_NAME.match(part) and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or None
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _get(body: dict, name: str, check, expected: str, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise RequestError(f"'{name}' must be {expected}, got {value!r}", param=name)
-    return value
+def _validate(model: type[BaseModel], body: Any) -> BaseModel:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        param = _param(error["loc"])
+        name = (param or "").rpartition(".")[2].split("[")[0]
+        if error["type"] == "extra_forbidden":
+            message = f"'{param}' is not a field tpfuse accepts here; leave it out"
+        elif error["type"] == "missing":
+            message = f"'{param}' is required"
+        elif name in _UNION_HINTS:
+            message = f"'{param}' must be {_UNION_HINTS[name]}, got {_short(error.get('input'))}"
+        else:
+            message = f"'{param}': {error['msg']}, got {_short(error.get('input'))}"
+        raise RequestError(message, param) from None
 
 
-def _common_fields(body: dict, req: GenerateRequest) -> None:
-    req.temperature = float(_get(body, "temperature", _is_number, "a number >= 0", 1.0))
-    if req.temperature < 0:
-        raise RequestError(f"'temperature' must be >= 0 (0 is greedy), got {req.temperature}", "temperature")
-    req.top_p = float(_get(body, "top_p", _is_number, "a number in (0, 1]", 1.0))
-    if not 0.0 < req.top_p <= 1.0:
-        raise RequestError(f"'top_p' must lie in (0, 1], got {req.top_p}", "top_p")
-    top_k = _get(body, "top_k", _is_int, "an integer (-1 or 0 switch it off)", -1)
-    if top_k < -1:
-        raise RequestError(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
-    req.top_k = -1 if top_k == 0 else top_k
-    req.seed = _get(body, "seed", _is_int, "an integer")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    valid = isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
-    if stop is not None and (not valid or len(stop) > MAX_STOP_STRINGS):
-        raise RequestError(
-            f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} such strings, "
-            f"got {stop!r}",
-            "stop",
-        )
-    req.stop = stop or []
-    ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list), "a list of token ids", [])
-    if not all(_is_int(t) and t >= 0 for t in ids):
-        raise RequestError(f"'stop_token_ids' must be non-negative integers, got {ids!r}", "stop_token_ids")
-    req.stop_token_ids = ids
-    req.min_tokens = _get(body, "min_tokens", _is_int, "an integer >= 0", 0)
-    if req.min_tokens < 0:
-        raise RequestError(f"'min_tokens' must be >= 0, got {req.min_tokens}", "min_tokens")
-    req.ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
-    req.stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
-    req.include_usage = include_usage and req.stream
-    continuous = options.get("continuous_usage_stats", False)
-    if not isinstance(continuous, bool):
-        raise RequestError("'stream_options.continuous_usage_stats' must be a boolean", "stream_options")
-    req.continuous_usage = continuous and req.stream
-    if _get(body, "n", _is_int, "an integer", 1) != 1:
-        raise RequestError("'n' must be 1: send one request per completion", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, _is_number, "a number", 0) != 0:
-            raise RequestError(f"'{name}' is not supported; leave it out or set it to 0", name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise RequestError("'logprobs' is not supported; leave it out", "logprobs")
-    if body.get("echo") not in (None, False):
-        raise RequestError("'echo' is not supported; leave it out", "echo")
-
-
-def _model(body: dict, model_names: list[str]) -> str:
-    model = body.get("model")
+def _model_name(model: str | None, model_names: list[str]) -> str:
     if model is None:
         return model_names[0]
-    if not isinstance(model, str) or model not in model_names:
+    if model not in model_names:
         raise RequestError(
             f"model {model!r} does not exist; this server serves {', '.join(model_names)}",
             param="model",
@@ -135,83 +116,100 @@ def _model(body: dict, model_names: list[str]) -> str:
     return model
 
 
-def _max_tokens(body: dict, name: str, default):
-    value = _get(body, name, _is_int, "a positive integer", default)
-    if value is not None and value <= 0:
-        raise RequestError(f"'{name}' must be >= 1, got {value}", param="max_tokens")
-    return value
+def _unsupported(name: str, hint: str) -> RequestError:
+    return RequestError(f"'{name}' is not supported: {hint}", name)
 
 
-def _require_object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+def _common_fields(body, req: GenerateRequest) -> None:
+    req.temperature = body.temperature
+    req.top_p = body.top_p
+    req.top_k = -1 if body.top_k == 0 else body.top_k
+    req.seed = body.seed
+    req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    req.stop_token_ids = list(body.stop_token_ids or [])
+    req.min_tokens = body.min_tokens
+    req.ignore_eos = body.ignore_eos
+    req.stream = body.stream
+    options = body.stream_options
+    req.include_usage = bool(options and options.include_usage and req.stream)
+    req.continuous_usage = bool(options and options.continuous_usage_stats and req.stream)
+    if body.n != 1:
+        raise _unsupported("n", "send one request per completion")
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(body, name) != off:
+            raise _unsupported(name, f"leave it out or set it to {off}")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "leave it out")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise _unsupported("response_format", "only {'type': 'text'}")
 
 
 def parse_completion_request(body: Any, model_names: list[str]) -> GenerateRequest:
     """Validates a /v1/completions body. prompt: a non-empty string or token-id list (or a list of
     exactly one of those). Raises RequestError naming the field."""
-    body = _require_object(body)
-    req = GenerateRequest(kind="completion", model=_model(body, model_names))
-    prompt = body.get("prompt")
+    parsed = _validate(CompletionRequest, body)
+    req = GenerateRequest(kind="completion", model=_model_name(parsed.model, model_names))
+    prompt = parsed.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
+    if not prompt:
+        raise RequestError(f"'prompt' must be {_UNION_HINTS['prompt']}, got {_short(prompt)}", "prompt")
+    if isinstance(prompt, str):
         req.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        req.prompt_token_ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise RequestError("only one prompt per request is supported; send one request each", "prompt")
     else:
-        raise RequestError(
-            f"'prompt' must be a non-empty string or a non-empty list of token ids, got {prompt!r}", "prompt"
-        )
-    req.max_tokens = _max_tokens(body, "max_tokens", 16)
-    _common_fields(body, req)
+        req.prompt_token_ids = list(prompt)
+    req.max_tokens = parsed.max_tokens
+    if parsed.logprobs:
+        raise _unsupported("logprobs", "leave it out")
+    if parsed.echo:
+        raise _unsupported("echo", "leave it out")
+    if parsed.suffix:
+        raise _unsupported("suffix", "leave it out")
+    if parsed.best_of not in (None, parsed.n):
+        raise _unsupported("best_of", "leave it out or set it to n")
+    _common_fields(parsed, req)
     return req
 
 
-def _message_text(content, index: int) -> str:
+def _message_text(content) -> str:
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise RequestError(
-        f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content"
-    )
+    return "".join(part.text for part in content)
 
 
 def parse_chat_request(body: Any, model_names: list[str]) -> GenerateRequest:
     """Validates a /v1/chat/completions body: messages is a non-empty list of {role, content}.
     Raises RequestError naming the field."""
-    body = _require_object(body)
-    req = GenerateRequest(kind="chat", model=_model(body, model_names))
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(f"'messages' must be a non-empty list of messages, got {messages!r}", "messages")
+    parsed = _validate(ChatCompletionRequest, body)
+    req = GenerateRequest(kind="chat", model=_model_name(parsed.model, model_names))
     req.messages = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise RequestError(
-                f"messages[{i}] must be an object with a role of system, user or assistant",
-                f"messages[{i}].role",
-            )
-        role = "system" if m["role"] == "developer" else m["role"]
-        req.messages.append({"role": role, "content": _message_text(m.get("content"), i)})
-    if body.get("max_completion_tokens") is not None:
-        req.max_tokens = _max_tokens(body, "max_completion_tokens", None)
+    for i, m in enumerate(parsed.messages):
+        if m.role == "tool" or m.tool_calls:
+            raise _unsupported(f"messages[{i}]", "tool messages and tool calls need 'tools'")
+        role = "system" if m.role == "developer" else m.role
+        req.messages.append({"role": role, "content": _message_text(m.content)})
+    if parsed.max_completion_tokens is not None:
+        req.max_tokens, req.max_tokens_field = parsed.max_completion_tokens, "max_completion_tokens"
     else:
-        req.max_tokens = _max_tokens(body, "max_tokens", None)
-    _common_fields(body, req)
+        req.max_tokens = parsed.max_tokens
+    if parsed.logprobs or parsed.top_logprobs:
+        raise _unsupported("logprobs", "leave it out")
+    if parsed.tools:
+        raise _unsupported("tools", "leave it out")
+    if parsed.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "it needs 'tools'")
+    _common_fields(parsed, req)
     return req
 
 
-def sampling_params_for(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """Checks the request against the context length and builds its SamplingParams.
-    Raises RequestError naming the field: a prompt that leaves no room for one token, or
-    prompt + max_tokens beyond max_model_len."""
+def sampling_params_for(
+    req: GenerateRequest, num_prompt_tokens: int, max_model_len: int, vocab_size: int | None = None
+) -> SamplingParams:
+    """Checks the request against the context length and the vocabulary and builds its
+    SamplingParams. Raises RequestError naming the field: a prompt that leaves no room for one token,
+    prompt + max_tokens beyond max_model_len, token ids outside the vocabulary."""
     prompt_field = "messages" if req.kind == "chat" else "prompt"
     if num_prompt_tokens == 0:
         raise RequestError(f"'{prompt_field}' encodes to no tokens; send some text", prompt_field)
@@ -225,16 +223,25 @@ def sampling_params_for(req: GenerateRequest, num_prompt_tokens: int, max_model_
     max_tokens = room if req.max_tokens is None else req.max_tokens
     if max_tokens > room:
         raise RequestError(
-            f"'max_tokens' is {max_tokens} but the prompt has {num_prompt_tokens} tokens and the context "
-            f"holds {max_model_len}: at most {room} new tokens fit",
-            "max_tokens",
+            f"'{req.max_tokens_field}' is {max_tokens} but the prompt has {num_prompt_tokens} tokens and "
+            f"the context holds {max_model_len}: at most {room} new tokens fit",
+            req.max_tokens_field,
         )
     if req.min_tokens > max_tokens:
         raise RequestError(f"'min_tokens' ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    top_k = req.top_k
+    if vocab_size is not None:
+        for name, ids in (("prompt", req.prompt_token_ids or []), ("stop_token_ids", req.stop_token_ids)):
+            if ids and max(ids) >= vocab_size:
+                raise RequestError(
+                    f"'{name}' holds token id {max(ids)}, outside the vocabulary [0, {vocab_size})", name
+                )
+        if top_k >= vocab_size:
+            top_k = -1  # keeps every token: the same as off
     return SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=req.top_k,
+        top_k=top_k,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         seed=req.seed,

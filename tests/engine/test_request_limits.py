@@ -1,0 +1,68 @@
+"""What a client can put in SamplingParams never raises inside a step: out-of-range values fail in
+SamplingParams or add_request, representable extremes run; a step that raises anyway is cleaned up
+by abort_failed_step and the engine serves the next request."""
+
+import math
+
+import pytest
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = LLMEngine(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, max_model_len=64))
+    yield e
+    e.shutdown()
+
+
+def _run(engine, request_id: str, params: SamplingParams) -> list[int]:
+    engine.add_request(request_id, [5, 6, 7], params)
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += output.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=math.nan), dict(top_k=2**63),
+     dict(stop_token_ids=[2**63]), dict(max_tokens=2**63), dict(min_tokens=-1), dict(temperature=101.0)],
+)  # fmt: skip
+def test_values_no_int64_or_float_can_hold_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_id_outside_the_vocabulary_is_refused_at_admission(engine):
+    vocab = engine.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids holds {vocab}, outside the vocabulary"):
+        engine.add_request("oov", [1, 2], SamplingParams(stop_token_ids=[vocab], min_tokens=1))
+    assert not engine.has_unfinished()
+
+
+def test_representable_extremes_run(engine):
+    vocab = engine.vocab_size
+    huge_top_k = SamplingParams(temperature=1.0, top_k=2**63 - 1, seed=-(2**63), max_tokens=3)
+    assert len(_run(engine, "top_k", huge_top_k)) == 3
+    banned = SamplingParams(stop_token_ids=[vocab - 1], min_tokens=2, max_tokens=3, temperature=1e-30)
+    assert len(_run(engine, "banned", banned)) == 3
+
+
+def test_a_failed_step_is_aborted_and_the_engine_serves_on(engine, monkeypatch):
+    engine.add_request("doomed", [1, 2, 3], SamplingParams(max_tokens=4))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken step")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.executor, "run", broken)
+        patch.setattr(engine.executor, "launch", broken)
+        with pytest.raises(RuntimeError):
+            engine.step()
+    assert engine.abort_failed_step() == ["doomed"]
+    assert not engine.has_unfinished()
+    assert len(_run(engine, "after", SamplingParams(max_tokens=4, ignore_eos=True))) == 4
