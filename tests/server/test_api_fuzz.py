@@ -24,12 +24,12 @@ def test_openapi_declares_every_request_body_and_field(fake_server):
         assert schemas[model]["additionalProperties"] is False
 
 
-def test_schemathesis_finds_no_server_error(fake_server):
+def test_schemathesis_finds_no_server_error(fake_server, tmp_path):
     result = subprocess.run(
         ["schemathesis", "run", fake_server.url + "/openapi.json", "--url", fake_server.url,
          "--checks", "not_a_server_error", "--max-time", str(FUZZ_SECONDS), "--seed", "24",
          "-H", f"Authorization: Bearer {API_KEY}"],
-        capture_output=True, text=True, timeout=FUZZ_SECONDS + 120,
+        capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     generated = re.search(r"(\d+) generated", result.stdout)
