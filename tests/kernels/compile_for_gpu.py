@@ -23,8 +23,11 @@ from tpfuse.kernels import (
     counter_random,
     decode_attention,
     decode_merge,
+    fused_moe,
     gemv,
     kv_store,
+    moe_align,
+    moe_routing,
     prefill_attention,
     rmsnorm,
     rope,
@@ -34,7 +37,10 @@ from tpfuse.kernels import (
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
-INT_ARGS = ("hidden", "inter", "vocab", "num_heads", "head_dim", "num_splits")  # i32 scalars by name
+INT_ARGS = (  # i32 scalars by name
+    "hidden", "inter", "vocab", "num_heads", "head_dim", "num_splits",
+    "num_slots", "num_experts", "num_blocks",
+)  # fmt: skip
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
@@ -151,6 +157,29 @@ def _variants(dtype: str):
             dict(HIDDEN=hidden, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, EVEN=even, HAS_BIAS=has_bias),
             {"num_warps": gemv.NUM_WARPS, "num_stages": 1},
         )
+    yield from _moe_variants(p)
+
+
+def _moe_variants(p: str):
+    """The MoE routing, grouping and grouped-GEMM kernels at the default tiles."""
+    for top_k, block_e in ((8, 128), (2, 16)):
+        yield (
+            moe_routing._moe_topk_kernel,
+            {"*": p, "weights_ptr": "*fp32", "ids_ptr": "*i32"},
+            {},
+            dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_E=block_e, BLOCK_K=top_k),
+        )
+    i32 = {"*": "*i32"}
+    yield moe_align._count_kernel, i32, {}, dict(BLOCK=256)
+    yield moe_align._offsets_kernel, i32, {}, dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=32)
+    yield moe_align._scatter_kernel, i32, {}, dict(BLOCK=256)
+    grouped = {"*": p, "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    for tile in fused_moe.CANDIDATE_TILES:
+        blocks = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+        options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+        yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options
+        yield fused_moe._down_kernel, {**grouped, "weights_ptr": "*fp32"}, {}, blocks, options
+    yield fused_moe._combine_kernel, {"*": p}, {}, dict(TOP_K=8, BLOCK=1024)
 
 
 def main() -> int:

@@ -42,26 +42,47 @@ ARCHITECTURE_VARIANTS = {
     "qwen3": dict(head_dim=32),
     "mistral": dict(sliding_window=None),
 }
+# Mixture-of-experts checkpoints (tests/model/test_moe_models.py), kept out of ARCHITECTURE_VARIANTS so
+# the dense suites do not grow. Expert counts are odd or equal to top-k (every token takes every expert).
+MOE_VARIANTS = {
+    "qwen3_moe": dict(  # layers 0 and 2 sparse, 1 dense (mlp_only_layers), renormalised top-2 of 5
+        head_dim=32, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
+    "qwen3_moe_step": dict(  # decoder_sparse_step 2: layer 1 sparse, and top-4 of 4 experts
+        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+    ),
+    "mixtral": dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2),
+}
+_CONFIG_CLASS = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_moe_step": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+}
 
 
 def build_hf_checkpoint(directory, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
-    """Saves a random transformers model of architecture kind ("llama", "qwen2", "qwen3", "mistral")
-    in float32 to directory (sharded when max_shard_size is given) and returns the model."""
+    """Saves a random transformers model of architecture kind (a key of ARCHITECTURE_VARIANTS or
+    MOE_VARIANTS) in float32 to directory (sharded when max_shard_size is given) and returns the model.
+    MoE routers are drawn at std 0.5, so routing is decisive and no two experts tie by accident."""
     import transformers
 
-    config_class = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-        "mistral": transformers.MistralConfig,
-    }[kind]
-    config = config_class(**{**SMALL_SHAPE, **ARCHITECTURE_VARIANTS[kind], **overrides})
+    config_class = getattr(transformers, _CONFIG_CLASS[kind])
+    variant = {**ARCHITECTURE_VARIANTS, **MOE_VARIANTS}[kind]
+    config = config_class(**{**SMALL_SHAPE, **variant, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random init leaves biases and norms at 0/1; make every tensor matter
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("gate.weight"):
+                param.copy_(torch.randn_like(param) * 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return model

@@ -7,8 +7,8 @@ import torch
 
 from tpfuse.comm.communicator import SingleRankCommunicator
 from tpfuse.model.layers import ParallelContext
-from tpfuse.model.llama import LlamaForCausalLM
 from tpfuse.model.presets import PRESETS, TINY_VOCAB_SIZE, preset_config
+from tpfuse.model.registry import model_class
 from tpfuse.model.tokenizer import ByteTokenizer
 
 # Parameter counts as published on each model's card / safetensors metadata.
@@ -20,6 +20,9 @@ PUBLISHED_PARAMETER_COUNTS = {
     "qwen3-8b": 8_190_735_360,
     "qwen3-32b": 32_762_123_264,
     "mistral-7b": 7_248_023_552,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 
@@ -32,7 +35,7 @@ def test_preset_parameter_count_equals_the_published_count(name):
 def test_model_built_on_meta_device_has_the_configured_parameter_count(name):
     config = preset_config(name)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ParallelContext(0, 1, SingleRankCommunicator()))
+        model = model_class(config.architecture)(config, ParallelContext(0, 1, SingleRankCommunicator()))
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
 
 

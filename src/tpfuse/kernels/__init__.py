@@ -15,12 +15,14 @@ from tpfuse.kernels import (
     activation,
     counter_random,
     decode_attention,
+    fused_moe,
     gemv,
     grouped_topk,
     kv_store,
     mla_decode,
     mla_prefill,
     mla_store,
+    moe_routing,
     prefill_attention,
     quant_fp8,
     quant_int,
@@ -36,11 +38,13 @@ __all__ = [
     "decode_attention_op",
     "fp8_linear_op",
     "fused_add_rmsnorm",
+    "fused_experts",
     "int_linear_op",
     "gemv_op",
     "grouped_topk_op",
     "mla_decode_op",
     "mla_prefill_op",
+    "moe_topk",
     "prefill_attention_op",
     "rmsnorm_op",
     "rope_op",
@@ -190,3 +194,13 @@ def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_grou
     return grouped_topk.grouped_topk(
         router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
     )
+def moe_topk(router_logits, top_k: int, renormalize: bool):
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): softmax, the k
+    largest (ties: lower id), renormalised to sum 1 when asked (kernels/moe_routing.py)."""
+    return _pick(moe_routing, "moe_topk", router_logits)(router_logits, top_k, renormalize)
+
+
+def fused_experts(x, w13, w2, topk_weights, topk_ids):
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k] -> [T, H] of x.dtype, the weighted sum of
+    each token's k experts (kernels/fused_moe.py)."""
+    return _pick(fused_moe, "fused_experts", x)(x, w13, w2, topk_weights, topk_ids)

@@ -10,7 +10,7 @@ from torch import nn
 
 from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_store_kv_op
 from tpfuse.model.config import ModelConfig
-from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear
+from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear, ShardSlot
 
 
 @dataclass
@@ -87,6 +87,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        """Checkpoint tensor name (under prefix, e.g. "model.layers.0.self_attn.") -> this rank's slot."""
+        slots = {}
+        for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            slots[f"{prefix}{name}.weight"] = self.qkv_proj.slot(part)
+            if self.qkv_proj.bias is not None:
+                slots[f"{prefix}{name}.bias"] = self.qkv_proj.slot(part, bias=True)
+        slots[prefix + "o_proj.weight"] = self.o_proj.slot()
+        if self.q_norm is not None:
+            slots[prefix + "q_norm.weight"] = self.q_norm.slot()
+            slots[prefix + "k_norm.weight"] = self.k_norm.slot()
+        return slots
 
     def forward(
         self,

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Llama-family decoder, read from a Hugging Face config.json or a preset.
+"""ModelConfig: the shape of a decoder (dense or mixture-of-experts), read from a Hugging Face
+config.json or a preset.
 
 Both transformers 4.x files (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x files
 (`rope_parameters`, `dtype`) are understood.
@@ -10,18 +11,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from tpfuse.model.registry import SUPPORTED_ARCHITECTURES
+
 _ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -48,6 +50,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
+    # Mixture of experts (0 experts: dense). A layer is sparse when is_moe_layer(i) says so.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     dtype: torch.dtype = torch.bfloat16
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -68,6 +77,25 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                    f"({self.num_experts})"
+                )
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"moe_intermediate_size ({self.moe_intermediate_size}) and decoder_sparse_step "
+                    f"({self.decoder_sparse_step}) must be >= 1"
+                )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer index has a sparse MoE block (else a dense MLP of intermediate_size)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def q_size(self) -> int:
@@ -85,9 +113,10 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        moe = self.num_experts * (h + 3 * h * self.moe_intermediate_size)  # router + experts
+        ffn = sum(moe if self.is_moe_layer(n) else 3 * h * i for n in range(self.num_layers))
         embed = self.vocab_size * h
-        return self.num_layers * layer + embed + h + (0 if self.tie_word_embeddings else embed)
+        return self.num_layers * (attn + 2 * h) + ffn + embed + h + (0 if self.tie_word_embeddings else embed)
 
     @classmethod
     def from_hf_dict(
@@ -117,7 +146,7 @@ class ModelConfig:
                 rope_scaling = None
         max_positions = hf.get("max_position_embeddings", 2048)
         window = hf.get("sliding_window")
-        uses_window = hf.get("use_sliding_window", architecture == "MistralForCausalLM")
+        uses_window = hf.get("use_sliding_window", architecture in _SLIDING_WINDOW_ARCHITECTURES)
         if window and uses_window and window < max_positions:
             # Sliding-window attention is not implemented: within the window it equals full attention.
             max_positions = window
@@ -136,7 +165,8 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM",
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            **_moe_fields(hf, architecture, source),
             dtype=resolve_dtype(hf.get("torch_dtype") or hf.get("dtype"), dtype, source),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf, generation_config),
@@ -172,6 +202,25 @@ def _architecture(hf: dict, source: str) -> str:
     found = ", ".join(names) or f"model_type {hf.get('model_type')!r}"
     raise ValueError(
         f"{source}: architecture {found} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _moe_fields(hf: dict, architecture: str, source: str) -> dict:
+    """The mixture-of-experts fields of a config.json (Qwen3-MoE: num_experts, moe_intermediate_size;
+    Mixtral: num_local_experts, experts of intermediate_size, always renormalised); {} when dense."""
+    if architecture not in _MOE_ARCHITECTURES:
+        return {}
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if num_experts < 1:
+        raise ValueError(f"{source} is a {architecture} config without num_experts / num_local_experts >= 1")
+    mixtral = architecture == "MixtralForCausalLM"
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+        moe_intermediate_size=hf.get("moe_intermediate_size") or hf.get("intermediate_size", 0),
+        norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
     )
 
 

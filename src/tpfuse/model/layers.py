@@ -59,7 +59,8 @@ class ParallelContext:
 @dataclass(frozen=True)
 class ShardSlot:
     """Range [start, start + length) along dim of a checkpoint tensor of shape full_shape, copied
-    into param at [dst_start, dst_start + length) along the same dim."""
+    into param at [dst_start, dst_start + length) along the same dim. index: the entry of param's
+    leading dim the tensor fills (stacked experts: param[index] has the tensor's rank), else None."""
 
     param: nn.Parameter
     full_shape: tuple[int, ...]
@@ -68,12 +69,14 @@ class ShardSlot:
     length: int
     dst_start: int = 0
     zero_rows: int = 0  # rows of param past this range that are zero padding, never read from disk
+    index: int | None = None
 
     def source_index(self) -> tuple[slice, ...]:
         return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
 
     def destination(self) -> torch.Tensor:
-        return self.param.data.narrow(self.dim, self.dst_start, self.length)
+        target = self.param.data if self.index is None else self.param.data[self.index]
+        return target.narrow(self.dim, self.dst_start, self.length)
 
 
 def divide(total: int, parts: int, what: str) -> int:

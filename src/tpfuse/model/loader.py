@@ -18,8 +18,8 @@ import torch
 from tpfuse.config import EngineConfig
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, ShardSlot
-from tpfuse.model.llama import LlamaForCausalLM
 from tpfuse.model.presets import PRESETS, is_preset, preset_config
+from tpfuse.model.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
 _STORED_DTYPES = {"F32", "BF16", "F16"}
@@ -61,8 +61,10 @@ def load_model_config(engine_config: EngineConfig) -> ModelConfig:
 
 def load_model(
     engine_config: EngineConfig, parallel: ParallelContext, device: torch.device | str
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Builds this rank's model on device and fills its weights.
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """Builds this rank's model (the class model/registry.py names for its architecture) on device
+    and fills its weights. The model declares its checkpoint tensors (checkpoint_slots()), so this
+    file knows no family.
 
     Presets and --load-format dummy get seeded random weights (normal(0, 0.02), norm weights 1), the
     same on every tp size. Raises CheckpointError (a ValueError) naming the missing file or tensor,
@@ -70,7 +72,7 @@ def load_model(
     """
     model_config = load_model_config(engine_config)
     with torch.device(device):
-        model = LlamaForCausalLM(model_config, parallel)
+        model = model_class(model_config.architecture)(model_config, parallel)
     slots = model.checkpoint_slots()
     if is_preset(engine_config.model) or engine_config.load_format == "dummy":
         fill_dummy_weights(slots, engine_config.seed)
@@ -88,13 +90,16 @@ def fill_dummy_weights(slots: dict[str, ShardSlot], seed: int) -> None:
     rank of every tp size holds the same weights as a TP=1 run with that seed. Tensors of up to
     CPU_DRAW_MAX_ELEMENTS are drawn on the CPU, so small models (the embedded default) get the same
     weights on every device; larger ones are drawn on their device, for speed (CPU and CUDA random
-    streams differ)."""
+    streams differ). An expert's tensor counts as the stacked parameter it is one entry of (E times
+    its size), so a large MoE is drawn on its device."""
     for name, slot in slots.items():
         dest = slot.destination()
         if name.endswith("norm.weight"):
             dest.fill_(1.0)
             continue
         numel = math.prod(slot.full_shape)
+        if slot.index is not None:
+            numel *= slot.param.shape[0]
         draw_on = torch.device("cpu") if numel <= CPU_DRAW_MAX_ELEMENTS else dest.device
         generator = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(slot.full_shape, dtype=torch.float32, device=draw_on)
@@ -134,7 +139,7 @@ def checkpoint_files(directory: str) -> dict[str, str]:
     return files
 
 
-def load_safetensors(model: LlamaForCausalLM, slots: dict[str, ShardSlot], directory: str) -> None:
+def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], directory: str) -> None:
     """Copies this rank's shard of every checkpoint tensor into the model. Raises CheckpointError
     for a missing tensor (named with the file it should be in), a shape or dtype that does not match,
     or tensors the model has no place for."""
@@ -195,8 +200,8 @@ def check_all_parameters_written(model: torch.nn.Module, slots: dict[str, ShardS
     memory. Raises RuntimeError naming the parameter (a bug in checkpoint_slots)."""
     covered: dict[int, int] = {}
     for slot in slots.values():
-        per_index = slot.param.numel() // slot.param.shape[slot.dim]
-        elements = (slot.length + slot.zero_rows) * per_index
+        target = slot.param if slot.index is None else slot.param[slot.index]
+        elements = (slot.length + slot.zero_rows) * (target.numel() // target.shape[slot.dim])
         covered[id(slot.param)] = covered.get(id(slot.param), 0) + elements
     for name, param in model.named_parameters():
         if covered.get(id(param), 0) != param.numel():

@@ -1,0 +1,89 @@
+"""Blocks the decoder families share: the gated MLP and the decoder layer.
+
+A feed-forward block (GatedMLP here, SparseMoeBlock in model/moe.py) has one contract:
+`forward_add_rmsnorm(h, residual, weight, eps, comm) -> (normed, new_residual)` ends the layer, its
+output summed over ranks into the residual stream and normed by `weight` (the next layer's input
+norm); `checkpoint_slots(prefix)` names its checkpoint tensors. So a block may fuse its own epilogue
+(the MoE combine) into the all-reduce without the decoder loop knowing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tpfuse.comm.communicator import Communicator
+from tpfuse.kernels import silu_and_mul
+from tpfuse.model.attention import Attention
+from tpfuse.model.config import ModelConfig
+from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, ShardSlot
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up merged and split over ranks by rows, down by columns.
+
+    names: the checkpoint's (gate, up, down) projection names, e.g. ("gate_proj", "up_proj", "down_proj").
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ):
+        super().__init__()
+        i = intermediate_size
+        self.names = names
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [i, i], parallel, dtype)
+        self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H], this rank's partial sum."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def forward_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        gate, up, down = self.names
+        return {
+            f"{prefix}{gate}.weight": self.gate_up_proj.slot(0),
+            f"{prefix}{up}.weight": self.gate_up_proj.slot(1),
+            f"{prefix}{down}.weight": self.down_proj.slot(),
+        }
+
+
+class DecoderLayer(nn.Module):
+    """input norm -> attention -> post-attention norm -> feed-forward block (make_ffn() builds it,
+    after the attention, so shape errors come in that order; named ffn_name in the checkpoint: "mlp",
+    or Mixtral's "block_sparse_moe"). The norms run in the decoder loop, fused with the all-reduces."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        make_ffn: Callable[[], nn.Module],
+        ffn_name: str = "mlp",
+    ):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.self_attn = Attention(config, parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.mlp = make_ffn()
+        self.ffn_name = ffn_name
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        """prefix: e.g. "model.layers.3."."""
+        slots = {
+            prefix + "input_layernorm.weight": self.input_layernorm.slot(),
+            prefix + "post_attention_layernorm.weight": self.post_attention_layernorm.slot(),
+        }
+        slots.update(self.self_attn.checkpoint_slots(prefix + "self_attn."))
+        slots.update(self.mlp.checkpoint_slots(f"{prefix}{self.ffn_name}."))
+        return slots

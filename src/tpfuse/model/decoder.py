@@ -1,0 +1,101 @@
+"""DecoderForCausalLM: the body every decoder family shares (embedding, layers, final norm, lm_head).
+
+A family subclasses it and says how to build layer i (`make_layer`); everything else (the forward
+loop, logits, checkpoint names) is here. The residual stream crosses ranks only through
+`comm.fused_add_rmsnorm_all_reduce` (or a feed-forward block's fused form of it), twice per layer:
+after o_proj (applying post_attention_layernorm) and after the feed-forward block (applying the next
+layer's input_layernorm, or the final norm after the last layer). The embedding's partial sum enters
+the same way, with a zero residual, so a forward pass of N layers makes exactly 2N + 1 such calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpfuse.kernels import rope_cos_sin_cache
+from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.blocks import DecoderLayer
+from tpfuse.model.config import ModelConfig
+from tpfuse.model.layers import ParallelContext, ParallelLMHead, RMSNorm, ShardSlot, VocabParallelEmbedding
+
+# Checkpoint tensors that may be present and carry nothing tpfuse needs.
+IGNORABLE_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderForCausalLM(nn.Module):
+    """forward(input_ids, positions, attn, kv_caches) -> (hidden after the final norm, aux | None);
+    compute_logits(hidden) -> full-vocabulary float32 logits on every rank.
+
+    aux_hidden_state_layers: layer ids whose inputs (the residual stream) forward also returns,
+    concatenated along the last dim (EAGLE-3 features); empty by default.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext):
+        super().__init__()
+        self.config = config
+        self.comm = parallel.comm
+        self.eps = config.rms_norm_eps
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        dtype = config.dtype
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype)
+        self.layers = nn.ModuleList(self.make_layer(config, parallel, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype, tied_to=tied)
+        cache = rope_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def make_layer(self, config: ModelConfig, parallel: ParallelContext, index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache), each
+        [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
+        Returns hidden [T, H] after the final norm, and aux [T, len(aux_hidden_state_layers) * H] or None.
+        """
+        comm, eps, layers = self.comm, self.eps, self.layers
+        partial = self.embed_tokens(input_ids)
+        h, residual = comm.fused_add_rmsnorm_all_reduce(
+            partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps
+        )
+        aux = []
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(residual)
+            partial = layer.self_attn(positions, h, attn, kv_caches[i], self.cos_sin_cache)
+            h, residual = comm.fused_add_rmsnorm_all_reduce(
+                partial, residual, layer.post_attention_layernorm.weight, eps
+            )
+            next_norm = self.norm if i == last else layers[i + 1].input_layernorm
+            h, residual = layer.mlp.forward_add_rmsnorm(h, residual, next_norm.weight, eps, comm)
+        return h, (torch.cat(aux, dim=-1) if aux else None)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] -> [N, vocab_size] float32, the full vocabulary on every rank (written into
+        out when given)."""
+        return self.lm_head(hidden, out)
+
+    def checkpoint_slots(self) -> dict[str, ShardSlot]:
+        """Hugging Face tensor name -> where this rank's part of it goes. A tied lm_head has no slot."""
+        slots = {"model.embed_tokens.weight": self.embed_tokens.slot(), "model.norm.weight": self.norm.slot()}
+        if not self.config.tie_word_embeddings:
+            slots["lm_head.weight"] = self.lm_head.slot()
+        for i, layer in enumerate(self.layers):
+            slots.update(layer.checkpoint_slots(f"model.layers.{i}."))
+        return slots
+
+    def is_ignorable_tensor(self, name: str) -> bool:
+        """Checkpoint tensors the loader may skip: rotary caches, and lm_head when tied."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return True
+        return name.endswith(IGNORABLE_TENSOR_SUFFIXES)

@@ -1,0 +1,141 @@
+"""The mixture-of-experts block: a replicated router and the experts as one FusedMoE module.
+
+Tensor parallelism over experts: every rank holds every expert's slice of the intermediate dim
+(w13 [E, 2 * I_local, H]: gate rows then up rows; w2 [E, H, I_local]), so each rank's output is a
+partial sum and the layer ends in the fused all-reduce + residual + RMSNorm like a dense MLP.
+The expert weights and their product belong to an ExpertMethod (creation, checkpoint slots, apply in
+one small object) so a quantized variant replaces only that object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tpfuse.comm.communicator import Communicator
+from tpfuse.kernels import fused_experts, moe_topk
+from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a checkpoint names expert e's tensors: f"{prefix}{e}.{gate}.weight", and so on."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+class ExpertMethod(Protocol):
+    """Owns the expert weights of a FusedMoE: creates them, maps checkpoint tensors onto them, and
+    computes the experts' weighted output."""
+
+    def create_weights(self, experts: FusedMoE) -> None: ...
+
+    def checkpoint_slots(self, experts: FusedMoE, prefix: str) -> dict[str, ShardSlot]: ...
+
+    def apply(
+        self, experts: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class UnquantizedExperts:
+    """w13 [E, 2 * I_local, H] and w2 [E, H, I_local] in the model dtype, run by kernels.fused_experts."""
+
+    def create_weights(self, experts: FusedMoE) -> None:
+        e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
+        experts.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=experts.dtype), requires_grad=False)
+        experts.w2 = nn.Parameter(torch.empty(e, h, i, dtype=experts.dtype), requires_grad=False)
+
+    def checkpoint_slots(self, experts: FusedMoE, prefix: str) -> dict[str, ShardSlot]:
+        names, h, i_full = experts.names, experts.hidden_size, experts.intermediate_size
+        i, start = experts.intermediate_local, experts.intermediate_start
+        slots = {}
+        for e in range(experts.num_experts):
+            p = f"{prefix}{e}."
+            slots[f"{p}{names.gate}.weight"] = ShardSlot(experts.w13, (i_full, h), 0, start, i, 0, index=e)
+            slots[f"{p}{names.up}.weight"] = ShardSlot(experts.w13, (i_full, h), 0, start, i, i, index=e)
+            slots[f"{p}{names.down}.weight"] = ShardSlot(experts.w2, (h, i_full), 1, start, i, 0, index=e)
+        return slots
+
+    def apply(self, experts, x, topk_weights, topk_ids):
+        return fused_experts(x, experts.w13, experts.w2, topk_weights, topk_ids)
+
+
+class FusedMoE(nn.Module):
+    """All experts of one layer. forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] int32)
+    -> [T, H], this rank's partial sum of sum_j weight_j * expert_j(x)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        names: ExpertNames = ExpertNames(),
+        method: ExpertMethod | None = None,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_local = divide(intermediate_size, parallel.tp_size, "the expert intermediate size")
+        self.intermediate_start = parallel.tp_rank * self.intermediate_local
+        self.dtype = dtype
+        self.names = names
+        self.method = method or UnquantizedExperts()
+        self.method.create_weights(self)
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        """prefix: the experts' module prefix, e.g. "model.layers.0.mlp.experts."."""
+        return self.method.checkpoint_slots(self, prefix)
+
+    def forward(self, x, topk_weights, topk_ids):
+        return self.method.apply(self, x, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (replicated [E, H] linear, named "gate") -> top-k -> FusedMoE ("experts"); the
+    feed-forward block contract of model/blocks.py."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        names: ExpertNames = ExpertNames(),
+    ):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.gate.weight.requires_grad_(False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, parallel, dtype, names)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+        return moe_topk(self.gate(x), self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] (normed) -> [T, H], this rank's partial sum."""
+        topk_weights, topk_ids = self.route(x)
+        return self.experts(x, topk_weights, topk_ids)
+
+    def forward_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        weight = self.gate.weight
+        slots = {prefix + "gate.weight": ShardSlot(weight, tuple(weight.shape), 0, 0, weight.shape[0])}
+        slots.update(self.experts.checkpoint_slots(prefix + "experts."))
+        return slots
