@@ -28,9 +28,16 @@ POINTERS = {
 SCALARS = {"eps": "fp32", "timeout": "i64"}
 
 
-def _ptx(kernel, epilogue, out_type="*bf16"):
+def _ptx(kernel, epilogue, out_type="*bf16", lockstep=True):
     constexprs = dict(
-        WS=4, WS_P2=4, BLOCK=1024, CHUNK_BLOCK=256, EPILOGUE=epilogue, PHASES=(1 << 62) - 1, INTERPRET=False
+        WS=4,
+        WS_P2=4,
+        BLOCK=1024,
+        CHUNK_BLOCK=256,
+        EPILOGUE=epilogue,
+        PHASES=(1 << 62) - 1,
+        INTERPRET=False,
+        LOCKSTEP=lockstep,
     )
     signature = {}
     for name in kernel.arg_names:
@@ -57,6 +64,9 @@ def main() -> None:
                     allreduce.one_shot_kernel, allreduce.EPILOGUE_NORM_FP8.value, "*fp8e4nv"
                 ),
                 "staged": _ptx(allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value),
+                "ordered_push": _ptx(
+                    allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value, lockstep=False
+                ),
                 "hierarchical": _ptx(allreduce_pcie.hierarchical_kernel, allreduce.EPILOGUE_NORM.value),
                 "pull": _ptx(allreduce_pcie.pull_kernel, allreduce.EPILOGUE_NORM.value),
             }

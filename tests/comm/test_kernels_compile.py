@@ -34,19 +34,21 @@ def ptx_by_kernel():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("name", ["one_shot", "two_shot", "one_shot_fp8", "staged", "hierarchical", "pull"])
+@pytest.mark.parametrize(
+    "name", ["one_shot", "two_shot", "one_shot_fp8", "staged", "ordered_push", "hierarchical", "pull"]
+)
 def test_flags_are_release_stores_and_acquire_loads_at_system_scope(ptx_by_kernel, name):
     ptx = ptx_by_kernel[name]
     assert "st.release.sys.global.u32" in ptx
     assert "ld.acquire.sys.global.u32" in ptx
 
 
-@pytest.mark.parametrize("name", ["one_shot", "two_shot", "staged", "hierarchical", "pull"])
+@pytest.mark.parametrize("name", ["one_shot", "two_shot", "staged", "ordered_push", "hierarchical", "pull"])
 def test_spins_are_bounded_by_the_global_timer(ptx_by_kernel, name):
     assert "%globaltimer" in ptx_by_kernel[name]
 
 
-@pytest.mark.parametrize("name", ["one_shot", "two_shot", "staged", "hierarchical", "pull"])
+@pytest.mark.parametrize("name", ["one_shot", "two_shot", "staged", "ordered_push", "hierarchical", "pull"])
 def test_no_atomic_is_wider_than_gpu_scope(ptx_by_kernel, name):
     atomics = re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx_by_kernel[name])
     assert atomics, "the local error word and program counter use atomics"

@@ -28,7 +28,7 @@ def test_write_collapse_removes_the_fan_out_writers_and_keeps_staged_and_pull():
     links = _links(fanout_write=8.0, island_write=8.0)
     decision = decide_candidates(links, ALGORITHMS)
     assert set(decision.removed) == {"one_shot", "two_shot", "hierarchical"}
-    assert decision.kept == ["staged", "pull"]
+    assert decision.kept == ["staged", "ordered_push", "pull"]
     assert "write collapse on rank 0: 8.0 GB/s to all peers at once vs 55.0 GB/s" in decision.findings[0]
     assert "85% lost" in decision.removed["one_shot"]
 

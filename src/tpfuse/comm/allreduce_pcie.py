@@ -8,6 +8,9 @@ every rank shares, so every rank's outputs are bit-identical.
 - staged: WS - 1 stages; in stage s rank r writes its rows into slot [r] of rank (r + s) % WS only and
   waits for the one rank (r - s) % WS that writes to it, so each GPU has one outbound and one inbound
   peer stream at a time. Then it sums the WS slots in rank order (its own rows straight from x).
+  LOCKSTEP=False (the "ordered_push" schedule) keeps the ring order of the pushes but waits only once,
+  for every peer, after the last stage: one flag round instead of WS - 1, the one-stream property is
+  then only what equal speeds give.
 - hierarchical: islands (plan table, islands.py) partition the ranks. (1) one-shot inside the island:
   every rank pushes its rows to its island peers and sums them into the island partial P (float32, rank
   order); (2) exchange: each rank pushes P, in float32, to its counterparts in the other islands; (3)
@@ -78,7 +81,7 @@ def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sc
                   peer_table, buffer_ptr, rank, num_rows, hidden, eps, timeout,
                   flag_off, data_off, slot_bytes, max_programs,
                   WS: tl.constexpr, WS_P2: tl.constexpr, BLOCK: tl.constexpr, EPILOGUE: tl.constexpr,
-                  PHASES: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                  PHASES: tl.constexpr, INTERPRET: tl.constexpr, LOCKSTEP: tl.constexpr):  # fmt: skip
     """x: [num_rows, hidden] contiguous; out as launch.py's epilogue contract."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -98,11 +101,15 @@ def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sc
                 tl.store(dst + row * hidden + cols, v, mask=in_row)
             signal_ranks(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, one << target,
                          WS, WS_P2, INTERPRET)  # fmt: skip
-        if (PHASES >> (2 * stage - 1)) & 1:
+        if LOCKSTEP and (PHASES >> (2 * stage - 1)) & 1:
             source = (rank + WS - stage) % WS
             wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
                              one << source, WS, WS_P2, INTERPRET)  # fmt: skip
     if (PHASES >> (2 * WS - 2)) & 1:
+        if not LOCKSTEP:
+            others = (one << WS) - 1 - (one << rank)
+            wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
+                             others, WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for s in tl.static_range(WS):

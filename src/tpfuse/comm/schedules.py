@@ -7,7 +7,8 @@ the link probe (link_probe.py) removes the ones whose traffic pattern the links 
 Traffic patterns (what the probe's findings act on):
 - "fan-out writes": a rank writes to many peers at once (one-shot, two-shot, and the hierarchical
   schedule inside an island), hurt by write collapse;
-- "one write stream": one outbound and one inbound stream at a time (staged);
+- "one write stream": one outbound and one inbound stream at a time (staged; ordered_push as long as
+  the ranks run at equal speed);
 - "reads": peers' buffers are read, no peer data stores (pull), hurt by read collapse, immune to
   peer stores routed through system memory.
 """
@@ -69,14 +70,14 @@ def _two_shot(ws, grid, meta, tensors, num_rows, hidden, eps, epilogue, phases):
     )  # fmt: skip
 
 
-def _pcie(kernel, with_plan: bool):
+def _pcie(kernel, with_plan: bool, **constexprs):
     def launch(ws, grid, meta, tensors, num_rows, hidden, eps, epilogue, phases):
         lay, block = ws.layout, triton.next_power_of_2(hidden)
         plan = (ws.island_plan,) if with_plan else ()
         kernel[grid](
             *tensors, *plan, ws.rank, num_rows, hidden, eps, ws.timeout_for_kernel(meta["INTERPRET"]),
             lay.flag_off, lay.data_off, lay.slot_bytes, lay.max_programs, BLOCK=block, EPILOGUE=epilogue,
-            PHASES=phases, num_warps=k.num_warps_for(block), **meta,
+            PHASES=phases, num_warps=k.num_warps_for(block), **constexprs, **meta,
         )  # fmt: skip
 
     return launch
@@ -90,7 +91,9 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule("two_shot", FAN_OUT_WRITES, "reduce-scatter by columns, then all-gather of the sums",
                  _two_shot, lambda ws: 3),
         Schedule("staged", ONE_WRITE_STREAM, "ring-ordered stages: one peer written and one heard per stage",
-                 _pcie(p.staged_kernel, False), lambda ws: 2 * (ws - 1) + 1),
+                 _pcie(p.staged_kernel, False, LOCKSTEP=True), lambda ws: 2 * (ws - 1) + 1),
+        Schedule("ordered_push", ONE_WRITE_STREAM, "the staged pushes in ring order, one wait at the end",
+                 _pcie(p.staged_kernel, False, LOCKSTEP=False), lambda ws: 2 * (ws - 1) + 1),
         Schedule("hierarchical", FAN_OUT_WRITES,
                  "one-shot inside each island, float32 island partials exchanged between islands",
                  _pcie(p.hierarchical_kernel, True), lambda ws: 3, partial_bytes=4, needs_islands=True),
