@@ -25,8 +25,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("num_experts,top_k", [(5, 1), (13, 3), (67, 8)])
-@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts,top_k,renormalize", [(5, 1, False), (13, 3, True), (67, 8, False)])
 def test_topk_matches_float64_softmax_and_sort(num_experts, top_k, renormalize):
     logits = torch.randn(9, num_experts, generator=torch.Generator().manual_seed(num_experts))
     weights, ids = moe_topk_triton(logits, top_k, renormalize)

@@ -32,7 +32,7 @@ from tpfuse.engine.step_inputs import (
 )
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
-from tpfuse.model import linear_choice
+from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
@@ -96,6 +96,7 @@ class ModelRunner:
             drafters = [self.spec.draft_model, self.spec.head] if self.spec is not None else []
             models = [self.model] + [m for m in drafters if m is not None]
             linear_choice.choose((p for m in models for p in projections(m)), max_rows=max_step_rows(config))
+            moe_choice.choose(self.model, max_step_rows(config), config.max_num_batched_tokens)
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
         # Drafts may reach num_draft_tokens + 1 positions past the newest token.

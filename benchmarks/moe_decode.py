@@ -1,0 +1,147 @@
+"""MoE decode step (model alone, CUDA-graph captured) against the bytes it must read.
+
+For each batch size: a decode token per sequence at a fixed context, captured with compute_logits
+and replayed. The roofline of a step is the bytes it reads over the measured copy bandwidth:
+attention and norm weights + routers + the experts the step's routing actually touched (the union
+over its tokens, counted per layer from the routing of the captured inputs) + lm_head + the KV of
+the context. Prints tok/s and the fraction of that roofline per batch, and writes JSON.
+
+    python benchmarks/moe_decode.py                                   # qwen3-30b-a3b, batch 1,8,32,64
+    python benchmarks/moe_decode.py --model qwen3-30b-a3b --batch-sizes 1 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_decode_roofline import copy_bandwidth, decode_inputs, print_kernel_profile, timed  # noqa: E402
+from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
+from tpfuse.config import EngineConfig  # noqa: E402
+from tpfuse.model import linear_choice, moe_choice  # noqa: E402
+from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
+from tpfuse.model.loader import load_model  # noqa: E402
+from tpfuse.model.moe import SparseMoeBlock  # noqa: E402
+
+
+def routed_experts(model, step) -> list[int]:
+    """Runs step once eagerly, recording per MoE layer how many distinct experts its routing chose."""
+    counts, originals = [], []
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            original = block.route
+
+            def recording(x, original=original):
+                weights, ids = original(x)
+                counts.append(int(torch.unique(ids).numel()))
+                return weights, ids
+
+            block.route = recording
+            originals.append((block, original))
+    step()
+    for block, original in originals:
+        block.route = original
+    return counts
+
+
+def step_bytes(model, batch_size: int, context: int, experts_touched: list[int]) -> dict[str, int]:
+    """Bytes a decode step reads, by part."""
+    expert_params = {id(m.experts.w13) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    expert_params |= {id(m.experts.w2) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    if not model.config.tie_word_embeddings:
+        dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    per_expert = [(b.experts.w13[0].nbytes + b.experts.w2[0].nbytes) for b in blocks]
+    experts = sum(n * size for n, size in zip(experts_touched, per_expert, strict=True))
+    attn0 = model.layers[0].self_attn
+    kv = 2 * attn0.num_kv_heads * attn0.head_dim * model.config.dtype.itemsize * len(model.layers)
+    return {"dense": dense, "experts": experts, "kv": batch_size * context * kv}
+
+
+def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
+    ids, positions, attn, caches = decode_inputs(model, batch_size, args.context, args.block_size, "cuda")
+
+    def step():
+        hidden, _ = model(ids, positions, attn, caches)
+        return model.compute_logits(hidden)
+
+    with torch.no_grad():
+        touched = routed_experts(model, step)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            graph.replay()
+        seconds = timed(graph.replay, "cuda", args.iters)
+        if args.profile:
+            print_kernel_profile(graph.replay, batch_size)
+    parts = step_bytes(model, batch_size, args.context, touched)
+    total = sum(parts.values())
+    roof_s = total / bandwidth
+    return {
+        "batch_size": batch_size,
+        "context": args.context,
+        "graph_ms": seconds * 1e3,
+        "tok_per_s": batch_size / seconds,
+        "mean_experts_touched_per_layer": sum(touched) / len(touched),
+        "bytes": parts,
+        "step_bytes": total,
+        "roofline_ms": roof_s * 1e3,
+        "fraction_of_roofline": roof_s / seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_decode.json"))
+    args = parser.parse_args()
+
+    engine_config = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy")
+    model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    linear_choice.choose(projections(model), max_rows=max(batch_sizes))  # as the engine does at start-up
+    for choice in moe_choice.choose(model, max(batch_sizes), 0):
+        print(choice.describe())
+    bandwidth = copy_bandwidth("cuda")
+    name = torch.cuda.get_device_name()
+    print(f"{args.model} {config.dtype} on {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    header = ("batch", "graph ms", "tok/s", "experts/layer", "GB/step", "roofline ms", "% roof")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 9, 9, 13, 8, 11, 7), strict=True)))
+    rows = []
+    for batch_size in batch_sizes:
+        row = bench_batch(model, batch_size, args, bandwidth)
+        rows.append(row)
+        print(
+            f"{batch_size:5d} {row['graph_ms']:9.3f} {row['tok_per_s']:9.1f} "
+            f"{row['mean_experts_touched_per_layer']:13.1f} {row['step_bytes'] / 1e9:8.3f} "
+            f"{row['roofline_ms']:11.3f} {100 * row['fraction_of_roofline']:6.1f}%"
+        )
+    result = {"model": args.model, "dtype": str(config.dtype), "device": name, "copy_bandwidth": bandwidth}
+    with open(args.json, "w") as f:
+        json.dump({**result, "rows": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
