@@ -27,7 +27,8 @@ def engine_config(directory: str, **kw) -> EngineConfig:
 def test_moe_engine_greedy_equals_transformers(checkpoint):
     directory, hf_model = checkpoint
     prompt = [5, 17, 33, 100, 2, 9, 81, 44, 250, 3, 3]
-    [out] = LLM(config=engine_config(directory)).generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    [out] = LLM(config=engine_config(directory)).generate([prompt], params)
     assert out.token_ids == hf_greedy(hf_model, prompt, 12)
 
 
