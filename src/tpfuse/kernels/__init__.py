@@ -21,6 +21,7 @@ from tpfuse.kernels import (
     kv_store,
     mla_decode,
     mla_prefill,
+    mla_rope,
     mla_store,
     moe_routing,
     prefill_attention,
@@ -44,6 +45,7 @@ __all__ = [
     "grouped_topk_op",
     "mla_decode_op",
     "mla_prefill_op",
+    "mla_rope_op",
     "moe_topk",
     "prefill_attention_op",
     "rmsnorm_op",
@@ -186,6 +188,12 @@ def mla_prefill_op(q_latent, q_rope, cache, block_tables, seq_lens, query_start_
     return _pick(mla_prefill, "mla_prefill", q_latent)(
         q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
     )
+
+
+def mla_rope_op(positions, q_pe, k_pe, cos_sin_cache, interleaved):
+    """MLA rope of q_pe [T, H, P] and k_pe [T, P] -> new (q_rot, k_rot) in halves order; torch on every
+    device (kernels/mla_rope.py)."""
+    return mla_rope.mla_rope_ref(positions, q_pe, k_pe, cos_sin_cache, interleaved)
 
 
 def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):

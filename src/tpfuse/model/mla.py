@@ -1,0 +1,134 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over the paged latent cache, heads split over ranks.
+
+Per token: q from the hidden state (through the q LoRA: q_a_proj -> q_a_layernorm -> q_b_proj, or one
+q_proj), and the latent c (kv_lora_rank) plus the shared rope key k_pe from kv_a_proj_with_mqa. The
+cache keeps c (normalised by kv_a_layernorm) and rotated k_pe, one row per token, on every rank. The
+key up-projection is absorbed into the query, q_latent = q_nope @ W_UK per head, so attention runs over
+the latent (kernels/mla_decode.py, kernels/mla_prefill.py) and returns o_latent; v = o_latent @ W_UV.T
+per head, then o_proj gives this rank's partial sum. W_UK and W_UV are the two row blocks of each
+head in kv_b_proj ([H * (nope + v), kv_lora_rank]), used in place. The q and kv "a" projections
+are one GEMM (q's part split by heads, the latent replicated).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpfuse.kernels import mla_decode_op, mla_prefill_op, mla_rope_op, store_latent_op
+from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RMSNorm,
+    RowParallelLinear,
+    ShardSlot,
+    divide,
+)
+from tpfuse.model.mla_config import MLAShape
+
+
+class MLAAttention(nn.Module):
+    """forward(positions [T], hidden [T, H] normed, attn, kv_cache (latent_cache,), cos_sin_cache
+    [max_pos, rope_dim]) -> [T, H], this rank's partial sum; writes each token's latent row into
+    latent_cache [num_blocks, block_size, kv_lora_rank + rope_dim] at attn.slot_mapping."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        shape: MLAShape,
+        eps: float,
+        scale: float,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.shape = shape
+        self.scale = scale
+        self.num_heads = divide(num_heads, parallel.tp_size, "num_attention_heads")
+        heads, rank = self.num_heads, parallel.tp_rank
+        latent = shape.kv_lora_rank + shape.qk_rope_head_dim
+        latent_range = (latent, 0, latent)  # replicated: every rank computes the whole latent
+        if shape.q_lora_rank is not None:
+            q_range = (shape.q_lora_rank, 0, shape.q_lora_rank)
+            self.q_b_proj = ColumnParallelLinear(
+                shape.q_lora_rank, [num_heads * shape.qk_head_dim], parallel, dtype
+            )
+            self.q_a_layernorm = RMSNorm(shape.q_lora_rank, eps, dtype)
+        else:
+            q_local = heads * shape.qk_head_dim
+            q_range = (num_heads * shape.qk_head_dim, rank * q_local, q_local)
+            self.q_b_proj = self.q_a_layernorm = None
+        self.fused_a_proj = ColumnParallelLinear(
+            hidden_size, [], parallel, dtype, part_ranges=[q_range, latent_range]
+        )
+        self.kv_a_layernorm = RMSNorm(shape.kv_lora_rank, eps, dtype)
+        per_head = shape.qk_nope_head_dim + shape.v_head_dim
+        self.kv_b_full_shape = (num_heads * per_head, shape.kv_lora_rank)
+        self.kv_b_start = rank * heads * per_head
+        self.kv_b = nn.Parameter(
+            torch.empty(heads * per_head, shape.kv_lora_rank, dtype=dtype), requires_grad=False
+        )
+        self.o_proj = RowParallelLinear(num_heads * shape.v_head_dim, hidden_size, parallel, dtype)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H_local, nope, kv_lora_rank], W_UV [H_local, v, kv_lora_rank]), views of kv_b."""
+        s = self.shape
+        per_head = self.kv_b.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return per_head[:, : s.qk_nope_head_dim], per_head[:, s.qk_nope_head_dim :]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, ...],
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn.tree_mask is not None:
+            raise NotImplementedError(
+                "tree attention (--speculative-eagle-topk > 1) is not implemented for MLA"
+            )
+        s, heads, num_tokens = self.shape, self.num_heads, hidden.shape[0]
+        (latent_cache,) = kv_cache
+        a = self.fused_a_proj(hidden)
+        q_part, latent = a.split(self.fused_a_proj.local_sizes, dim=-1)
+        if self.q_b_proj is not None:
+            q_part = self.q_b_proj(self.q_a_layernorm(q_part))
+        q = q_part.view(num_tokens, heads, s.qk_head_dim)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        c, k_pe = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        q_pe, k_pe = mla_rope_op(positions, q_pe, k_pe, cos_sin_cache, s.rope_interleave)
+        store_latent_op(c, k_pe, latent_cache, attn.slot_mapping)
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
+        if attn.is_decode:
+            o = mla_decode_op(q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, self.scale)
+        else:
+            o = mla_prefill_op(
+                q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                attn.max_query_len, self.scale,
+            )  # fmt: skip
+        v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_head_dim]
+        return self.o_proj(v.transpose(0, 1).reshape(num_tokens, heads * s.v_head_dim))
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        """prefix: e.g. "model.layers.3.self_attn."."""
+        a = self.fused_a_proj
+        slots = {
+            prefix + "kv_a_proj_with_mqa.weight": a.slot(1),
+            prefix + "kv_a_layernorm.weight": self.kv_a_layernorm.slot(),
+            prefix + "kv_b_proj.weight": ShardSlot(
+                self.kv_b, self.kv_b_full_shape, 0, self.kv_b_start, self.kv_b.shape[0]
+            ),
+            prefix + "o_proj.weight": self.o_proj.slot(),
+        }
+        if self.q_b_proj is not None:
+            slots[prefix + "q_a_proj.weight"] = a.slot(0)
+            slots[prefix + "q_a_layernorm.weight"] = self.q_a_layernorm.slot()
+            slots[prefix + "q_b_proj.weight"] = self.q_b_proj.slot()
+        else:
+            slots[prefix + "q_proj.weight"] = a.slot(0)
+        return slots
