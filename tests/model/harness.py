@@ -108,16 +108,19 @@ class PagedSequences:
     are neither contiguous nor sorted. step() runs one forward pass over new tokens of every sequence."""
 
     def __init__(self, model, num_sequences: int, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
-        attn = model.layers[0].self_attn
-        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         dtype, device = model.config.dtype, model.cos_sin_cache.device
         self.model = model
         self.device = device
         self.block_size = block_size
-        poison = dict(
-            fill_value=float("nan"), dtype=dtype, device=device
-        )  # unwritten slots must never be read
-        self.kv_caches = [(torch.full(shape, **poison), torch.full(shape, **poison)) for _ in model.layers]
+        if hasattr(model, "kv_cache_layout"):  # the layout the model declares (MLA: latent rows)
+            self.kv_caches = model.kv_cache_layout(1).allocate(num_blocks, block_size, device)
+        else:
+            attn = model.layers[0].self_attn
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            empty = lambda: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+            self.kv_caches = [(empty(), empty()) for _ in model.layers]
+        for cache in (t for layer in self.kv_caches for t in layer):
+            cache.fill_(float("nan"))  # unwritten slots must never be read
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: list[list[int]] = [[] for _ in range(num_sequences)]

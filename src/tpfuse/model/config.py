@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.model.mla_config import GroupedRouting, MLAShape, grouped_routing, mla_shape
 from tpfuse.model.registry import SUPPORTED_ARCHITECTURES
 
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -20,6 +21,8 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -57,6 +60,9 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # DeepSeek-V3 family (model/mla_config.py): latent attention, group-limited routing + shared experts
+    mla: MLAShape | None = None
+    grouped_routing: GroupedRouting | None = None
     dtype: torch.dtype = torch.bfloat16
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -150,7 +156,7 @@ class ModelConfig:
         if window and uses_window and window < max_positions:
             # Sliding-window attention is not implemented: within the window it equals full attention.
             max_positions = window
-        return cls(
+        fields = dict(
             architecture=architecture,
             hidden_size=hidden,
             num_layers=_required(hf, "num_hidden_layers", source),
@@ -171,6 +177,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf, generation_config),
         )
+        fields.update(_deepseek_fields(hf, architecture, source))
+        return cls(**fields)
 
 
 def resolve_dtype(checkpoint_dtype: str | None, override: str = "auto", source: str = "config.json"):
@@ -221,6 +229,29 @@ def _moe_fields(hf: dict, architecture: str, source: str) -> dict:
         norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
         decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
+
+
+def _deepseek_fields(hf: dict, architecture: str, source: str) -> dict:
+    """DeepseekV3ForCausalLM (and Kimi-K2): the MLA shape, routing, the common MoE fields from
+    n_routed_experts, the first first_k_dense_replace layers dense, and head_dim = qk_rope_head_dim
+    (the rotary cache's width); {} for other families."""
+    if architecture != "DeepseekV3ForCausalLM":
+        return {}
+    routing = grouped_routing(hf, source)
+    experts = hf.get("n_routed_experts") or 0
+    if experts < 1:
+        raise ValueError(f"{source} is a DeepseekV3ForCausalLM config without n_routed_experts >= 1")
+    num_layers = _required(hf, "num_hidden_layers", source)
+    return dict(
+        mla=mla_shape(hf),
+        grouped_routing=routing,
+        head_dim=hf["qk_rope_head_dim"],
+        num_experts=experts,
+        num_experts_per_tok=_required(hf, "num_experts_per_tok", source),
+        moe_intermediate_size=_required(hf, "moe_intermediate_size", source),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(range(min(routing.first_k_dense_replace, num_layers))),
     )
 
 

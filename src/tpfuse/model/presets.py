@@ -42,6 +42,61 @@ _QWEN = {
     "eos_token_id": [151645, 151643],
 }
 
+_DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (its weights are FP8 128x128 blocks; presets run bf16)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 1,
+    "vocab_size": 129280,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},  # fmt: skip
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+_KIMI_K2 = {  # moonshotai/Kimi-K2-Instruct config.json (INT4 experts in K2-Thinking; presets run bf16)
+    **_DEEPSEEK_V3,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 0,
+    "vocab_size": 163840,
+    "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # fmt: skip
+    "max_position_embeddings": 131072,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+}
+
 PRESETS: dict[str, dict] = {
     "tiny": {
         "architectures": ["LlamaForCausalLM"],
@@ -196,6 +251,12 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    "deepseek-v3": _DEEPSEEK_V3,
+    # Reduced depth for one H200 (bf16 ~72 GB of weights): one dense layer, three MoE layers.
+    "deepseek-v3-4l": {**_DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1},
+    "kimi-k2": _KIMI_K2,
+    # Reduced depth for one H200 (bf16 ~72 GB of weights): one dense layer, two MoE layers.
+    "kimi-k2-3l": {**_KIMI_K2, "num_hidden_layers": 3},
 }
 
 

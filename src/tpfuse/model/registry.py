@@ -15,6 +15,7 @@ MODEL_CLASSES: dict[str, str] = {
     "Qwen3ForCausalLM": "tpfuse.model.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "tpfuse.model.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "tpfuse.model.mixtral:MixtralForCausalLM",
+    "DeepseekV3ForCausalLM": "tpfuse.model.deepseek_v3:DeepseekV3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 

@@ -1,0 +1,141 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM, also what Kimi-K2 checkpoints declare): multi-head latent
+attention (model/mla.py) and, after the first first_k_dense_replace dense layers, a MoE of routed
+experts under group-limited sigmoid routing plus always-on shared experts.
+
+Tensor parallelism: attention heads split over ranks, the latent cache replicated on every rank
+(LatentCacheLayout); every rank holds every routed expert's slice of the intermediate dim
+(FusedMoE) and a slice of the shared experts, so the routed combine and the shared output are one
+partial sum that enters the fused all-reduce + residual + RMSNorm. Checkpoint tensors of the MTP
+(NextN) layers, model.layers.{num_hidden_layers + i}.*, are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpfuse.comm.communicator import Communicator
+from tpfuse.kernels import grouped_topk_op
+from tpfuse.model.blocks import GatedMLP
+from tpfuse.model.config import ModelConfig
+from tpfuse.model.decoder import DecoderForCausalLM
+from tpfuse.model.kv_layout import LatentCacheLayout
+from tpfuse.model.layers import ParallelContext, RMSNorm, ShardSlot
+from tpfuse.model.mla import MLAAttention
+from tpfuse.model.moe import FusedMoE
+
+
+def _replicated(param: nn.Parameter) -> ShardSlot:
+    return ShardSlot(param, tuple(param.shape), 0, 0, param.shape[0])
+
+
+class DeepseekV3MoE(nn.Module):
+    """Router "gate" (float32 [E, H] weight and e_score_correction_bias, replicated) -> grouped_topk ->
+    FusedMoE "experts", plus GatedMLP "shared_experts"; the feed-forward block contract of
+    model/blocks.py."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext):
+        super().__init__()
+        routing = config.grouped_routing
+        h, e = config.hidden_size, config.num_experts
+        self.routing = routing
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate_weight = nn.Parameter(torch.empty(e, h, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+        self.experts = FusedMoE(e, h, config.moe_intermediate_size, parallel, config.dtype)
+        self.shared_experts = None
+        if routing.n_shared_experts:
+            shared = config.moe_intermediate_size * routing.n_shared_experts
+            self.shared_experts = GatedMLP(h, shared, parallel, config.dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32); logits in float32."""
+        r = self.routing
+        logits = F.linear(x.float(), self.gate_weight)
+        return grouped_topk_op(
+            logits, self.e_score_correction_bias, self.top_k, r.n_group, r.topk_group, self.norm_topk_prob,
+            r.routed_scaling_factor,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] (normed) -> [T, H], this rank's partial sum of routed + shared experts."""
+        topk_weights, topk_ids = self.route(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def forward_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        slots = {
+            prefix + "gate.weight": _replicated(self.gate_weight),
+            prefix + "gate.e_score_correction_bias": _replicated(self.e_score_correction_bias),
+        }
+        slots.update(self.experts.checkpoint_slots(prefix + "experts."))
+        if self.shared_experts is not None:
+            slots.update(self.shared_experts.checkpoint_slots(prefix + "shared_experts."))
+        return slots
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """input norm -> MLA -> post-attention norm -> dense GatedMLP or DeepseekV3MoE ("mlp"); the norms
+    run in the decoder loop, fused with the all-reduces."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, index: int):
+        super().__init__()
+        h, eps, dtype = config.hidden_size, config.rms_norm_eps, config.dtype
+        mla = config.mla
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.self_attn = MLAAttention(
+            h, config.num_heads, mla, eps, mla.softmax_scale(config.rope_scaling), parallel, dtype
+        )
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
+        if config.is_moe_layer(index):
+            self.mlp = DeepseekV3MoE(config, parallel)
+        else:
+            self.mlp = GatedMLP(h, config.intermediate_size, parallel, dtype)
+
+    def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
+        slots = {
+            prefix + "input_layernorm.weight": self.input_layernorm.slot(),
+            prefix + "post_attention_layernorm.weight": self.post_attention_layernorm.slot(),
+        }
+        slots.update(self.self_attn.checkpoint_slots(prefix + "self_attn."))
+        slots.update(self.mlp.checkpoint_slots(prefix + "mlp."))
+        return slots
+
+
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    """The shared decoder body (model/decoder.py) with DeepSeek-V3 layers; its rotary cache covers
+    qk_rope_head_dim (config.head_dim) with the checkpoint's YaRN scaling."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext):
+        if config.mla is None or config.grouped_routing is None:
+            raise ValueError("DeepseekV3ForCausalLM needs a config with MLA and grouped-routing fields")
+        super().__init__(config, parallel)
+
+    def make_layer(
+        self, config: ModelConfig, parallel: ParallelContext, index: int
+    ) -> DeepseekV3DecoderLayer:
+        return DeepseekV3DecoderLayer(config, parallel, index)
+
+    def kv_cache_layout(self, tp_size: int) -> LatentCacheLayout:
+        """One latent row per token and layer, replicated on every rank (tp_size does not shrink it)."""
+        mla = self.config.mla
+        return LatentCacheLayout(
+            self.config.num_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.config.dtype
+        )
+
+    def is_ignorable_tensor(self, name: str) -> bool:
+        """Also the MTP / NextN layers' tensors (model.layers.{i} for i >= num_hidden_layers)."""
+        if name.startswith("model.layers."):
+            index = name.split(".")[2]
+            if index.isdigit() and int(index) >= self.config.num_layers:
+                return True
+        return super().is_ignorable_tensor(name)
