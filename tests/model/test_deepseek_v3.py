@@ -34,13 +34,13 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def build_deepseek_checkpoint(directory, kind: str, seed: int = 0):
+def build_deepseek_checkpoint(directory, kind: str, seed: int = 0, **overrides):
     """A random float32 transformers DeepseekV3ForCausalLM of VARIANTS[kind], saved sharded to directory.
     Every norm, bias and router weight is drawn so that it matters; in the tied variant the router rows
     and biases of group 1 equal group 0's in every MoE layer."""
     import transformers
 
-    config = transformers.DeepseekV3Config(**SHAPE, **VARIANTS[kind])
+    config = transformers.DeepseekV3Config(**{**SHAPE, **VARIANTS[kind], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
