@@ -120,6 +120,11 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * self.head_dim
         moe = self.num_experts * (h + 3 * h * self.moe_intermediate_size)  # router + experts
+        if self.mla is not None:
+            attn = self.mla.attention_parameters(h, self.num_heads)
+        if self.grouped_routing is not None:  # correction bias, shared experts
+            shared = self.moe_intermediate_size * self.grouped_routing.n_shared_experts
+            moe += self.num_experts + 3 * h * shared
         ffn = sum(moe if self.is_moe_layer(n) else 3 * h * i for n in range(self.num_layers))
         embed = self.vocab_size * h
         return self.num_layers * (attn + 2 * h) + ffn + embed + h + (0 if self.tie_word_embeddings else embed)

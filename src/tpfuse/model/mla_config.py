@@ -32,6 +32,17 @@ class MLAShape:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def attention_parameters(self, hidden_size: int, num_heads: int) -> int:
+        """Weights of one MLA layer: q (LoRA or one projection), kv_a, its norm, kv_b and o_proj."""
+        q = num_heads * self.qk_head_dim
+        if self.q_lora_rank is None:
+            q_weights = hidden_size * q
+        else:
+            q_weights = hidden_size * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q
+        kv = hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q_weights + kv + num_heads * self.v_head_dim * hidden_size
+
     def softmax_scale(self, rope_scaling: dict | None) -> float:
         """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2 when the rope is YaRN
         scaled with mscale_all_dim (DeepSeek-V3's attention-scale factor, as transformers applies it)."""
