@@ -1,4 +1,5 @@
-"""`tpfuse doctor` and `tpfuse comm-bench` (argparse only here; torch and triton load in the handlers)."""
+"""`tpfuse doctor`, `tpfuse comm-bench` and `tpfuse comm-model` (argparse only here; torch and triton
+load in the handlers)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ def register(subparsers) -> None:
     bench.add_argument("--json", action="store_true", help="one JSON document (environment + rows)")
     bench.set_defaults(handler=_comm_bench)
 
+    model = subparsers.add_parser(
+        "comm-model", help="the all-reduce cost model's predictions for a named or described topology"
+    )
+    model.add_argument(
+        "--topology",
+        default="rtx-pro-6000-8x-2socket",
+        help="a name (rtx-pro-6000-8x-2socket, rtx-pro-6000-8x-2socket-collapse, rtx-pro-6000-4x, "
+        "h200-8x-nvlink) or a JSON file in the cost model's topology form",
+    )
+    model.add_argument("--rows", type=_ints, default=_ints("1,2,4,8,16,32,64,128,256,512"))
+    model.add_argument("--hidden", type=int, default=6144)
+    model.add_argument("--layers", type=int, default=61, help="decoder layers, for the per-step gain")
+    model.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    model.set_defaults(handler=_comm_model)
+
 
 def _doctor(args) -> int:
     import json
@@ -52,6 +68,23 @@ def _doctor(args) -> int:
 
     report = doctor_report(self_test=not args.no_self_test)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def _comm_model(args) -> int:
+    import json
+    import sys
+
+    from tpfuse.comm.model_report import format_text, model_json
+    from tpfuse.comm.topologies import load_topology
+
+    try:
+        topology = load_topology(args.topology)
+    except ValueError as exc:
+        print(f"tpfuse comm-model: {exc}", file=sys.stderr)
+        return 2
+    report = model_json(topology, args.rows, args.hidden, args.layers)
+    print(json.dumps(report, indent=1) if args.json else format_text(report))
     return 0
 
 
