@@ -53,3 +53,40 @@ def test_table_shows_the_shared_gpu_warning_first_and_one_column_per_method():
     header = next(line for line in lines if "tokens" in line).split()
     assert header == ["tp", "tokens", "hidden", "bytes", *METHODS, "chosen"]
     assert "7.5" in lines[-1]
+
+
+def test_doctor_tp_size_without_a_gpu_says_there_is_no_plan_and_keeps_the_report(no_gpu, capsys):
+    assert main(["doctor", "--json", "--tp-size", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "no CUDA GPU" in report["plan"]["error"] and report["gpus"] == []
+    assert main(["doctor", "--tp-size", "8"]) == 0
+    assert "plan: no CUDA GPU" in capsys.readouterr().out
+
+
+def test_doctor_text_shows_topology_islands_probe_and_the_plan_with_reasons():
+    from tests.comm.test_islands_and_topology import _topology
+    from tpfuse.comm.doctor import _format_plan, _format_topology
+    from tpfuse.comm.host_topology import derive_islands
+    from tpfuse.comm.plan import Bucket, Plan
+
+    topology = _topology("two_sockets_8gpu")
+    islands, reason = derive_islands(topology)
+    report = {
+        "topology": topology.to_json(),
+        "islands": {"islands": [list(i) for i in islands], "reason": reason},
+    }
+    text = "\n".join(_format_topology(report))
+    assert (
+        "GPU 5: bus 00000000:9C:00.0  NUMA node 1" in text
+        and "islands (one rank per GPU): 0,1,2,3;4,5,6,7" in text
+    )
+    plan = Plan("nccl", [Bucket("fused", 12288, 1, "ordered_push", {"ordered_push": 6.0, "fallback": 60.0},
+                                "10.00x faster than fallback")])  # fmt: skip
+    lines = _format_plan({
+        "tp_size": 8, "hidden": 6144, "max_tokens": 1, "communicator": "CustomCommunicator",
+        "describe": plan.describe(), "removed": {"one_shot": "writes to many peers at once, and collapse"},
+        "probe_decision": {"findings": ["write collapse on rank 0: 8.0 GB/s"], "removed": {}, "kept": []},
+    })  # fmt: skip
+    text = "\n".join(lines)
+    assert "plan for --tp-size 8" in text and "link probe: write collapse on rank 0" in text
+    assert "not a candidate: one_shot" in text and "ordered_push" in text and "10.00x faster" in text

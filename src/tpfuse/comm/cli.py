@@ -25,6 +25,14 @@ def register(subparsers) -> None:
     )
     doctor.add_argument("--json", action="store_true", help="one JSON document instead of text")
     doctor.add_argument("--no-self-test", action="store_true", help="skip the kernel self-test on GPU 0")
+    doctor.add_argument(
+        "--tp-size", type=int, default=None,
+        help="also build the all-reduce N ranks would use here (gate, islands, link probe, measured plan) "
+        "and show its plan per size bucket with the reason for each choice",
+    )  # fmt: skip
+    doctor.add_argument("--hidden", type=int, default=4096, help="hidden size of the plan's messages")
+    doctor.add_argument("--max-tokens", type=int, default=256, help="largest decode batch of the plan")
+    doctor.add_argument("--allreduce-islands", default=None, help="islands for the plan, e.g. '0,1;2,3'")
     doctor.set_defaults(handler=_doctor)
 
     bench = subparsers.add_parser(
@@ -66,7 +74,10 @@ def _doctor(args) -> int:
 
     from tpfuse.comm.doctor import doctor_report, format_report
 
-    report = doctor_report(self_test=not args.no_self_test)
+    report = doctor_report(
+        self_test=not args.no_self_test, tp_size=args.tp_size, hidden=args.hidden,
+        max_tokens=args.max_tokens, islands=args.allreduce_islands,
+    )  # fmt: skip
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 

@@ -144,14 +144,50 @@ def _paths(gpus: list[dict], peer: list[list[bool]], self_test_error: str | None
     return paths
 
 
-def doctor_report(self_test: bool = True) -> dict:
-    """The whole report as a JSON-able dict."""
+def _topology_and_islands(report: dict) -> None:
+    """report["topology"] (NUMA node, bus id per GPU, NVML levels, NVLink) and report["islands"]."""
+    from tpfuse.comm.host_topology import derive_islands, read_host_topology
+
+    try:
+        topology = read_host_topology()
+    except RuntimeError as exc:
+        report["topology"] = {"error": str(exc)}
+        return
+    report["topology"] = topology.to_json()
+    islands, reason = derive_islands(topology)
+    report["islands"] = {"islands": [list(i) for i in islands], "reason": reason}
+
+
+def _plan(report: dict, tp_size: int, hidden: int, max_tokens: int, islands: str | None) -> None:
+    """report["plan"]: what create_communicator builds for tp_size ranks here (doctor_plan.py)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        report["plan"] = {"error": "no CUDA GPU: --tp-size N runs on CPU over gloo, no plan to show"}
+        return
+    if tp_size < 2:
+        report["plan"] = {"error": "--tp-size 1 has no all-reduce"}
+        return
+    from tpfuse.comm.doctor_plan import plan_report
+
+    try:
+        report["plan"] = {"tp_size": tp_size, "hidden": hidden, "max_tokens": max_tokens,
+                          **plan_report(tp_size, hidden, max_tokens, islands=islands)}  # fmt: skip
+    except RuntimeError as exc:
+        report["plan"] = {"error": str(exc)}
+
+
+def doctor_report(self_test: bool = True, tp_size: int | None = None, hidden: int = 4096,
+                  max_tokens: int = 256, islands: str | None = None) -> dict:  # fmt: skip
+    """The whole report as a JSON-able dict. With tp_size, also the plan those ranks would use."""
     import torch
 
     report = {"versions": _versions(), "gpus": [], "driver": None}
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         report["message"] = "no CUDA GPU visible: tensor parallelism runs on CPU over gloo"
         report["paths"] = _paths([], [], None)
+        if tp_size is not None:
+            _plan(report, tp_size, hidden, max_tokens, islands)
         return report
     from tpfuse.comm.topology import link_types, peer_access_matrix
 
@@ -172,6 +208,9 @@ def doctor_report(self_test: bool = True) -> dict:
     error = kernel_self_test() if self_test else "not run"
     report["kernel_self_test"] = "ok" if error is None else error
     report["paths"] = _paths(gpus, peer, error)
+    _topology_and_islands(report)
+    if tp_size is not None:
+        _plan(report, tp_size, hidden, max_tokens, islands)
     return report
 
 
@@ -202,4 +241,36 @@ def format_report(report: dict) -> str:
     lines.append("all-reduce paths:")
     for p in report["paths"]:
         lines.append(f"  [{'x' if p['used'] else ' '}] {p['path']}: {p['why']}")
+    lines += _format_topology(report)
+    if "plan" in report:
+        lines += _format_plan(report["plan"])
     return "\n".join(lines)
+
+
+def _format_topology(report: dict) -> list[str]:
+    topology = report.get("topology")
+    if topology is None:
+        return []
+    if "error" in topology:
+        return [f"topology: {topology['error']}"]
+    lines = ["topology:"]
+    for g in topology["gpus"]:
+        node = "unknown" if g["numa_node"] is None else g["numa_node"]
+        lines.append(f"  GPU {g['index']}: bus {g['bus_id']}  NUMA node {node}")
+    if "islands" in report:
+        islands = ";".join(",".join(map(str, i)) for i in report["islands"]["islands"])
+        lines.append(f"islands (one rank per GPU): {islands}  ({report['islands']['reason']})")
+    return lines
+
+
+def _format_plan(plan: dict) -> list[str]:
+    if "error" in plan:
+        return [f"plan: {plan['error']}"]
+    lines = [f"plan for --tp-size {plan['tp_size']} (hidden {plan['hidden']}, up to {plan['max_tokens']} "
+             f"tokens): {plan['communicator']}"]  # fmt: skip
+    probe = plan.get("probe_decision")
+    if probe:
+        lines += [f"  link probe: {f}" for f in probe["findings"]]
+    lines += [f"  not a candidate: {name}: {why}" for name, why in plan.get("removed", {}).items()]
+    lines += ["  " + line for line in plan["describe"].splitlines()]
+    return lines
