@@ -105,3 +105,14 @@ def test_store_latent_writes_rows_and_skips_negative_slots():
     torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
     assert torch.isnan(out.view(-1, RANK + ROPE)[1]).all()  # no token was stored at slot 1
     assert torch.equal(out.view(-1, RANK + ROPE)[9], torch.cat([latent_rows[3], k_pe[3]]))
+
+
+def test_compile_ahead_launches_every_mla_variant_without_writing_the_cache():
+    from tpfuse.kernels.mla_prefill import compile_mla_variants
+
+    cache = torch.randn(3, 4, RANK + ROPE)
+    before = cache.clone()
+    # decode (unsplit, split) + prefill tiles of 16, 32 and 64 rows at 5 heads, each first met by a
+    # query short enough to fit one tile, so each also launches with split keys
+    assert compile_mla_variants(cache, ROPE, 5, 20) == 2 + 3 * 2
+    assert torch.equal(cache, before)

@@ -58,6 +58,7 @@ __all__ = [
     "store_kv",
     "store_latent_op",
     "use_triton",
+    "warm_up_mla_attention",
     "warm_up_prefill_attention",
 ]
 
@@ -124,6 +125,14 @@ def warm_up_prefill_attention(k_cache, v_cache, num_q_heads, max_query_len, tree
     if not (k_cache.is_cuda and use_triton(k_cache)):
         return 0
     return prefill_attention.compile_prefill_variants(k_cache, v_cache, num_q_heads, max_query_len, tree)
+
+
+def warm_up_mla_attention(cache, rope_dim, num_heads, max_query_len) -> int:
+    """Compiles every MLA attention variant an engine can meet before it serves (CUDA with Triton
+    only). Returns the number of launches."""
+    if not (cache.is_cuda and use_triton(cache)):
+        return 0
+    return mla_prefill.compile_mla_variants(cache, rope_dim, num_heads, max_query_len)
 
 
 def sample(logits, temperatures, top_ks, top_ps, seeds):

@@ -14,7 +14,7 @@ import triton
 
 from tpfuse.kernels.decode_attention import choose_num_splits
 from tpfuse.kernels.mla_attention import check_mla_inputs, mla_attention_launch
-from tpfuse.kernels.mla_decode import gather_latent
+from tpfuse.kernels.mla_decode import gather_latent, mla_decode_launch
 
 VERIFY_PROGRAMS_PER_SM = 1
 
@@ -69,3 +69,38 @@ def mla_prefill_triton(
         q_latent, q_rope, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
         num_splits, block_m, block_n, num_warps, num_stages,
     )  # fmt: skip
+
+
+def compile_mla_variants(cache: torch.Tensor, rope_dim: int, num_heads: int, max_query_len: int) -> int:
+    """Launches the MLA attention kernel once per compiled variant an engine can meet (decode with and
+    without key splits, every prefill tile config mla_prefill_tile_config gives, keys split or not),
+    on tiny inputs over the real cache's layout, so no step stops to compile one while serving. The
+    queries are built as the model builds them (q_latent a head-major product viewed token-major).
+    The cache is only read. Returns the number of launches."""
+    rope = rope_dim
+    rank = cache.shape[-1] - rope
+    device, dtype = cache.device, cache.dtype
+    configs = {}
+    for query_len in range(1, min(max_query_len, 64) + 1):
+        configs.setdefault(mla_prefill_tile_config(query_len, num_heads), query_len)
+    launches = 0
+    for splits in (1, 2):  # decode
+        q_lat = torch.zeros(num_heads, 1, rank, dtype=dtype, device=device).transpose(0, 1)
+        q_rope = torch.zeros(1, num_heads, rope, dtype=dtype, device=device)
+        tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        lens = torch.ones(1, dtype=torch.int32, device=device)
+        mla_decode_launch(q_lat, q_rope, cache, tables, lens, 1.0, splits)
+        launches += 1
+    for (block_m, block_n, num_warps, num_stages), q_len in configs.items():
+        q_lat = torch.zeros(num_heads, q_len, rank, dtype=dtype, device=device).transpose(0, 1)
+        q_rope = torch.zeros(q_len, num_heads, rope, dtype=dtype, device=device)
+        tables = torch.zeros(1, triton.cdiv(q_len, cache.shape[1]), dtype=torch.int32, device=device)
+        lens = torch.full((1,), q_len, dtype=torch.int32, device=device)
+        starts = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        for splits in (1, 2) if q_len * num_heads <= block_m else (1,):
+            mla_attention_launch(
+                q_lat, q_rope, cache, tables, lens, starts, q_len, 1.0, splits, block_m, block_n, num_warps,
+                num_stages,
+            )  # fmt: skip
+            launches += 1
+    return launches

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from tpfuse.kernels import warm_up_prefill_attention
+from tpfuse.kernels import warm_up_mla_attention, warm_up_prefill_attention
 
 LayerCache = tuple[torch.Tensor, ...]
 
@@ -90,5 +90,5 @@ class LatentCacheLayout:
         return [(torch.zeros(shape, dtype=self.dtype, device=device),) for _ in range(self.num_layers)]
 
     def warm_up(self, layer_cache: LayerCache, num_q_heads: int, max_query_len: int, tree: bool) -> int:
-        """MLA kernels compile at first use (a few variants: decode, verify, prefill tiles)."""
-        return 0
+        del tree  # MLA has no tree-mask variant (tree drafting is refused by the attention layer)
+        return warm_up_mla_attention(layer_cache[0], self.rope_dim, num_q_heads, max_query_len)

@@ -66,13 +66,13 @@ def _time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> float:
 def choose(model: nn.Module, max_decode_rows: int, max_prefill_tokens: int) -> list[MoeChoice]:
     """Times and records the tile of every distinct FusedMoE shape of model at each slot bucket.
     Runs on the GPU before any CUDA graph is captured; returns the decisions (none on CPU)."""
-    from tpfuse.model.moe import SparseMoeBlock
+    from tpfuse.model.moe import FusedMoE
 
     seen, decided = set(), []
-    for block in model.modules():
-        if not isinstance(block, SparseMoeBlock) or not hasattr(block.experts, "w13"):
+    for block in model.modules():  # every MoE block: a FusedMoE "experts" and its top_k
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, FusedMoE) or not hasattr(experts, "w13"):
             continue
-        experts = block.experts
         if not experts.w13.is_cuda:
             continue
         for bucket in slot_buckets(block.top_k, max_decode_rows, max_prefill_tokens):

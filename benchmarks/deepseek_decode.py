@@ -1,0 +1,172 @@
+"""DeepSeek-V3-family decode step (model alone, CUDA-graph captured) against the bytes it must read.
+
+For each batch size: a decode token per sequence at a fixed context over MLA latent caches, captured
+with compute_logits and replayed. Roofline = bytes read / measured copy bandwidth, where the bytes are
+attention, norm, router and shared-expert weights + the routed experts the captured inputs' routing
+touched (the union over tokens, per layer) + dense-layer MLPs + lm_head + the latent cache of the
+context (kv_lora_rank + rope values per token and layer). Prints ms per step and per layer, tok/s and
+the fraction of the roofline, and writes JSON. Weights are bf16 dummies (FP8 block weights need the
+quantization seam's FP8 experts, not wired for this family yet).
+
+    python benchmarks/deepseek_decode.py --model deepseek-v3-4l --batch-sizes 1,8,32,64 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_decode_roofline import copy_bandwidth, print_kernel_profile, timed  # noqa: E402
+from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
+from tpfuse.config import EngineConfig  # noqa: E402
+from tpfuse.model import linear_choice, moe_choice  # noqa: E402
+from tpfuse.model.attention import AttentionMetadata  # noqa: E402
+from tpfuse.model.deepseek_v3 import DeepseekV3MoE  # noqa: E402
+from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
+from tpfuse.model.loader import load_model  # noqa: E402
+
+
+def latent_decode_inputs(model, batch_size: int, context: int, block_size: int):
+    """Static decode inputs over random latent caches; each sequence owns consecutive blocks."""
+    blocks_per_seq = -(-context // block_size)
+    layout = model.kv_cache_layout(1)
+    caches = layout.allocate(batch_size * blocks_per_seq, block_size, torch.device("cuda"))
+    for (cache,) in caches:
+        cache.normal_()
+    tables = torch.arange(batch_size * blocks_per_seq, dtype=torch.int32, device="cuda").view(batch_size, -1)
+    pos = context - 1
+    attn = AttentionMetadata(
+        slot_mapping=tables[:, pos // block_size].long() * block_size + pos % block_size,
+        block_tables=tables,
+        seq_lens=torch.full((batch_size,), context, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device="cuda"),
+        max_query_len=1,
+        max_seq_len=context,
+        is_decode=True,
+    )
+    ids = torch.randint(0, model.config.vocab_size, (batch_size,), device="cuda")
+    return ids, torch.full((batch_size,), pos, dtype=torch.int64, device="cuda"), attn, caches, layout
+
+
+def routed_experts(model, step) -> list[int]:
+    """Runs step once eagerly, recording per MoE layer how many distinct routed experts it chose."""
+    counts, originals = [], []
+    for block in model.modules():
+        if isinstance(block, DeepseekV3MoE):
+            original = block.route
+
+            def recording(x, original=original):
+                weights, ids = original(x)
+                counts.append(int(torch.unique(ids).numel()))
+                return weights, ids
+
+            block.route = recording
+            originals.append((block, original))
+    step()
+    for block, original in originals:
+        block.route = original
+    return counts
+
+
+def step_bytes(model, batch_size: int, context: int, experts_touched: list[int], layout) -> dict[str, int]:
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekV3MoE)]
+    expert_params = {id(b.experts.w13) for b in blocks} | {id(b.experts.w2) for b in blocks}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    per_expert = [b.experts.w13[0].nbytes + b.experts.w2[0].nbytes for b in blocks]
+    experts = sum(n * size for n, size in zip(experts_touched, per_expert, strict=True))
+    latent = layout.bytes_per_block(1) * batch_size * context
+    return {"dense": dense, "experts": experts, "latent_cache": latent}
+
+
+def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
+    ids, positions, attn, caches, layout = latent_decode_inputs(
+        model, batch_size, args.context, args.block_size
+    )
+
+    def step():
+        hidden, _ = model(ids, positions, attn, caches)
+        return model.compute_logits(hidden)
+
+    with torch.no_grad():
+        touched = routed_experts(model, step)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            graph.replay()
+        seconds = timed(graph.replay, "cuda", args.iters)
+        if args.profile:
+            print_kernel_profile(graph.replay, batch_size)
+    parts = step_bytes(model, batch_size, args.context, touched, layout)
+    roof_s = sum(parts.values()) / bandwidth
+    return {
+        "batch_size": batch_size,
+        "context": args.context,
+        "graph_ms": seconds * 1e3,
+        "ms_per_layer": seconds * 1e3 / len(model.layers),
+        "tok_per_s": batch_size / seconds,
+        "mean_experts_touched_per_moe_layer": sum(touched) / max(len(touched), 1),
+        "bytes": parts,
+        "step_bytes": sum(parts.values()),
+        "roofline_ms": roof_s * 1e3,
+        "fraction_of_roofline": roof_s / seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="deepseek-v3-4l")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "deepseek_decode.json"))
+    args = parser.parse_args()
+
+    engine_config = EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy")
+    model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    linear_choice.choose(projections(model), max_rows=max(batch_sizes))  # as the engine does at start-up
+    for choice in moe_choice.choose(model, max(batch_sizes), 0):
+        print(choice.describe())
+    bandwidth = copy_bandwidth("cuda")
+    name = torch.cuda.get_device_name()
+    print(
+        f"{args.model} ({config.num_layers} layers) bf16 on {name}; "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+    )
+    header = ("batch", "graph ms", "ms/layer", "tok/s", "experts/layer", "GB/step", "roofline ms", "% roof")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 9, 9, 9, 13, 8, 11, 7), strict=True)))
+    rows = []
+    for batch_size in batch_sizes:
+        row = bench_batch(model, batch_size, args, bandwidth)
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(
+            f"{batch_size:5d} {row['graph_ms']:9.3f} {row['ms_per_layer']:9.3f} {row['tok_per_s']:9.1f} "
+            f"{row['mean_experts_touched_per_moe_layer']:13.1f} {row['step_bytes'] / 1e9:8.3f} "
+            f"{row['roofline_ms']:11.3f} {100 * row['fraction_of_roofline']:6.1f}%"
+        )
+    result = {"model": args.model, "dtype": "bfloat16", "device": name, "copy_bandwidth": bandwidth}
+    with open(args.json, "w") as f:
+        json.dump({**result, "rows": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
