@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tests.model.harness import PagedSequences, load_for_test
 from tpfuse import knobs
 from tpfuse.kernels.skinny_linear import Tile
-from tpfuse.model import layers, linear_choice
+from tpfuse.model import layers, linear_choice, linear_method
 from tpfuse.model.linear_choice import GEMV, TILES
 
 
@@ -103,12 +103,12 @@ def test_forced_cublas_keeps_f_linear(monkeypatch):
     monkeypatch.setenv("TPFUSE_LINEAR", "cublas")
     knobs.reload()
     assert all(c.route is None for c in linear_choice.choose(_weights(), max_rows=64))
-    monkeypatch.setattr(layers, "gemv_op", lambda *a: pytest.fail("the GEMV ran"))
-    monkeypatch.setattr(layers, "skinny_linear_op", lambda *a, **k: pytest.fail("a few-row tile ran"))
+    monkeypatch.setattr(linear_method, "gemv_op", lambda *a: pytest.fail("the GEMV ran"))
+    monkeypatch.setattr(linear_method, "skinny_linear_op", lambda *a, **k: pytest.fail("a few-row tile ran"))
     weight = torch.randn(37, 40).bfloat16()
     for rows in (1, 4, 64):
         x = torch.randn(rows, 40).bfloat16()
-        assert torch.equal(layers._linear(x, weight), F.linear(x, weight))
+        assert torch.equal(linear_method.linear(x, weight), F.linear(x, weight))
 
 
 def test_forced_triton_takes_the_first_tile_of_every_bucket_up_to_max_rows(monkeypatch):
@@ -138,7 +138,7 @@ def test_every_projection_of_prefill_decode_and_verify_passes_takes_its_route_an
     assert len(projections) == 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer; lm_head
     assert all(c.route is not None for c in linear_choice.choose(projections, max_rows=16))
     calls = []
-    real_gemv, real_skinny = layers.gemv_op, layers.skinny_linear_op
+    real_gemv, real_skinny = linear_method.gemv_op, linear_method.skinny_linear_op
 
     def gemv(x, w, b):
         calls.append(("gemv", x.shape[0]))
@@ -148,8 +148,8 @@ def test_every_projection_of_prefill_decode_and_verify_passes_takes_its_route_an
         calls.append((tile.block_m, x.shape[0]))
         return real_skinny(x, w, b, tile=tile)
 
-    monkeypatch.setattr(layers, "gemv_op", gemv)
-    monkeypatch.setattr(layers, "skinny_linear_op", skinny)
+    monkeypatch.setattr(linear_method, "gemv_op", gemv)
+    monkeypatch.setattr(linear_method, "skinny_linear_op", skinny)
     routed = _three_passes(model)
     n = len(projections)  # every projection of each pass, by its row count
     assert sorted(calls, key=str) == sorted([(16, 4)] * n + [("gemv", 1)] * n + [(16, 3)] * n, key=str)

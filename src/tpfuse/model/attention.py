@@ -90,12 +90,8 @@ class Attention(nn.Module):
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         """Checkpoint tensor name (under prefix, e.g. "model.layers.0.self_attn.") -> this rank's slot."""
-        slots = {}
-        for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            slots[f"{prefix}{name}.weight"] = self.qkv_proj.slot(part)
-            if self.qkv_proj.bias is not None:
-                slots[f"{prefix}{name}.bias"] = self.qkv_proj.slot(part, bias=True)
-        slots[prefix + "o_proj.weight"] = self.o_proj.slot()
+        slots = self.qkv_proj.checkpoint_slots([prefix + name for name in ("q_proj", "k_proj", "v_proj")])
+        slots.update(self.o_proj.checkpoint_slots(prefix + "o_proj"))
         if self.q_norm is not None:
             slots[prefix + "q_norm.weight"] = self.q_norm.slot()
             slots[prefix + "k_norm.weight"] = self.k_norm.slot()

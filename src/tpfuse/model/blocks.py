@@ -52,11 +52,9 @@ class GatedMLP(nn.Module):
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         gate, up, down = self.names
-        return {
-            f"{prefix}{gate}.weight": self.gate_up_proj.slot(0),
-            f"{prefix}{up}.weight": self.gate_up_proj.slot(1),
-            f"{prefix}{down}.weight": self.down_proj.slot(),
-        }
+        slots = self.gate_up_proj.checkpoint_slots([prefix + gate, prefix + up])
+        slots.update(self.down_proj.checkpoint_slots(prefix + down))
+        return slots
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
 """Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding and lm_head, RMSNorm.
 
-Every layer knows which part of each checkpoint tensor this rank holds: `slot(...)` returns a
-ShardSlot, which the loader uses to read only that range from disk (safetensors get_slice) and copy
+Every layer knows which part of each checkpoint tensor this rank holds: `slot()` (norms,
+embeddings) or `checkpoint_slots(names)` (linears, whose tensors their LinearMethod names) return
+ShardSlots, which the loader uses to read only that range from disk (safetensors get_slice) and copy
 it into place. Row-parallel layers return partial sums; the all-reduce happens in the Communicator's
 fused all-reduce + residual + RMSNorm, never inside a layer.
 """
@@ -16,37 +17,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import gemv_op, rmsnorm_op, skinny_linear_op
-from tpfuse.model import linear_choice
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) by the route model/linear_choice.py measured fastest for this weight
-    shape and x's row count: the one-row GEMV, a few-row Triton tile, or F.linear (cuBLAS on CUDA,
-    and everything not chosen)."""
-    route = linear_choice.route(x, weight, bias)
-    if route is None:
-        return F.linear(x, weight, bias)
-    if route == linear_choice.GEMV:
-        return gemv_op(x, weight, bias)
-    return skinny_linear_op(x, weight, bias, tile=route)
+from tpfuse.kernels import rmsnorm_op
+from tpfuse.model.linear_method import UNQUANTIZED, LinearMethod, LinearShards, linear, method_for
+from tpfuse.model.shard import ShardSlot
 
 
 class Linear(nn.Linear):
-    """nn.Linear (its parameter names and layout) that runs through _linear: for modules outside
-    the tensor-parallel layers below, such as an EAGLE-3 head."""
+    """nn.Linear (its parameter names and layout) that runs through the unquantized routes: for
+    modules outside the tensor-parallel layers below, such as an EAGLE-3 head."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def projections(model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of every linear map the model runs through _linear, lm_head included."""
+    """(weight, bias) of every unquantized linear map of the model, lm_head included (the inputs
+    of model/linear_choice.py's start-up measurement)."""
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | Linear):
-            yield module.weight, getattr(module, "bias", None)
-        elif isinstance(module, ParallelLMHead):
-            yield module.weight, None
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+            if module.method is UNQUANTIZED:
+                yield module.weight, getattr(module, "bias", None)
+        elif isinstance(module, Linear):
+            yield module.weight, module.bias
 
 
 @dataclass
@@ -54,29 +46,6 @@ class ParallelContext:
     tp_rank: int
     tp_size: int
     comm: Communicator
-
-
-@dataclass(frozen=True)
-class ShardSlot:
-    """Range [start, start + length) along dim of a checkpoint tensor of shape full_shape, copied
-    into param at [dst_start, dst_start + length) along the same dim. index: the entry of param's
-    leading dim the tensor fills (stacked experts: param[index] has the tensor's rank), else None."""
-
-    param: nn.Parameter
-    full_shape: tuple[int, ...]
-    dim: int
-    start: int
-    length: int
-    dst_start: int = 0
-    zero_rows: int = 0  # rows of param past this range that are zero padding, never read from disk
-    index: int | None = None
-
-    def source_index(self) -> tuple[slice, ...]:
-        return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
-
-    def destination(self) -> torch.Tensor:
-        target = self.param.data if self.index is None else self.param.data[self.index]
-        return target.narrow(self.dim, self.dst_start, self.length)
 
 
 def divide(total: int, parts: int, what: str) -> int:
@@ -93,7 +62,9 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     """y = x @ W.T (+ b) with W's output rows split over ranks; several checkpoint tensors ("parts",
-    e.g. gate and up) may be merged into one weight, each sharded separately.
+    e.g. gate and up) may be merged into one weight, each sharded separately. The weights and
+    their checkpoint tensors are the method's (model/linear_method.py; default: the quantization
+    the model is built with).
 
     part_ranges: per part (full_size, start, local_size) of the rows this rank holds; by default
     each part is split evenly. x: [T, input_size] -> [T, sum(local sizes)], the rank's slice.
@@ -107,6 +78,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
         bias: bool = False,
         part_ranges: list[tuple[int, int, int]] | None = None,
+        method: LinearMethod | None = None,
     ):
         super().__init__()
         if part_ranges is None:
@@ -117,18 +89,32 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.part_ranges = part_ranges
         self.local_sizes = [local for _, _, local in part_ranges]
-        self.weight = _parameter(sum(self.local_sizes), input_size, dtype=dtype)
+        self.shards = LinearShards(tuple(part_ranges), input_size)
+        self.method = method or method_for("column")
+        self.method.create_weights(self, self.shards, dtype)
         self.bias = _parameter(sum(self.local_sizes), dtype=dtype) if bias else None
 
     def slot(self, part: int = 0, bias: bool = False) -> ShardSlot:
-        full, start, local = self.part_ranges[part]
-        offset = sum(self.local_sizes[:part])
+        """The slot of one part's weight (or bias); checkpoint_slots names every tensor of a method."""
         if bias:
-            return ShardSlot(self.bias, (full,), 0, start, local, offset)
-        return ShardSlot(self.weight, (full, self.input_size), 0, start, local, offset)
+            full, start, local = self.part_ranges[part]
+            return ShardSlot(self.bias, (full,), 0, start, local, self.shards.row_offset(part))
+        return self.method.checkpoint_slots(self, part)["weight"]
+
+    def checkpoint_slots(self, names: list[str]) -> dict[str, ShardSlot]:
+        """names: the checkpoint prefix of each part, e.g. ["model.layers.0.mlp.gate_proj", ...] ->
+        {"<name>.<tensor>": slot} for every tensor of every part (weights, scales, bias)."""
+        self.checkpoint_names = list(names)
+        slots = {}
+        for part, name in enumerate(names):
+            for suffix, slot in self.method.checkpoint_slots(self, part).items():
+                slots[f"{name}.{suffix}"] = slot
+            if self.bias is not None:
+                slots[f"{name}.bias"] = self.slot(part, bias=True)
+        return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -144,6 +130,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         parallel: ParallelContext,
         dtype: torch.dtype,
         bias: bool = False,
+        method: LinearMethod | None = None,
     ):
         tp, rank = parallel.tp_size, parallel.tp_rank
         self.num_heads_local = divide(num_heads, tp, "num_attention_heads")
@@ -163,27 +150,43 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_local, kv_local = self.num_heads_local * head_dim, self.num_kv_heads_local * head_dim
         kv_range = (kv_full, kv_head_start * head_dim, kv_local)
         ranges = [(q_full, rank * q_local, q_local), kv_range, kv_range]
-        super().__init__(hidden_size, [q_full, kv_full, kv_full], parallel, dtype, bias, ranges)
+        super().__init__(hidden_size, [q_full, kv_full, kv_full], parallel, dtype, bias, ranges, method)
 
 
 class RowParallelLinear(nn.Module):
-    """y_partial = x_local @ W_local.T with W's input columns split over ranks.
+    """y_partial = x_local @ W_local.T with W's input columns split over ranks; the weights are the
+    method's, as in ColumnParallelLinear.
 
     x: [T, input_size / tp] -> [T, output_size], this rank's partial sum (not all-reduced).
     """
 
-    def __init__(self, input_size: int, output_size: int, parallel: ParallelContext, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        method: LinearMethod | None = None,
+    ):
         super().__init__()
         self.local_input = divide(input_size, parallel.tp_size, "a row-parallel input size")
         self.start = parallel.tp_rank * self.local_input
         self.full_shape = (output_size, input_size)
-        self.weight = _parameter(output_size, self.local_input, dtype=dtype)
+        self.shards = LinearShards(((output_size, 0, output_size),), input_size, self.start, self.local_input)
+        self.method = method or method_for("row")
+        self.method.create_weights(self, self.shards, dtype)
 
     def slot(self) -> ShardSlot:
-        return ShardSlot(self.weight, self.full_shape, 1, self.start, self.local_input)
+        """The slot of the weight; checkpoint_slots names every tensor of a method."""
+        return self.method.checkpoint_slots(self, 0)["weight"]
+
+    def checkpoint_slots(self, name: str) -> dict[str, ShardSlot]:
+        """name: the checkpoint prefix, e.g. "model.layers.0.mlp.down_proj" -> {"<name>.<tensor>": slot}."""
+        self.checkpoint_names = [name]
+        return {f"{name}.{suffix}": slot for suffix, slot in self.method.checkpoint_slots(self, 0).items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight)
+        return self.method.apply(self, x, None)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -238,11 +241,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight
         self.tied = tied_to is not None
         self.comm = parallel.comm
+        self.method = UNQUANTIZED
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, H] -> [N, vocab_size] float32, identical on every rank. out: an [N, vocab_size]
         float32 tensor to write them into (a CUDA graph's static buffer: no extra copy)."""
-        logits = _linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         if out is None:

@@ -11,7 +11,7 @@ the most rows the engine's CUDA graphs use:
 against F.linear (cuBLAS), all timed at the bucket's largest row count by CUDA-graph replay over the
 model's own weights of that shape (distinct tensors, so as L2-cold as in decode). The Triton route
 is taken where it needs at most MARGIN of cuBLAS's time ($TPFUSE_LINEAR_MARGIN overrides it).
-layers._linear then sends each input by its row count; more than 64 rows, and every unchosen case,
+linear_method.linear then sends each input by its row count; more than 64 rows, and every unchosen case,
 stay on F.linear.
 
 The choice is process-wide, keyed by (shape, dtype, device, bias, bucket): engines and ranks sharing

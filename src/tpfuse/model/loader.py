@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import zlib
@@ -16,13 +17,16 @@ import zlib
 import torch
 
 from tpfuse.config import EngineConfig
+from tpfuse.model import quant
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, ShardSlot
+from tpfuse.model.linear_method import QuantConfig, linear_methods, process_all
 from tpfuse.model.presets import PRESETS, is_preset, preset_config
 from tpfuse.model.registry import model_class
 
+log = logging.getLogger("tpfuse")
+
 INDEX_FILE = "model.safetensors.index.json"
-_STORED_DTYPES = {"F32", "BF16", "F16"}
 _MAX_LISTED = 8
 
 
@@ -71,15 +75,40 @@ def load_model(
     the mismatched shape or the unsupported dtype; ValueError for an unsupported architecture.
     """
     model_config = load_model_config(engine_config)
-    with torch.device(device):
+    quant_config = load_quant_config(engine_config)
+    with torch.device(device), linear_methods(quant_config):
         model = model_class(model_config.architecture)(model_config, parallel)
+    if quant_config is not None:
+        log.info("quantization: %s", quant_config.name)
     slots = model.checkpoint_slots()
     if is_preset(engine_config.model) or engine_config.load_format == "dummy":
         fill_dummy_weights(slots, engine_config.seed)
     else:
         load_safetensors(model, slots, engine_config.model)
     check_all_parameters_written(model, slots)
+    try:
+        process_all(model)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {engine_config.model}: {e}") from e
     return model.eval(), model_config
+
+
+def load_quant_config(engine_config: EngineConfig) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json's quantization_config), or --quantization's for
+    dummy weights. Raises QuantizationError (a ValueError) naming an unsupported format or field."""
+    dummy = is_preset(engine_config.model) or engine_config.load_format == "dummy"
+    stored = None
+    if not is_preset(engine_config.model):
+        config_path = os.path.join(engine_config.model, "config.json")
+        stored = quant.from_hf_config(read_json(config_path) or {}, config_path)
+    if engine_config.quantization is None:
+        return stored
+    if not dummy:
+        raise CheckpointError(
+            f"--quantization {engine_config.quantization} makes random quantized weights and needs "
+            "--load-format dummy or a preset; a checkpoint's quantization comes from its config.json"
+        )
+    return quant.for_dummy(engine_config.quantization)
 
 
 CPU_DRAW_MAX_ELEMENTS = 1 << 22
@@ -102,6 +131,10 @@ def fill_dummy_weights(slots: dict[str, ShardSlot], seed: int) -> None:
             numel *= slot.param.shape[0]
         draw_on = torch.device("cpu") if numel <= CPU_DRAW_MAX_ELEMENTS else dest.device
         generator = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if slot.dummy is not None:  # quantized codes and scales: the method draws its own
+            generator = torch.Generator(dest.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            slot.dummy(dest, generator)
+            continue
         full = torch.empty(slot.full_shape, dtype=torch.float32, device=draw_on)
         full.normal_(0.0, 0.02, generator=generator)
         dest.copy_(full[slot.source_index()].to(dest.device))
@@ -179,19 +212,21 @@ def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], direct
 
 def _copy_slice(source, slot: ShardSlot, name: str, path: str) -> None:
     shape = tuple(source.get_shape())
-    if shape != slot.full_shape:
+    if not slot.accepts_shape(shape):
+        needed = "one value ([] or [1])" if slot.broadcast else str(list(slot.full_shape))
         raise CheckpointError(
-            f"tensor {name} in {path} has shape {list(shape)} but the config needs {list(slot.full_shape)}; "
-            "check config.json against the checkpoint (and its tp sharding)"
+            f"tensor {name} in {path} has shape {list(shape)} but the config needs {needed}; "
+            "check config.json (and its quantization_config) against the checkpoint"
         )
     dtype = source.get_dtype()
-    if dtype not in _STORED_DTYPES:
+    if dtype not in slot.stored_dtypes:
         raise CheckpointError(
-            f"tensor {name} in {path} is stored as {dtype}; tpfuse loads float32, bfloat16 or float16 "
-            "weights only (quantized checkpoints are not supported)"
+            f"tensor {name} in {path} is stored as {dtype}; tpfuse expects {' or '.join(slot.stored_dtypes)} "
+            "there (check that config.json's quantization_config matches the weights)"
         )
     if slot.length:
-        slot.destination().copy_(source[slot.source_index()])
+        data = source[...] if slot.broadcast else source[slot.source_index()]
+        slot.destination().copy_(data)
 
 
 def check_all_parameters_written(model: torch.nn.Module, slots: dict[str, ShardSlot]) -> None:

@@ -1,0 +1,151 @@
+"""The linear-method seam: every parallel linear owns a LinearMethod that creates its parameters,
+names its checkpoint tensors (each sharded the way its format needs) and computes the product.
+
+UnquantizedLinearMethod is today's bf16/fp16/fp32 path: `linear` sends each input by its row count
+to the route model/linear_choice.py measured fastest (the one-row GEMV, a few-row tile, or F.linear).
+Quantized methods live in model/quant/, one file per format, chosen from the checkpoint's
+quantization_config; the loader builds a model inside `linear_methods(config)` so the layers pick
+them up without any model file knowing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpfuse.kernels import gemv_op, skinny_linear_op
+from tpfuse.model import linear_choice
+from tpfuse.model.shard import ShardSlot
+
+ROLES = ("column", "row", "lm_head")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by the route model/linear_choice.py measured fastest for this weight
+    shape and x's row count: the one-row GEMV, a few-row Triton tile, or F.linear (cuBLAS on CUDA,
+    and everything not chosen)."""
+    route = linear_choice.route(x, weight, bias)
+    if route is None:
+        return F.linear(x, weight, bias)
+    if route == linear_choice.GEMV:
+        return gemv_op(x, weight, bias)
+    return skinny_linear_op(x, weight, bias, tile=route)
+
+
+@dataclass(frozen=True)
+class LinearShards:
+    """One rank's part of y = x @ W.T. parts: per merged checkpoint tensor (e.g. q, k, v) the
+    (full rows, first row held, rows held); the rank's rows are the parts' in order. Input columns:
+    (input_full, input_start, input_local): the whole K for column-parallel, a slice for row-parallel."""
+
+    parts: tuple[tuple[int, int, int], ...]
+    input_full: int
+    input_start: int = 0
+    input_local: int | None = None
+
+    @property
+    def k_local(self) -> int:
+        return self.input_full if self.input_local is None else self.input_local
+
+    @property
+    def n_local(self) -> int:
+        return sum(local for _, _, local in self.parts)
+
+    @property
+    def input_sharded(self) -> bool:
+        return self.k_local != self.input_full
+
+    def row_offset(self, part: int) -> int:
+        return sum(local for _, _, local in self.parts[:part])
+
+
+class LinearMethod(Protocol):
+    """name: shown in the load log. create_weights registers the parameters on layer;
+    checkpoint_slots(layer, part) -> {tensor suffix ("weight", "weight_scale", ...): ShardSlot};
+    process_weights(layer) runs once after loading (repacking, expanding scales; raises ValueError
+    naming the tensor whose values do not fit); apply(layer, x [T, K_local], bias) -> [T, N_local]."""
+
+    name: str
+
+    def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None: ...
+
+    def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]: ...
+
+    def process_weights(self, layer: nn.Module) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class UnquantizedLinearMethod:
+    """weight [N_local, K_local] of the run dtype, loaded from `weight` (float32/bf16/fp16 on disk)."""
+
+    name = "unquantized"
+
+    def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
+        layer.weight = _parameter(shards.n_local, shards.k_local, dtype=dtype)
+
+    def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:
+        shards: LinearShards = layer.shards
+        full, start, local = shards.parts[part]
+        if shards.input_sharded:
+            shape = (full, shards.input_full)
+            return {"weight": ShardSlot(layer.weight, shape, 1, shards.input_start, shards.k_local)}
+        shape = (full, shards.input_full)
+        return {"weight": ShardSlot(layer.weight, shape, 0, start, local, shards.row_offset(part))}
+
+    def process_weights(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+class QuantConfig(Protocol):
+    """A checkpoint's quantization (model/quant/): name for the load log; linear_method(role) for
+    each role in ROLES (lm_head usually stays unquantized)."""
+
+    name: str
+
+    def linear_method(self, role: str) -> LinearMethod: ...
+
+
+_ACTIVE: list[QuantConfig | None] = [None]
+
+
+@contextlib.contextmanager
+def linear_methods(config: QuantConfig | None) -> Iterator[None]:
+    """Layers built inside take their methods from config (None: unquantized)."""
+    _ACTIVE.append(config)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def method_for(role: str) -> LinearMethod:
+    """The method of a linear built now, by role (column, row or lm_head)."""
+    if role not in ROLES:
+        raise ValueError(f"linear role {role!r} is not one of {ROLES}")
+    config = _ACTIVE[-1]
+    return UNQUANTIZED if config is None else config.linear_method(role)
+
+
+def process_all(model: nn.Module) -> None:
+    """Runs every linear's process_weights once, after its checkpoint tensors are loaded."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None and method is not UNQUANTIZED:
+            method.process_weights(module)

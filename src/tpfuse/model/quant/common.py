@@ -1,0 +1,55 @@
+"""What every format shares: UniformConfig (one method for every decoder linear), the errors,
+the list of supported formats, the check of modules a checkpoint leaves unquantized."""
+
+from __future__ import annotations
+
+SUPPORTED_FORMATS = (
+    "compressed-tensors (FP8 float-quantized per-tensor/per-channel/block; "
+    "INT4/INT8 pack-quantized symmetric)",
+    "fp8 (e4m3 with weight_block_size, weight_scale_inv)",
+    "gptq (4/8-bit, desc_act false)",
+    "GGUF files (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K)",
+)
+# The ignore lists that leave only modules tpfuse never quantizes (lm_head, MoE routers) unquantized.
+_NEVER_QUANTIZED = ("lm_head", "mlp.gate", "router")
+
+
+class QuantizationError(ValueError):
+    """A quantization_config tpfuse cannot run; the message names the format or field and what is
+    supported."""
+
+
+def supported_list() -> str:
+    return "; ".join(SUPPORTED_FORMATS)
+
+
+def unsupported(name: str, source: str, why: str = "") -> QuantizationError:
+    reason = f" ({why})" if why else ""
+    return QuantizationError(
+        f"{source}: quantization format {name!r}{reason} is not supported; supported: {supported_list()}"
+    )
+
+
+def check_ignored(modules: list[str], where: str) -> None:
+    """Modules a format leaves unquantized: tpfuse keeps lm_head and MoE routers unquantized anyway
+    and refuses lists naming anything else (those layers would need per-module methods)."""
+    others = [m for m in modules if not any(m.rstrip("$").endswith(n) for n in _NEVER_QUANTIZED)]
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise QuantizationError(
+            f"{where} leaves {shown} unquantized; tpfuse quantizes every decoder linear alike and supports "
+            "ignore lists naming only lm_head or MoE routers"
+        )
+
+
+class UniformConfig:
+    """One method for every decoder linear; lm_head stays unquantized (as the checkpoints keep it)."""
+
+    def __init__(self, name: str, method):
+        self.name = f"{name} ({method.name})"
+        self.method = method
+
+    def linear_method(self, role: str):
+        from tpfuse.model.linear_method import UNQUANTIZED
+
+        return UNQUANTIZED if role == "lm_head" else self.method

@@ -1,0 +1,95 @@
+"""compressed-tensors checkpoints (`quant_method: compressed-tensors`, as llm-compressor writes them):
+one config group targeting Linear, with
+  - float-quantized 8-bit weights (strategy tensor, channel or block): FP8 (model/quant/fp8.py);
+  - pack-quantized 4- or 8-bit symmetric int weights, strategy group (the Kimi K2 layout) or
+    channel: W4A16 / W8A16 (model/quant/int_group.py).
+Activations: none (weight-only), or FP8 ones (W8A8: quantized dynamically, model/quant/fp8.py says how).
+"""
+
+from __future__ import annotations
+
+from tpfuse.model.quant.common import QuantizationError, UniformConfig, check_ignored
+from tpfuse.model.quant.fp8 import Fp8LinearMethod
+from tpfuse.model.quant.int_group import IntGroupLinearMethod
+
+SUPPORTED = (
+    "float-quantized FP8 (tensor, channel, block) and pack-quantized INT4/INT8 (symmetric group, channel)"
+)
+
+
+def parse(qc: dict, source: str) -> UniformConfig:
+    """Raises QuantizationError naming the field of quantization_config that tpfuse cannot run."""
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"{source}: quantization_config.config_groups has {len(groups)} groups; tpfuse runs one group "
+            f"that targets every Linear ({SUPPORTED})"
+        )
+    ((group_name, group),) = groups.items()
+    where = f"{source}: quantization_config.config_groups.{group_name}"
+    if "Linear" not in (group.get("targets") or []):
+        raise QuantizationError(f'{where}.targets must include "Linear"; got {group.get("targets")}')
+    if qc.get("kv_cache_scheme"):
+        raise QuantizationError(
+            f"{source}: quantization_config.kv_cache_scheme (a quantized KV cache) is not supported"
+        )
+    check_ignored(qc.get("ignore") or [], f"{source}: quantization_config.ignore")
+    weights = group.get("weights") or {}
+    fmt = group.get("format") or qc.get("format")
+    activations = group.get("input_activations")
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    if kind == "float":
+        if bits != 8 or fmt not in ("float-quantized", "naive-quantized"):
+            raise QuantizationError(
+                f"{where}: float weights of {bits} bits in format {fmt!r} are not supported; "
+                f"supported: {SUPPORTED}"
+            )
+        _check_fp8_activations(activations, where)
+        static = bool(activations) and not activations.get("dynamic", False)
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2):
+                raise QuantizationError(
+                    f"{where}.weights.block_structure must be [block_n, block_k]; got {block}"
+                )
+            return UniformConfig("compressed-tensors", Fp8LinearMethod("block", tuple(block), static))
+        if strategy not in ("tensor", "channel"):
+            raise QuantizationError(
+                f"{where}.weights.strategy {strategy!r} is not supported; supported: {SUPPORTED}"
+            )
+        return UniformConfig("compressed-tensors", Fp8LinearMethod(strategy, None, static))
+    if kind == "int":
+        if fmt != "pack-quantized" or bits not in (4, 8):
+            raise QuantizationError(
+                f"{where}: int weights of {bits} bits in format {fmt!r} are not supported; "
+                f"supported: {SUPPORTED}"
+            )
+        if not weights.get("symmetric", True):
+            raise QuantizationError(
+                f"{where}.weights.symmetric is false; tpfuse runs symmetric pack-quantized only"
+            )
+        if weights.get("actorder"):
+            raise QuantizationError(f"{where}.weights.actorder {weights['actorder']!r} is not supported")
+        if activations:
+            raise QuantizationError(f"{where}.input_activations: int weights run weight-only (W4A16/W8A16)")
+        if strategy == "channel":
+            return UniformConfig("compressed-tensors", IntGroupLinearMethod(bits, -1, fmt="int"))
+        group_size = weights.get("group_size")
+        if strategy != "group" or not isinstance(group_size, int) or group_size < 1:
+            raise QuantizationError(
+                f"{where}.weights: strategy {strategy!r} with group_size {group_size!r}; int weights need "
+                "strategy group with a positive group_size, or strategy channel"
+            )
+        return UniformConfig("compressed-tensors", IntGroupLinearMethod(bits, group_size, fmt="int"))
+    raise QuantizationError(f"{where}.weights.type {kind!r} is not supported; supported: {SUPPORTED}")
+
+
+def _check_fp8_activations(activations: dict | None, where: str) -> None:
+    if not activations:
+        return
+    if activations.get("type") != "float" or activations.get("num_bits") != 8:
+        raise QuantizationError(
+            f"{where}.input_activations: {activations.get('type')} {activations.get('num_bits')}-bit "
+            "activations "
+            "are not supported with FP8 weights (FP8 or none)"
+        )

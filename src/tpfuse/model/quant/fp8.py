@@ -1,0 +1,143 @@
+"""FP8 e4m3 weights: per-tensor and per-channel scales (compressed-tensors float-quantized) and
+128x128 block scales (`quant_method: fp8` with weight_block_size, stored as weight_scale_inv).
+
+Whatever the checkpoint's granularity, the rank keeps weight [N_local, K_local] e4m3 and one float32
+scale per (row, K block) (kernels/quant_fp8.py): per-channel and per-tensor scales become [N_local, 1]
+(block (1, K)), block scales [N_local, ceil(K_local / 128)] (block (1, 128)), expanded exactly at load,
+so merged parts (q, k, v) and tensor-parallel shards need not fall on 128-row boundaries. Row-parallel
+shards must start on a K block.
+
+Compute: up to 64 rows the weight is dequantized in registers against bf16 activations (W8A16: the
+bytes streamed are what decode is bound by, and no activation rounding); more rows run FP8 x FP8 on
+the tensor cores with activations quantized per row (per-channel) or per 128-column group (block)
+where the GPU passes the FP8-dot probe, and the W8A16 tiles elsewhere. Static input scales, where a
+checkpoint has them, are read and not used: activations are always quantized dynamically.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpfuse.kernels import fp8_linear_op, use_triton
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE, fp8_dot_supported
+from tpfuse.model.linear_method import LinearShards
+from tpfuse.model.shard import ShardSlot
+
+FP8_STORED = ("F8_E4M3",)
+MAX_DECODE_ROWS = 64
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def dummy_fp8(dest: torch.Tensor, generator: torch.Generator) -> None:
+    """Standard-normal codes (times the dummy scale 0.02: the bf16 dummy weights' spread)."""
+    dest.copy_(torch.randn(dest.shape, generator=generator, device=dest.device).to(dest.dtype))
+
+
+def dummy_scale(dest: torch.Tensor, generator: torch.Generator) -> None:
+    dest.fill_(0.02)
+
+
+class Fp8LinearMethod:
+    """strategy: "tensor", "channel" or "block" (block: the checkpoint's [block_n, block_k])."""
+
+    def __init__(self, strategy: str, block: tuple[int, int] | None = None, input_scales: bool = False):
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"FP8 weight strategy {strategy!r} is not one of tensor, channel, block")
+        self.strategy = strategy
+        self.checkpoint_block = block
+        self.input_scales = input_scales
+        self.name = f"fp8-{strategy}" + (f" {block[0]}x{block[1]}" if block else "")
+
+    def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
+        layer.weight = _parameter(shards.n_local, shards.k_local, dtype=FP8_DTYPE)
+        if self.input_scales:
+            layer.input_scale = _parameter(len(shards.parts), dtype=torch.float32)
+        if self.strategy != "block":
+            layer.weight_scale = _parameter(shards.n_local, 1, dtype=torch.float32)
+            layer.fp8_block = (1, shards.k_local)
+            return
+        block_n, block_k = self.checkpoint_block
+        if shards.input_start % block_k:
+            raise ValueError(
+                f"a row-parallel FP8 shard starts at input column {shards.input_start}, "
+                f"inside a {block_k}-column "
+                "scale block; choose a --tp-size that splits the input size into multiples of the block"
+            )
+        k_blocks = -(-shards.k_local // block_k)
+        layer.block_scale_parts = nn.ParameterList()
+        for _, start, local in shards.parts:
+            rows = -(-(start + local) // block_n) - start // block_n
+            layer.block_scale_parts.append(_parameter(rows, k_blocks, dtype=torch.float32))
+        layer.fp8_block = (1, block_k)
+
+    def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:
+        shards: LinearShards = layer.shards
+        full, start, local = shards.parts[part]
+        offset = shards.row_offset(part)
+        k_full, k_start, k_local = shards.input_full, shards.input_start, shards.k_local
+        codes = {"stored_dtypes": FP8_STORED, "dummy": dummy_fp8}
+        if shards.input_sharded:
+            weight = ShardSlot(layer.weight, (full, k_full), 1, k_start, k_local, **codes)
+        else:
+            weight = ShardSlot(layer.weight, (full, k_full), 0, start, local, offset, **codes)
+        slots = {"weight": weight}
+        if self.input_scales:
+            slots["input_scale"] = ShardSlot(layer.input_scale, (1,), 0, 0, 1, part, broadcast=True)
+        if self.strategy == "tensor":
+            slots["weight_scale"] = ShardSlot(
+                layer.weight_scale, (1,), 0, 0, local, offset, broadcast=True, dummy=dummy_scale
+            )
+        elif self.strategy == "channel":
+            slots["weight_scale"] = ShardSlot(
+                layer.weight_scale, (full, 1), 0, start, local, offset, dummy=dummy_scale
+            )
+        else:
+            block_n, block_k = self.checkpoint_block
+            raw = layer.block_scale_parts[part]
+            shape = (-(-full // block_n), -(-k_full // block_k))
+            if shards.input_sharded:
+                slot = ShardSlot(raw, shape, 1, k_start // block_k, raw.shape[1], dummy=dummy_scale)
+            else:
+                slot = ShardSlot(raw, shape, 0, start // block_n, raw.shape[0], dummy=dummy_scale)
+            slots["weight_scale_inv"] = slot
+        return slots
+
+    def process_weights(self, layer: nn.Module) -> None:
+        if self.strategy != "block":
+            return
+        block_n = self.checkpoint_block[0]
+        expanded = []
+        for (_, start, local), raw in zip(layer.shards.parts, layer.block_scale_parts, strict=True):
+            rows = torch.arange(start, start + local, device=raw.device) // block_n - start // block_n
+            expanded.append(raw.data[rows])
+        del layer.block_scale_parts
+        layer.weight_scale = _parameter(0, dtype=torch.float32)
+        layer.weight_scale.data = torch.cat(expanded).contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w8a8 = x.shape[0] > MAX_DECODE_ROWS and x.is_cuda and use_triton(x) and fp8_dot_supported(x.device)
+        return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, w8a8=w8a8)
+
+
+def parse_fp8(qc: dict, source: str):
+    """`quant_method: fp8` (Qwen3-FP8, DeepSeek-V3): e4m3 weights with weight_scale_inv per block.
+    Raises QuantizationError naming the field tpfuse cannot run."""
+    from tpfuse.model.quant.common import QuantizationError, UniformConfig, check_ignored
+
+    where = f"{source}: quantization_config"
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise QuantizationError(f"{where}.fmt {qc['fmt']!r} is not supported; tpfuse runs e4m3 FP8")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise QuantizationError(
+            f"{where}.weight_block_size must be [block_n, block_k] (e.g. [128, 128]); got {block!r}"
+        )
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise QuantizationError(f"{where}.activation_scheme {scheme!r} is not one of dynamic, static")
+    check_ignored(qc.get("modules_to_not_convert") or [], f"{where}.modules_to_not_convert")
+    return UniformConfig("fp8", Fp8LinearMethod("block", tuple(block), scheme == "static"))

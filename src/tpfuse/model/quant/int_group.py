@@ -1,0 +1,129 @@
+"""Group-quantized integer weights (W4A16 / W8A16) in the kernels' layout (kernels/quant_int.py),
+loaded from compressed-tensors pack-quantized tensors, whose layout it is:
+
+  <name>.weight_packed  [N, ceil(K / (32 / bits))] int32, values + 2^(bits-1) packed along K
+  <name>.weight_scale   [N, ceil(K / group_size)] float
+  <name>.weight_shape   [2] int: (N, K), checked at load
+
+Column-parallel shards split rows; row-parallel shards split K at a group (and word) boundary, so
+the scales shard along K with the codes. Formats with other layouts (GPTQ, GGUF) subclass this and
+convert to it in process_weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpfuse.kernels import int_linear_op
+from tpfuse.kernels.quant_int import values_per_word
+from tpfuse.model.linear_method import LinearShards
+from tpfuse.model.shard import ShardSlot
+
+INT_STORED = ("I32",)
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def dummy_codes(dest: torch.Tensor, generator: torch.Generator) -> None:
+    """Uniformly random packed words (every bit pattern is a valid set of codes)."""
+    dest.copy_(
+        torch.randint(-(2**31), 2**31, dest.shape, generator=generator, device=dest.device, dtype=torch.int64)
+    )
+
+
+def dummy_group_scale(bits: int):
+    """Scales giving uniform codes the bf16 dummy weights' spread (0.02)."""
+    value = 0.02 / ((2**bits) / 12**0.5)
+
+    def fill(dest: torch.Tensor, generator: torch.Generator) -> None:
+        dest.fill_(value)
+
+    return fill
+
+
+class IntGroupLinearMethod:
+    """bits 4 or 8, symmetric, group_size columns of K per scale (-1: the whole K)."""
+
+    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None = None, fmt: str = "int"):
+        values_per_word(bits)
+        self.bits = bits
+        self.group_size = group_size
+        self.scale_dtype = scale_dtype  # None: the run dtype
+        self.name = f"{fmt}{bits} group {group_size}"
+
+    def group_of(self, shards: LinearShards) -> int:
+        return shards.input_full if self.group_size == -1 else self.group_size
+
+    def _check_row_split(self, shards: LinearShards, group: int) -> None:
+        per_word = values_per_word(self.bits)
+        if shards.input_sharded and (shards.input_start % group or shards.input_start % per_word):
+            raise ValueError(
+                f"a row-parallel {self.name} shard starts at input column {shards.input_start}, inside a "
+                f"quantization group of {group}; "
+                "choose a --tp-size that splits the input size into whole groups"
+            )
+
+    def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
+        group = self.group_of(shards)
+        self._check_row_split(shards, group)
+        per_word = values_per_word(self.bits)
+        layer.weight_packed = _parameter(shards.n_local, -(-shards.k_local // per_word), dtype=torch.int32)
+        layer.weight_scale = _parameter(
+            shards.n_local, -(-shards.k_local // group), dtype=self.scale_dtype or dtype
+        )
+        layer.weight_shape = _parameter(2 * len(shards.parts), dtype=torch.int64)
+        layer.weight_offset = None
+        layer.int_group = group
+
+    def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:
+        shards: LinearShards = layer.shards
+        full, start, local = shards.parts[part]
+        offset = shards.row_offset(part)
+        per_word, group = values_per_word(self.bits), layer.int_group
+        k_full, k_start = shards.input_full, shards.input_start
+        packed_shape = (full, -(-k_full // per_word))
+        scale_shape = (full, -(-k_full // group))
+        codes = {"stored_dtypes": INT_STORED, "dummy": dummy_codes}
+        scale = {"dummy": dummy_group_scale(self.bits)}
+        if shards.input_sharded:
+            packed = ShardSlot(layer.weight_packed, packed_shape, 1, k_start // per_word,
+                               layer.weight_packed.shape[1], **codes)  # fmt: skip
+            scales = ShardSlot(
+                layer.weight_scale, scale_shape, 1, k_start // group, layer.weight_scale.shape[1], **scale
+            )
+        else:
+            packed = ShardSlot(layer.weight_packed, packed_shape, 0, start, local, offset, **codes)
+            scales = ShardSlot(layer.weight_scale, scale_shape, 0, start, local, offset, **scale)
+
+        def dummy_shape(dest: torch.Tensor, generator: torch.Generator, full=full) -> None:
+            dest.copy_(torch.tensor([full, k_full]))
+
+        shape = ShardSlot(
+            layer.weight_shape, (2,), 0, 0, 2, 2 * part, stored_dtypes=("I32", "I64"), dummy=dummy_shape
+        )
+        return {"weight_packed": packed, "weight_scale": scales, "weight_shape": shape}
+
+    def check_shapes(self, layer: nn.Module) -> None:
+        """Each part's stored weight_shape must be (N, K) of the config."""
+        names = getattr(layer, "checkpoint_names", None) or [
+            f"part {i}" for i in range(len(layer.shards.parts))
+        ]
+        recorded = layer.weight_shape.view(-1, 2).tolist()
+        for (full, _, _), (n, k), name in zip(layer.shards.parts, recorded, names, strict=True):
+            if (n, k) != (full, layer.shards.input_full):
+                raise ValueError(
+                    f"{name}.weight_shape is [{n}, {k}] but the config needs "
+                    f"[{full}, {layer.shards.input_full}]; "
+                    "check config.json against the checkpoint"
+                )
+
+    def process_weights(self, layer: nn.Module) -> None:
+        self.check_shapes(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int_linear_op(
+            x, layer.weight_packed, layer.weight_scale, layer.weight_offset, self.bits, layer.int_group, bias
+        )

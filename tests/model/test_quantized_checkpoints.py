@@ -1,0 +1,209 @@
+"""Quantized checkpoints in their public layouts (FP8 per-tensor/per-channel/block, compressed-tensors
+INT4/INT8 pack-quantized, GPTQ): tpfuse's greedy tokens (float32, CPU) equal transformers' on the
+same weights dequantized; bad checkpoints and unsupported formats fail at load, naming the culprit."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from tests.engine.checkpoints import hf_greedy
+from tests.model import quant_checkpoints as qc
+from tests.model.harness import load_for_test
+from tpfuse.engine.llm import LLM
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.model.loader import CheckpointError
+from tpfuse.model.quant import QuantizationError
+
+NEW_TOKENS = 8
+BLOCK_SHAPE = dict(hidden_size=256, intermediate_size=384, head_dim=64)  # several 128-blocks per tensor
+GROUP_128_SHAPE = dict(hidden_size=128, intermediate_size=256)
+
+FORMATS = {
+    "fp8-channel": (
+        "llama",
+        qc.fp8_channel,
+        qc.compressed_tensors_config(
+            {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "float-quantized",
+            {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True},
+        ),
+        {},
+    ),
+    "fp8-tensor-static-input": (
+        "qwen2",
+        qc.fp8_tensor,
+        qc.compressed_tensors_config(
+            {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+            "float-quantized",
+            {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+        ),
+        {},
+    ),
+    "fp8-block": (
+        "qwen3",
+        qc.fp8_block,
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+        BLOCK_SHAPE,
+    ),
+    "int4-group32": (
+        "llama",
+        functools.partial(qc.int_pack_quantized, bits=4, group=32),
+        qc.compressed_tensors_config(
+            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+            "pack-quantized",
+        ),
+        {},
+    ),
+    "int4-group128": (
+        "qwen3",
+        functools.partial(qc.int_pack_quantized, bits=4, group=128),
+        qc.compressed_tensors_config(
+            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+            "pack-quantized",
+        ),
+        GROUP_128_SHAPE,
+    ),
+    "gptq-4bit-group32": (
+        "mistral",
+        functools.partial(qc.gptq_asymmetric, bits=4, group=32),
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+        {},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def quantized(request, tmp_path_factory):
+    kind, quantizer, config, shape = FORMATS[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = qc.write_quantized(directory, kind, quantizer, config, **shape)
+    return directory, hf_model
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(quantized):
+    directory, hf_model = quantized
+    llm = LLM(str(directory), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 12)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    llm.shutdown()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("int4-errors")
+    _, quantizer, config, _ = FORMATS["int4-group32"]
+    qc.write_quantized(directory, "llama", quantizer, config)
+    return directory
+
+
+def _copy_with(source, destination, tensors=None, config_edit=None):
+    os.makedirs(destination, exist_ok=True)
+    for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(source, file)):
+            with open(os.path.join(source, file)) as f:
+                text = f.read()
+            with open(os.path.join(destination, file), "w") as f:
+                f.write(text)
+    all_tensors = qc.load_tensors(source)
+    qc.save_tensors(destination, tensors(all_tensors) if tensors else all_tensors)
+    if config_edit:
+        path = os.path.join(destination, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config_edit(config["quantization_config"])
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return destination
+
+
+def test_a_truncated_scale_tensor_names_the_tensor(int4_checkpoint, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+
+    def truncate(tensors):
+        tensors[name] = tensors[name][:, :-1].contiguous()
+        return tensors
+
+    bad = _copy_with(int4_checkpoint, tmp_path / "bad", tensors=truncate)
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {name} .* has shape \[64, 3\] but the config needs \[64, 4\]"
+    ):
+        load_for_test(bad)
+
+
+def test_a_wrong_group_size_names_the_scale_tensor(int4_checkpoint, tmp_path):
+    def group_64(config):
+        config["config_groups"]["group_0"]["weights"]["group_size"] = 64
+
+    bad = _copy_with(int4_checkpoint, tmp_path / "bad", config_edit=group_64)
+    with pytest.raises(
+        CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.q_proj\.weight_scale .* needs \[64, 1\]"
+    ):
+        load_for_test(bad)
+
+
+def test_a_group_size_that_is_not_a_number_names_the_field(int4_checkpoint, tmp_path):
+    def no_group(config):
+        config["config_groups"]["group_0"]["weights"]["group_size"] = None
+
+    bad = _copy_with(int4_checkpoint, tmp_path / "bad", config_edit=no_group)
+    with pytest.raises(QuantizationError, match=r"group_0\.weights: strategy 'group' with group_size None"):
+        load_for_test(bad)
+
+
+def test_a_stored_weight_shape_that_disagrees_with_the_config_names_it(int4_checkpoint, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight_shape"
+
+    def wrong_shape(tensors):
+        tensors[name] = torch.tensor([128, 65])
+        return tensors
+
+    bad = _copy_with(int4_checkpoint, tmp_path / "bad", tensors=wrong_shape)
+    with pytest.raises(CheckpointError, match=rf"{name} is \[128, 65\] but the config needs \[128, 64\]"):
+        load_for_test(bad)
+
+
+@pytest.mark.parametrize(
+    "quantization_config,message",
+    [
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 128},
+            r"quantization format 'awq' is not supported; supported: compressed-tensors",
+        ),
+        ({"quant_method": "mxfp4"}, r"'mxfp4' is not supported; supported: .*gptq .*GGUF"),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+            r"'gptq' \(desc_act true: act-order",
+        ),
+        (
+            qc.compressed_tensors_config(
+                {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+                "nvfp4-pack-quantized",
+            ),
+            r"float weights of 4 bits in format 'nvfp4-pack-quantized' are not supported",
+        ),
+    ],
+)
+def test_unsupported_formats_fail_at_load_naming_the_format_and_what_is_supported(
+    int4_checkpoint, tmp_path, quantization_config, message
+):
+    def replace(config):
+        config.clear()
+        config.update(quantization_config)
+
+    bad = _copy_with(int4_checkpoint, tmp_path / "bad", config_edit=replace)
+    with pytest.raises(QuantizationError, match=message):
+        load_for_test(bad)
