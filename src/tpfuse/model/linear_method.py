@@ -144,8 +144,8 @@ def method_for(role: str) -> LinearMethod:
 
 
 def process_all(model: nn.Module) -> None:
-    """Runs every linear's process_weights once, after its checkpoint tensors are loaded."""
+    """Runs every method's process_weights (linears', experts') once, after the checkpoint is loaded."""
     for module in model.modules():
-        method = getattr(module, "method", None)
-        if method is not None and method is not UNQUANTIZED:
-            method.process_weights(module)
+        process = getattr(getattr(module, "method", None), "process_weights", None)
+        if process is not None:
+            process(module)
