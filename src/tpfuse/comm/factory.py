@@ -119,7 +119,9 @@ def create_communicator(
     comm = CustomCommunicator(
         ws, unmeasured_plan(fallback_name, dist.get_world_size(group), row_bytes, 1, ""), fallback
     )
-    configure_schedules(comm, group, device, islands, probe=sharing == 1 and mode == "auto")
+    separate_gpus = sharing == 1 and mode == "auto"
+    externals = (max(1, slot_bytes // row_bytes), hidden_size, dtype) if separate_gpus else None
+    configure_schedules(comm, group, device, islands, probe=separate_gpus, externals=externals)
     fitting_tokens = max(1, slot_bytes // row_bytes)
     if sharing > 1 or mode == "fused":
         why = (

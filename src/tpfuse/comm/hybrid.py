@@ -41,6 +41,7 @@ class CustomCommunicator(Communicator):
         self.checked = knobs.current.comm_check if checked is None else checked
         self.candidates: tuple[str, ...] = tuple(schedules.available(workspace))
         self.removed: dict[str, str] = {}  # schedule -> why it is not a candidate (link probe findings)
+        self.externals: dict = {}  # name -> another library's all-reduce raced as a candidate (external.py)
         self.links = None  # link_decision.LinkMeasurements when the link probe ran
         self.probe_decision = None  # link_decision.ProbeDecision when the link probe ran
 
@@ -52,6 +53,8 @@ class CustomCommunicator(Communicator):
         if x.device != self.workspace.device or not launch.fits(self.workspace, x):
             return FALLBACK
         algorithm = self.plan.choose(op, x.numel() * x.element_size())
+        if algorithm in self.externals:
+            return algorithm if self.externals[algorithm].fits(x) else FALLBACK
         if algorithm != FALLBACK and not launch.fits(self.workspace, x, algorithm):
             return FALLBACK
         return algorithm
@@ -76,6 +79,8 @@ class CustomCommunicator(Communicator):
         algorithm = self._algorithm("all_reduce", x)
         if algorithm == FALLBACK:
             return self._fallback("all_reduce", x).all_reduce(x)
+        if algorithm in self.externals:
+            return self.externals[algorithm].all_reduce(x)
         return self._done(launch.all_reduce(self.workspace, x, algorithm))
 
     def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
@@ -84,11 +89,13 @@ class CustomCommunicator(Communicator):
             return self._fallback("fused all-reduce", x).fused_add_rmsnorm_all_reduce(
                 x, residual, weight, eps
             )
+        if algorithm in self.externals:
+            return self.externals[algorithm].fused_add_rmsnorm(x, residual, weight, eps)
         return self._done(launch.fused_add_rmsnorm(self.workspace, x, residual, weight, eps, algorithm))
 
     def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
         algorithm = self._algorithm("fused", x)
-        if algorithm == FALLBACK:
+        if algorithm == FALLBACK or algorithm in self.externals:  # externals have no FP8 epilogue here
             fallback = self._fallback("fused all-reduce", x)
             return fallback.fused_add_rmsnorm_all_reduce_fp8(x, residual, weight, eps, scale)
         result = launch.fused_add_rmsnorm(

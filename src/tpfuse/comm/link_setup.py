@@ -53,10 +53,17 @@ def resolve_islands(group, device: torch.device, override: str | None) -> tuple[
     return views[0]
 
 
-def configure_schedules(comm, group, device: torch.device, islands: str | None, probe: bool) -> None:
+def configure_schedules(comm, group, device: torch.device, islands: str | None, probe: bool,
+                        externals: tuple[int, int, torch.dtype] | None = None) -> None:  # fmt: skip
     """Collective: islands, then (probe=True) the link probe and its removals, on comm (a
-    CustomCommunicator). Notes on comm.workspace.notes say what was found."""
+    CustomCommunicator); with externals=(max_tokens, hidden, dtype), other libraries' all-reduces
+    (external.py) join the candidates. Notes on comm.workspace.notes say what was found."""
     ws = comm.workspace
+    if externals is not None:
+        from tpfuse.comm.external import create_externals
+
+        comm.externals, notes = create_externals(group, ws.rank, ws.world_size, *externals)
+        ws.notes += notes
     found, why = resolve_islands(group, device, islands)
     if found is not None and len(found) >= 2:
         ws.set_islands(found)

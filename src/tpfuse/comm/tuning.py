@@ -68,6 +68,13 @@ def candidates(comm, op: str, x, residual, weight):
             calls[algorithm] = lambda a=algorithm: launch.all_reduce(ws, x, a)
         else:
             calls[algorithm] = lambda a=algorithm: launch.fused_add_rmsnorm(ws, x, residual, weight, 1e-6, a)
+    for name, external in comm.externals.items():
+        if external.fits(x):
+            calls[name] = (
+                (lambda e=external: e.all_reduce(x))
+                if op == "all_reduce"
+                else (lambda e=external: e.fused_add_rmsnorm(x, residual, weight, 1e-6))
+            )
     if comm.fallback is not None:
         fb = comm.fallback
         calls[FALLBACK] = (
