@@ -81,8 +81,8 @@ def copy_gbps(sources: list[int], targets: list[int], nbytes: int, device, launc
 
 def latency_us(address: int, device, write: bool, iters: int = LATENCY_ITERS) -> float:
     out = torch.zeros(1, dtype=torch.int64, device=device)
-    _latency_kernel[(1,)](address, out, 16, WRITE=write)
-    _latency_kernel[(1,)](address, out, iters, WRITE=write)
+    _latency_kernel[(1,)](address, out, 16, WRITE=write, num_warps=1)
+    _latency_kernel[(1,)](address, out, iters, WRITE=write, num_warps=1)
     return int(out.item()) / iters / 1e3
 
 

@@ -1,0 +1,198 @@
+"""The PCIe-class schedules on one GPU: virtual ranks (streams of one process, real concurrent spins) and
+processes sharing the GPU, against float64, under repetition and graph replay, and with a crashed peer.
+
+Every schedule of comm/schedules.py runs here (one_shot / two_shot again beside the new ones), the
+hierarchical one over unequal islands. Virtual ranks: 2, 4 and 8; 10,000 back-to-back calls and 1,000
+replays of a captured graph per schedule at 4 ranks. Processes (2, time-sliced, ~2 ms a call): float64
+at 1, 5 and 31 rows (31: the most whose float32 partials fit), 1,000 calls and 100 graph replays per schedule.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.comm.reference import assert_close_to, fused64, poisoned, sum64
+from tests.comm.test_gpu_virtual_ranks import _check_fused, _randn, on_streams
+from tests.helpers.dist import run_distributed
+from tpfuse.comm import launch
+from tpfuse.comm.hybrid import create_virtual_communicators, programs_per_rank
+from tpfuse.comm.plan import OPS, Bucket, Plan, bucket_tokens
+from tpfuse.comm.schedules import ALGORITHMS
+from tpfuse.comm.workspace import create_virtual_workspaces
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+EPS = 1e-5
+DEVICE = "cuda"
+ISLANDS = {2: ((0,), (1,)), 3: ((0, 1), (2,)), 4: ((0, 1, 2), (3,)), 8: ((0, 1, 2, 3, 4), (5, 6, 7))}
+
+
+def _workspaces(world_size, max_tokens, hidden, timeout_s=10.0):
+    programs = programs_per_rank(torch.device(DEVICE), world_size)
+    wss = create_virtual_workspaces(world_size, DEVICE, max_tokens * hidden * 4, programs, timeout_s)
+    for ws in wss:
+        ws.set_islands(ISLANDS[world_size])
+    return wss
+
+
+def forced_plan(algorithm, row_bytes, max_tokens):
+    """Every bucket up to max_tokens rows on `algorithm` (virtual ranks have no fallback)."""
+    buckets = [
+        Bucket(op, t * row_bytes, t, algorithm, reason="forced")
+        for op in OPS
+        for t in bucket_tokens(max_tokens)
+    ]
+    return Plan("none", buckets)
+
+
+def _fused(wss, xs, residual, weight, algorithm):
+    outputs = [
+        (poisoned(xs[0].shape, xs[0].dtype).cuda(), poisoned(xs[0].shape, xs[0].dtype).cuda()) for _ in wss
+    ]
+    return on_streams(
+        len(wss),
+        lambda r: launch.fused_add_rmsnorm(
+            wss[r], xs[r], residual, weight, EPS, algorithm, outputs=outputs[r]
+        ),
+    )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_every_schedule_matches_float64_and_is_bit_identical(world_size, algorithm):
+    hidden = 6144 if world_size == 8 else 4097
+    wss = _workspaces(world_size, 64, hidden)
+    weight = _randn(hidden, dtype=torch.bfloat16)
+    for tokens in (1, 3, 17, 64):
+        xs = [_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
+        residual = _randn(tokens, hidden, dtype=torch.bfloat16)
+        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+        outs = [poisoned(xs[0].shape, torch.bfloat16).cuda() for _ in wss]
+        on_streams(world_size, lambda r: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r]))  # noqa: B023
+        for out in outs:
+            assert_close_to(out, sum64(xs))
+            assert torch.equal(out, outs[0])
+    for ws in wss:
+        ws.check()
+
+
+def _mismatches(outs, expected):
+    return (outs[0] != expected[0]).sum() + (outs[1] != expected[1]).sum()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_ten_thousand_calls_and_a_thousand_graph_replays_stay_exact(algorithm):
+    world_size, tokens, hidden = 4, 4, 4096
+    comms = create_virtual_communicators(world_size, DEVICE, 64, hidden, torch.bfloat16)
+    for comm in comms:
+        comm.workspace.set_islands(ISLANDS[world_size])
+        comm.plan = forced_plan(algorithm, hidden * 2, 64)
+    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    expected = []
+    for xs in sets:
+        outs = on_streams(
+            world_size, lambda r, xs=xs: comms[r].fused_add_rmsnorm_all_reduce(xs[r], residual, weight, EPS)
+        )
+        _check_fused(outs, xs, residual, weight)
+        expected.append(outs[0])
+    mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
+    mismatches[0:1] += _mismatches(expected[0], expected[0])  # load the loop's kernels first
+    main = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in range(world_size)]
+    for s in streams:
+        s.wait_stream(main)
+    for i in range(10_000):
+        for r in range(world_size):
+            with torch.cuda.stream(streams[r]):
+                outs = comms[r].fused_add_rmsnorm_all_reduce(sets[i % 4][r], residual, weight, EPS)
+                mismatches[r : r + 1] += _mismatches(outs, expected[i % 4])
+    torch.cuda.synchronize()
+    assert mismatches.tolist() == [0] * world_size, "back-to-back calls"
+    static_x = [sets[0][r].clone() for r in range(world_size)]
+    graphs, graph_outs = [], []
+    for r in range(world_size):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams[r]):
+            graph_outs.append(comms[r].fused_add_rmsnorm_all_reduce(static_x[r], residual, weight, EPS))
+        graphs.append(graph)
+    epoch_before = [int(c.workspace.words[0]) for c in comms]
+    mismatches.zero_()
+    torch.cuda.synchronize()
+    for i in range(1000):
+        for r in range(world_size):
+            with torch.cuda.stream(streams[r]):
+                static_x[r].copy_(sets[i % 4][r])
+                graphs[r].replay()
+                mismatches[r : r + 1] += _mismatches(graph_outs[r], expected[i % 4])
+    torch.cuda.synchronize()
+    for comm in comms:
+        comm.check()
+    assert mismatches.tolist() == [0] * world_size, "graph replays"
+    assert [int(c.workspace.words[0]) - e for c, e in zip(comms, epoch_before, strict=True)] == [
+        1000
+    ] * world_size
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_peer_that_never_arrives_times_out_and_is_named(algorithm):
+    wss = _workspaces(3, 4, 256, timeout_s=0.5)
+    x = torch.randn(4, 256, device=DEVICE)
+    started = time.monotonic()
+    for rank in (0, 1):  # rank 2 has crashed
+        with torch.cuda.stream(torch.cuda.Stream()):
+            launch.all_reduce(wss[rank], x, algorithm)
+    torch.cuda.synchronize()
+    assert time.monotonic() - started < 20, "the spin must be bounded"
+    for ws in wss[:2]:
+        with pytest.raises(RuntimeError, match="rank 2 never arrived"):
+            ws.check()
+
+
+def _shared_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from tests.comm.reference import repeat_and_replay_mismatches
+    from tpfuse.comm.factory import create_communicator
+
+    torch.cuda.set_device(0)
+    hidden = 4096
+    comm = create_communicator(device="cuda:0", max_tokens=64, hidden_size=hidden, dtype=torch.bfloat16)
+    comm.workspace.set_islands(ISLANDS[world_size])
+    results = {}
+    for algorithm in ALGORITHMS:
+        comm.plan = forced_plan(algorithm, hidden * 2, 64)
+        calls = {}
+        for tokens in (1, 5, 31):
+            g = torch.Generator().manual_seed(1000 * tokens + rank)
+            x = torch.randn(tokens, hidden, generator=g).bfloat16()
+            residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            weight = torch.randn(hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
+            normed, new_residual = comm.fused_add_rmsnorm_all_reduce(
+                x.cuda(), residual.cuda(), weight.cuda(), EPS
+            )
+            calls[tokens] = (x, residual, weight, normed.cpu(), new_residual.cpu())
+        x, residual, weight = (t.cuda() for t in calls[5][:3])
+        repeats = repeat_and_replay_mismatches(comm, x, residual, weight, EPS, calls=1000, replays=100)
+        comm.check()
+        results[algorithm] = (calls, repeats)
+    dist.barrier()
+    return results
+
+
+def test_processes_sharing_the_gpu_run_every_schedule_exactly():
+    world_size = 2
+    results = run_distributed(_shared_rank, world_size, timeout=280)
+    for algorithm in ALGORITHMS:
+        for tokens in (1, 5, 31):
+            xs = [results[r][algorithm][0][tokens][0] for r in range(world_size)]
+            _, residual, weight, _, _ = results[0][algorithm][0][tokens]
+            normed64, residual64 = fused64(xs, residual, weight, EPS)
+            for r in range(world_size):
+                normed, new_residual = results[r][algorithm][0][tokens][3:]
+                assert_close_to(new_residual, residual64)
+                assert_close_to(normed, normed64, ulps=3)
+                assert torch.equal(normed, results[0][algorithm][0][tokens][3]), (algorithm, "ranks disagree")
+        assert [results[r][algorithm][1] for r in range(world_size)] == [(0, 0)] * world_size, algorithm
