@@ -116,3 +116,28 @@ def test_compile_ahead_launches_every_mla_variant_without_writing_the_cache():
     # query short enough to fit one tile, so each also launches with split keys
     assert compile_mla_variants(cache, ROPE, 5, 20) == 2 + 3 * 2
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_rope_norm_store_matches_the_reference_on_views_of_one_projection(interleaved, dtype):
+    from tpfuse.kernels.mla_rope_store import mla_rope_norm_store_ref, mla_rope_norm_store_triton
+    from tpfuse.kernels.rope import rope_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, nope = 6, 3, 5
+    q = torch.randn(tokens, heads, nope + ROPE, generator=gen).to(dtype)  # q_pe: a strided view
+    a = torch.randn(tokens, RANK + ROPE + 7, generator=gen).to(dtype)  # latent and k_pe: views of one row
+    latent, k_pe = a[:, :RANK], a[:, RANK : RANK + ROPE]
+    weight = (1 + 0.1 * torch.randn(RANK, generator=gen)).to(dtype)
+    cos_sin = rope_cos_sin_cache(ROPE, 64, 10000.0)
+    positions = torch.tensor([0, 3, 9, 63, 1, 17])
+    slots = torch.tensor([5, -1, 0, 11, 2, 7])
+    caches = [torch.full((3, 4, RANK + ROPE), float("nan"), dtype=dtype) for _ in range(2)]
+    args = (positions, q[..., nope:], latent, k_pe, weight, 1e-6, cos_sin)
+    want = mla_rope_norm_store_ref(*args, caches[0], slots, interleaved)
+    got = mla_rope_norm_store_triton(*args, caches[1], slots, interleaved)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol + 1e-6)
+    torch.testing.assert_close(caches[1], caches[0], rtol=tol, atol=tol + 1e-6, equal_nan=True)
+    assert torch.isnan(caches[1].view(-1, RANK + ROPE)[1]).all()  # slot 1 was nobody's

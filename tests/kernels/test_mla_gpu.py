@@ -119,3 +119,27 @@ def test_grouped_topk_on_cuda_in_a_graph_matches_eager():
         w, ids = grouped_topk(logits, bias, 8, 8, 4, True, 2.5)
     graph.replay()
     assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w)
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_mla_rope_norm_store_on_cuda_matches_reference(heads):
+    from tpfuse.kernels.mla_rope_store import mla_rope_norm_store_ref, mla_rope_norm_store_triton
+    from tpfuse.kernels.rope import rope_cos_sin_cache
+
+    tokens = 37
+    q = _randn(tokens, heads, 128 + ROPE, seed=17)
+    a = _randn(tokens, 1536 + RANK + ROPE, seed=18)  # the fused q_a / kv_a projection's output
+    latent, k_pe = a[:, 1536 : 1536 + RANK], a[:, 1536 + RANK :]
+    weight = _randn(RANK, seed=19)
+    scaling = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    cos_sin = rope_cos_sin_cache(ROPE, 163840, 10000.0, scaling).to(CUDA)
+    positions = torch.randint(0, 163840, (tokens,), generator=_gen(20)).to(CUDA)
+    slots = torch.randperm(64 * BLOCK, generator=_gen(21))[:tokens].to(CUDA)
+    slots[3] = -1
+    caches = [torch.zeros(64, BLOCK, RANK + ROPE, dtype=DTYPE, device=CUDA) for _ in range(2)]
+    args = (positions, q[..., 128:], latent, k_pe, weight, 1e-6, cos_sin)
+    want = mla_rope_norm_store_ref(*args, caches[0], slots, True)
+    got = mla_rope_norm_store_triton(*args, caches[1], slots, True)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(caches[1], caches[0], rtol=1e-2, atol=1e-2)

@@ -22,6 +22,7 @@ from tpfuse.kernels import (
     mla_decode,
     mla_prefill,
     mla_rope,
+    mla_rope_store,
     mla_store,
     moe_routing,
     prefill_attention,
@@ -45,6 +46,7 @@ __all__ = [
     "grouped_topk_op",
     "mla_decode_op",
     "mla_prefill_op",
+    "mla_rope_norm_store_op",
     "mla_rope_op",
     "moe_topk",
     "prefill_attention_op",
@@ -205,12 +207,24 @@ def mla_rope_op(positions, q_pe, k_pe, cos_sin_cache, interleaved):
     return mla_rope.mla_rope_ref(positions, q_pe, k_pe, cos_sin_cache, interleaved)
 
 
+def mla_rope_norm_store_op(
+    positions, q_pe, latent, k_pe, norm_weight, eps, cos_sin_cache, cache, slot_mapping, interleaved
+):  # fmt: skip
+    """MLA prologue: returns q_rot [T, H, P] (new); writes [rmsnorm(latent), rotated k_pe] into cache
+    at slot_mapping (slot < 0 skipped; kernels/mla_rope_store.py)."""
+    return _pick(mla_rope_store, "mla_rope_norm_store", q_pe)(
+        positions, q_pe, latent, k_pe, norm_weight, eps, cos_sin_cache, cache, slot_mapping, interleaved
+    )
+
+
 def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
     """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k] float32, ids [T, k] int32); torch on
     every device, CUDA-graph safe (kernels/grouped_topk.py)."""
     return grouped_topk.grouped_topk(
         router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
     )
+
+
 def moe_topk(router_logits, top_k: int, renormalize: bool):
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): softmax, the k
     largest (ties: lower id), renormalised to sum 1 when asked (kernels/moe_routing.py)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpfuse.kernels import mla_decode_op, mla_prefill_op, mla_rope_op, store_latent_op
+from tpfuse.kernels import mla_decode_op, mla_prefill_op, mla_rope_norm_store_op
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import (
     ColumnParallelLinear,
@@ -99,9 +99,11 @@ class MLAAttention(nn.Module):
         q = q_part.view(num_tokens, heads, s.qk_head_dim)
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         c, k_pe = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        c = self.kv_a_layernorm(c)
-        q_pe, k_pe = mla_rope_op(positions, q_pe, k_pe, cos_sin_cache, s.rope_interleave)
-        store_latent_op(c, k_pe, latent_cache, attn.slot_mapping)
+        norm = self.kv_a_layernorm
+        q_pe = mla_rope_norm_store_op(
+            positions, q_pe, c, k_pe, norm.weight, norm.eps, cos_sin_cache, latent_cache, attn.slot_mapping,
+            s.rope_interleave,
+        )  # fmt: skip
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
         if attn.is_decode:
