@@ -65,6 +65,7 @@ def test_doctor_tp_size_without_a_gpu_says_there_is_no_plan_and_keeps_the_report
 
 def test_doctor_text_shows_topology_islands_probe_and_the_plan_with_reasons():
     from tests.comm.test_islands_and_topology import _topology
+    from tests.comm.test_link_decision import _links
     from tpfuse.comm.doctor import _format_plan, _format_topology
     from tpfuse.comm.host_topology import derive_islands
     from tpfuse.comm.plan import Bucket, Plan
@@ -86,7 +87,9 @@ def test_doctor_text_shows_topology_islands_probe_and_the_plan_with_reasons():
         "tp_size": 8, "hidden": 6144, "max_tokens": 1, "communicator": "CustomCommunicator",
         "describe": plan.describe(), "removed": {"one_shot": "writes to many peers at once, and collapse"},
         "probe_decision": {"findings": ["write collapse on rank 0: 8.0 GB/s"], "removed": {}, "kept": []},
+        "probe": _links(fanout_write=8.0).to_json(),
     })  # fmt: skip
     text = "\n".join(lines)
     assert "plan for --tp-size 8" in text and "link probe: write collapse on rank 0" in text
+    assert "peer write 55.0 GB/s" in text and "fan-out write 8.0 GB/s" in text
     assert "not a candidate: one_shot" in text and "ordered_push" in text and "10.00x faster" in text

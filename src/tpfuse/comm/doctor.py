@@ -263,11 +263,30 @@ def _format_topology(report: dict) -> list[str]:
     return lines
 
 
+def _probe_summary(links: dict) -> str:
+    """One line of the link probe's medians (GB/s, us) over the ordered pairs."""
+    import statistics
+
+    def median(key):
+        values = [v for row in links[key] for v in row if v is not None]
+        return statistics.median(values) if values else float("nan")
+
+    fan_w, fan_r = statistics.median(links["fanout_write_gbps"]), statistics.median(links["fanout_read_gbps"])
+    return (
+        f"link probe medians: peer write {median('write_gbps'):.1f} GB/s, read {median('read_gbps'):.1f} "
+        f"GB/s, write latency {median('write_latency_us'):.2f} us, read latency "
+        f"{median('read_latency_us'):.2f} us; fan-out write {fan_w:.1f} GB/s, read {fan_r:.1f} GB/s"
+    )
+
+
 def _format_plan(plan: dict) -> list[str]:
     if "error" in plan:
         return [f"plan: {plan['error']}"]
     lines = [f"plan for --tp-size {plan['tp_size']} (hidden {plan['hidden']}, up to {plan['max_tokens']} "
              f"tokens): {plan['communicator']}"]  # fmt: skip
+    links = plan.get("probe")
+    if links:
+        lines.append("  " + _probe_summary(links))
     probe = plan.get("probe_decision")
     if probe:
         lines += [f"  link probe: {f}" for f in probe["findings"]]
