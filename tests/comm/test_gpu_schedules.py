@@ -196,3 +196,18 @@ def test_processes_sharing_the_gpu_run_every_schedule_exactly():
                 assert_close_to(normed, normed64, ulps=3)
                 assert torch.equal(normed, results[0][algorithm][0][tokens][3]), (algorithm, "ranks disagree")
         assert [results[r][algorithm][1] for r in range(world_size)] == [(0, 0)] * world_size, algorithm
+
+
+def test_link_probe_over_virtual_ranks_measures_every_pair_and_keeps_every_schedule():
+    from tpfuse.comm.link_decision import decide_candidates
+    from tpfuse.comm.link_probe import probe_virtual
+
+    wss = _workspaces(4, 64, 4096)
+    links = probe_virtual(wss)
+    for matrix in (links.write_gbps, links.read_gbps, links.write_latency_us, links.read_latency_us):
+        values = [v for i, row in enumerate(matrix) for j, v in enumerate(row) if i != j]
+        assert len(values) == 12 and all(0 < v < 1e6 for v in values), matrix
+    assert all(v > 0 for v in links.fanout_write_gbps + links.fanout_read_gbps + links.host_write_gbps)
+    # one GPU's own memory: far faster than pinned host memory over PCIe, no collapse, no host routing
+    assert min(v for row in links.write_gbps for v in row if v) > max(links.host_write_gbps)
+    assert decide_candidates(links, ALGORITHMS).removed == {}, decide_candidates(links, ALGORITHMS).findings
