@@ -16,6 +16,7 @@ LINEAR = "TPFUSE_LINEAR"  # "auto" | "triton" | "cublas": projection routes (mod
 LINEAR_MARGIN = "TPFUSE_LINEAR_MARGIN"  # share of cuBLAS's time a Triton route may need
 PEER_MEMORY = "TPFUSE_PEER_MEMORY"  # "symm_mem" | "cuda_ipc": try only that peer-memory backend
 COMM_CHECK = "TPFUSE_COMM_CHECK"  # "1": synchronise and check the error word after every collective
+STEP_TIMEOUT = "TPFUSE_STEP_TIMEOUT_S"  # seconds a TP worker may take to run a step before rank 0 stops
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Knobs:
     linear_margin: str | None = None
     peer_memory: str | None = None
     comm_check: bool = False
+    step_timeout_s: str | None = None
 
 
 def read() -> Knobs:
@@ -35,6 +37,7 @@ def read() -> Knobs:
         linear_margin=env.get(LINEAR_MARGIN),
         peer_memory=env.get(PEER_MEMORY) or None,
         comm_check=env.get(COMM_CHECK) == "1",
+        step_timeout_s=env.get(STEP_TIMEOUT),
     )
 
 

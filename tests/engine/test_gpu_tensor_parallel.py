@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from tests.engine.spec_helpers import spec_config, write_eagle3_head
 from tests.engine.tp_processes import kill_worker_and_read_the_engine_error, start_engine_script
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
@@ -53,6 +54,25 @@ def test_four_ranks_sharing_one_gpu_with_the_fused_path_forced_give_the_single_r
     single_rank_tokens,
 ):
     assert _tokens(4, [0, 0, 0, 0], allreduce="fused", mem_fraction_static=0.1) == single_rank_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-k"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3"])
+def test_speculation_with_two_ranks_sharing_one_gpu_captures_verify_graphs_and_keeps_the_tokens(
+    single_rank_tokens, tmp_path, drafter, adaptive
+):
+    """Verify graphs carry batch x (k + 1) rows: the shared GPU's all-reduce workspace must hold them,
+    or the capture would fall back to gloo's CPU copies (rank 1 died there)."""
+    path = write_eagle3_head(str(tmp_path)) if drafter == "eagle3" else None
+    spec = spec_config(drafter, path, adaptive=adaptive)
+    llm = LLM("tiny", tp_size=2, devices=[0, 0], speculative=spec, **TINY)
+    try:
+        assert all(llm.engine.executor.runner.graphs.has(size, 3) for size in (1, 2, 4))
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single_rank_tokens
+        assert llm.engine.stats().spec_num_drafts_total > 0
+    finally:
+        llm.shutdown()
 
 
 KILL_SCRIPT = textwrap.dedent(

@@ -1,10 +1,11 @@
 """LLMEngine: requests in, tokens out, one scheduler step at a time.
 
-The engine owns the scheduler and block manager and drives a model executor: a ModelRunner in this
-process for TP=1, or the tensor-parallel group (worker.py) for TP > 1. It deals in token ids only;
-text (and stop strings) belongs to whoever holds a Detokenizer.
+The engine owns the scheduler and block manager and drives an Executor (executor.py): a ModelRunner
+in this process for TP=1, or the tensor-parallel group (worker.py) for TP > 1, through the same calls.
+It deals in token ids only; text (and stop strings) belongs to whoever holds a Detokenizer.
 
-Overlap schedule (TP=1, no speculation, unless --disable-overlap-schedule): when the batch after a
+Overlap schedule (any TP size; plain decoding, or a speculative engine's k = 0 steps; unless
+--disable-overlap-schedule): when the batch after a
 decode step is known before its tokens are (the same requests, none due to finish by length or
 still banning ids, nothing waiting, KV blocks free), the next step is packed and launched before
 this step's ids are read, taking them as input ids on the device; the GPU runs the two steps back
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from tpfuse.config import EngineConfig
 from tpfuse.engine.block_manager import BlockManager
+from tpfuse.engine.executor import Executor
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
@@ -60,7 +62,7 @@ class EngineStats:
     simulated_acceptance: int = 0  # 1: benchmark-only simulated acceptance, outputs are not the model's
 
 
-def _make_executor(config: EngineConfig):
+def _make_executor(config: EngineConfig) -> Executor:
     if config.tp_size == 1:
         from tpfuse.engine.runner import ModelRunner
 
@@ -104,12 +106,10 @@ class LLMEngine:
             from tpfuse.engine.spec_decoder import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config, self.executor, self.max_model_len)
-        self.overlap = config.tp_size == 1 and not spec.enabled and not config.disable_overlap_schedule
-        # Adaptive speculation at TP=1: a decode step the policy gives k = 0 runs as a plain,
-        # overlapped decode (no drafter work), so not speculating costs what plain decoding costs.
-        self.plain_when_k_is_zero = (
-            config.tp_size == 1 and spec.enabled and spec.adaptive and not config.disable_overlap_schedule
-        )
+        self.overlap = not spec.enabled and not config.disable_overlap_schedule
+        # Adaptive speculation: a decode step the policy gives k = 0 runs as a plain, overlapped
+        # decode (no drafter work), so not speculating costs what plain decoding costs.
+        self.plain_when_k_is_zero = spec.enabled and spec.adaptive and not config.disable_overlap_schedule
         # Chained speculative steps (spec_chain.py): TP=1, EAGLE-3 chain drafting in windows.
         self.chain_spec = (
             config.tp_size == 1
@@ -187,7 +187,8 @@ class LLMEngine:
             return self._complete(
                 batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)), started
             )
-        sampled = self.executor.run(batch, seed, banned)
+        executor = self.executor
+        sampled = executor.wait(executor.launch(batch, executor.pack(batch, seed, banned)))
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )
@@ -310,7 +311,4 @@ class LLMEngine:
         if self._in_flight is not None:
             self._drop(self._in_flight[1])
         self._serving_nobody = self._in_flight = None
-        close = getattr(self.executor, "shutdown", None)
-        if close is not None:
-            close()
-        self.executor.runner.release()
+        self.executor.shutdown()

@@ -66,6 +66,7 @@ class ModelRunner:
     config: the engine settings; rank/comm: this process's tensor-parallel rank and communicator
     (SingleRankCommunicator for TP=1); device: where to run (default config.resolved_device());
     agree_num_blocks: for TP, a function turning this rank's KV capacity into the group's (the minimum);
+    agree_routes: for TP, a function giving every rank rank 0's projection routes (linear_choice);
     ranks_on_device: ranks sharing this GPU (they split its memory); graph_logits: capture
     compute_logits in the decode graphs (off when its all-gather cannot be captured).
     """
@@ -77,6 +78,7 @@ class ModelRunner:
         comm: Communicator | None = None,
         device: torch.device | str | None = None,
         agree_num_blocks=None,
+        agree_routes=None,
         ranks_on_device: int = 1,
         graph_logits: bool = True,
     ):
@@ -95,7 +97,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # projection routes, timed before any graph is captured
             drafters = [self.spec.draft_model, self.spec.head] if self.spec is not None else []
             models = [self.model] + [m for m in drafters if m is not None]
-            linear_choice.choose((p for m in models for p in projections(m)), max_rows=max_step_rows(config))
+            linear_choice.choose(
+                (p for m in models for p in projections(m)),
+                max_rows=max_step_rows(config),
+                agree=agree_routes,
+            )
             moe_choice.choose(self.model, max_step_rows(config), config.max_num_batched_tokens)
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
@@ -279,15 +285,6 @@ class ModelRunner:
             return step, None, False
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
 
-    def execute(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None]:
-        """Every rank: runs the forward of a packed step. Returns the step's device views and the
-        logits [N, vocab] float32 of its sampled rows (None when no row samples, or when a decode
-        graph already took every row's argmax into graphs.token_ids)."""
-        if self.spec is not None:
-            return self.execute_spec(packed)
-        step, logits, _ = self._forward(packed)
-        return step, logits
-
     def execute_spec(self, packed: torch.Tensor, shift=None) -> SpecForward:
         """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py).
         shift: (accepted [D], emitted [D, k'+1], k') of the step in flight when packed is a chained
@@ -307,31 +304,42 @@ class ModelRunner:
         """Rank 0: the next token of each sampled row, as Python ints."""
         return self.readback.to_list(self._choose_tokens(step, logits))
 
+    def _forward_and_choose(
+        self, packed: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> tuple[StepInputs, torch.Tensor | None, bool]:
+        """(step, device ids of the sampled rows or None, whether they are by batch row: the graph's
+        argmax buffer, padding rows last; else in the order of the sampling rows)."""
+        step, logits, chosen_in_graph = self._forward(packed, input_ids)
+        if chosen_in_graph:
+            return step, self.graphs.token_ids[: step.header.num_seqs], True
+        if logits is None:
+            return step, None, False
+        return step, self._choose_tokens(step, logits), False
+
     def launch(self, batch: Batch, packed: torch.Tensor, previous: PendingStep | None = None) -> PendingStep:
         """Rank 0: enqueues the forward and sampling of packed (a step of batch) and the copy of its
         ids to the host; returns without waiting (see wait). previous: the step before, whose
         sampled ids become this step's input ids on the device (every row of both steps samples)."""
         input_ids = previous.next_input_ids() if previous is not None else None
-        step, logits, chosen_in_graph = self._forward(packed, input_ids)
+        _, tokens, by_row = self._forward_and_choose(packed, input_ids)
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        if chosen_in_graph:
-            tokens = self.graphs.token_ids[: step.header.num_seqs]
-        else:
-            tokens = self._choose_tokens(step, logits) if logits is not None else None
-        return self.readback.start(tokens, rows, chosen_in_graph, len(batch.seqs))
+        return self.readback.start(tokens, rows, by_row, len(batch.seqs))
+
+    def follow(self, packed: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Ranks 1..N-1: runs a plain packed step exactly as rank 0's launch does (the same forward
+        and the same token choice, so the ranks' ids agree bit for bit). Returns the device ids a
+        next step may take as its input ids (a decode step: one per real row), else None."""
+        step, tokens, _ = self._forward_and_choose(packed, input_ids)
+        if tokens is None or not step.header.is_decode:
+            return None
+        return tokens[: step.header.num_samples]
 
     def wait(self, pending: PendingStep) -> list[int | None]:
         """Rank 0: the ids of a launched step, one entry per batch row (None: the row did not sample)."""
         return self.readback.wait(pending)
 
-    def run(self, batch: Batch, engine_seed: int, banned_token_ids) -> list[int | None]:
-        """Single-process step: pack, forward, sample. Returns one entry per batch sequence: the
-        sampled token, or None for a prefill chunk that did not reach the sequence's end."""
-        return self.run_packed(batch, self.pack(batch, engine_seed, banned_token_ids))
-
-    def run_packed(self, batch: Batch, packed: torch.Tensor) -> list[int | None]:
-        """Rank 0: forward and sample an already packed step of batch (see run)."""
-        return self.wait(self.launch(batch, packed))
+    def shutdown(self) -> None:
+        self.release()
 
     def release(self) -> None:
         """Drops what this runner holds on its device (CUDA graphs and their pool, the KV cache, the

@@ -1,10 +1,12 @@
 """Rank 0 -> worker ranks: each step's packed inputs through one shared-memory tensor.
 
-Layout (int64): [sequence number, payload length, ack of rank 1 .. ack of rank N-1, payload ...].
-Rank 0 waits until every worker has acknowledged the previous step, writes the payload, then the
-length, then bumps the sequence number; a worker spins on the sequence number (sleeping once idle),
-copies the payload out and acknowledges. The sequence number is written last, and x86-64 keeps the
-order of stores as other cores see it, so a worker never reads a half-written payload.
+Layout (int64): [sequence number, payload length, step kind, ack of rank 1 .. ack of rank N-1,
+done of rank 1 .. done of rank N-1, payload ...]. Rank 0 waits until every worker has acknowledged the
+previous step, writes the payload, the kind and the length, then bumps the sequence number; a worker
+spins on the sequence number (sleeping once idle), copies the payload out and acknowledges, and
+marks the step done once it has run it (host side: launched), which tells rank 0 a stuck rank.
+The sequence number is written last, and x86-64 keeps the order of stores as other cores see it,
+so a worker never reads a half-written payload.
 A negative length asks the workers to exit.
 """
 
@@ -29,7 +31,7 @@ class StepChannel:
     def __init__(self, tp_size: int, capacity: int, spin_s: float = 0.5):
         self.num_workers = tp_size - 1
         self.spin_s = spin_s
-        self.header = 2 + self.num_workers
+        self.header = 3 + 2 * self.num_workers
         self.buffer = torch.zeros(self.header + capacity, dtype=torch.int64).share_memory_()
         self._init_views()
 
@@ -48,9 +50,10 @@ class StepChannel:
     def capacity(self) -> int:
         return self.buffer.numel() - self.header
 
-    def send(self, packed: torch.Tensor, is_alive=lambda: True) -> None:
-        """Rank 0: publishes packed (CPU int64). Waits for every worker to have taken the previous
-        step; is_alive() -> False aborts the wait with RuntimeError (a worker died)."""
+    def send(self, packed: torch.Tensor, kind: int = 0, is_alive=lambda: True) -> None:
+        """Rank 0: publishes packed (CPU int64) with a step kind (the worker's business). Waits for
+        every worker to have taken the previous step; is_alive() -> False aborts the wait with
+        RuntimeError (a worker died)."""
         n = packed.numel()
         if n > self.capacity:
             raise ValueError(
@@ -59,6 +62,7 @@ class StepChannel:
             )
         self._wait_for_acks(is_alive)
         self.buffer[self.header : self.header + n].copy_(packed)
+        self._array[2] = kind
         self._publish(n)
 
     def send_shutdown(self, timeout_s: float = 5.0) -> None:
@@ -74,7 +78,7 @@ class StepChannel:
         self._array[0] = self._sent
 
     def _wait_for_acks(self, is_alive) -> None:
-        acks = self._array[2 : self.header]
+        acks = self._array[3 : 3 + self.num_workers]
         checked = time.monotonic()
         while (acks != self._sent).any():
             now = time.monotonic()
@@ -83,15 +87,30 @@ class StepChannel:
                 if not is_alive():
                     raise RuntimeError("a tensor-parallel worker stopped taking steps (it exited or hangs)")
 
-    def receive(self, rank: int, last: int) -> tuple[int, torch.Tensor | None]:
-        """Worker `rank`: waits for a step newer than `last`; returns (its number, a private copy of
-        its payload), or (number, None) for shutdown. Acknowledges before returning."""
+    @property
+    def sent(self) -> int:
+        """Rank 0: the number of the newest published step."""
+        return self._sent
+
+    def lagging(self) -> list[int]:
+        """Rank 0: the worker ranks that have not yet run the newest published step."""
+        done = self._array[3 + self.num_workers : self.header]
+        return [rank for rank in range(1, self.num_workers + 1) if done[rank - 1] < self._sent]
+
+    def mark_done(self, rank: int, number: int) -> None:
+        """Worker `rank`: step `number` has run (its work is enqueued on the device)."""
+        self._array[2 + self.num_workers + rank] = number
+
+    def receive(self, rank: int, last: int) -> tuple[int, int, torch.Tensor | None]:
+        """Worker `rank`: waits for a step newer than `last`; returns (its number, its kind, a private
+        copy of its payload), or (number, kind, None) for shutdown. Acknowledges before returning."""
         idle_since = time.monotonic()
         while self._array[0] == last:
             if time.monotonic() - idle_since > self.spin_s:
                 time.sleep(IDLE_POLL_S)
         number = int(self._array[0])
         length = int(self._array[1])
+        kind = int(self._array[2])
         payload = None if length < 0 else self.buffer[self.header : self.header + length].clone()
-        self._array[1 + rank] = number
-        return number, payload
+        self._array[2 + rank] = number
+        return number, kind, payload

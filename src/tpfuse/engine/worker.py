@@ -23,11 +23,43 @@ import traceback
 
 import torch
 
+from tpfuse import knobs
 from tpfuse.config import EngineConfig
 
 GRACE_S = 10.0
+STEP_TIMEOUT_S = 120.0  # a worker slower than this on one step is taken as stuck
+# Step kinds on the channel: how a worker runs the packed step that follows.
+PLAIN_STEP, PLAIN_STEP_AFTER_PREVIOUS, SPEC_STEP = 0, 1, 2
 WATCH_INTERVAL_S = 0.5
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def step_timeout_s() -> float:
+    """$TPFUSE_STEP_TIMEOUT_S, else STEP_TIMEOUT_S; raises ValueError for a value that is not a
+    positive number."""
+    value = knobs.current.step_timeout_s
+    if value is None:
+        return STEP_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{knobs.STEP_TIMEOUT}={value!r} must be a positive number of seconds; unset it")
+    return seconds
+
+
+def check_device_layout(indices: list[int]) -> None:
+    """Raises ValueError unless every rank has its own GPU or all ranks share one: with some ranks
+    sharing and others not, the group's backend and peer-memory choices differ by rank."""
+    if 1 < len(set(indices)) < len(indices):
+        n = len(indices)
+        raise ValueError(
+            f"--devices {','.join(map(str, indices))}: some ranks share a GPU and others do not; "
+            "tensor parallelism supports one rank per GPU or every rank on one GPU. Use distinct GPUs "
+            f"(e.g. --devices {','.join(map(str, range(n)))}) or one GPU for all "
+            f"(--devices {','.join(['0'] * n)})"
+        )
 
 
 def rank_devices(config: EngineConfig) -> list[torch.device]:
@@ -45,6 +77,7 @@ def rank_devices(config: EngineConfig) -> list[torch.device]:
     for index in indices:
         if not 0 <= index < count:
             raise ValueError(f"--devices names GPU {index} but only GPUs 0..{count - 1} are visible")
+    check_device_layout(indices)
     return [torch.device("cuda", i) for i in indices]
 
 
@@ -65,13 +98,26 @@ def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
     return plain + 3 * seqs * (k + 1) * 2 + seqs * (max_blocks + 2) + extend + kv_moves + 16 * seqs
 
 
+def rank0_decides(group=None):
+    """value -> rank 0's value (any picklable object), over the CPU process group; every rank calls
+    it in step. Start-up decisions that every rank must share go through it."""
+    import torch.distributed as dist
+
+    def agree(value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    return agree
+
+
 def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.device], store=None):
     """Joins the process group (through rank 0's TCPStore on port; rank 0 passes the store itself) and
     builds this rank's ModelRunner. Every rank runs this in step."""
     import torch.distributed as dist
 
     from tpfuse.comm.factory import create_communicator
-    from tpfuse.engine.runner import ModelRunner
+    from tpfuse.engine.runner import ModelRunner, max_step_rows
     from tpfuse.model.loader import load_model_config
 
     device = devices[rank]
@@ -88,6 +134,8 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
     )
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
+    agree_routes = rank0_decides(cpu_group)
+
     def agree_num_blocks(num_blocks: int) -> int:
         value = torch.tensor([num_blocks], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group)
@@ -99,7 +147,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
         device=device,
         mode=config.allreduce,
         islands=config.allreduce_islands,
-        max_tokens=min(config.cuda_graph_max_bs, config.max_running_requests),
+        max_tokens=max_step_rows(config),  # verify steps: batch x (k + 1) rows, all captured
         hidden_size=model_config.hidden_size,
         dtype=model_config.dtype,
     )
@@ -109,6 +157,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
         comm=comm,
         device=device,
         agree_num_blocks=agree_num_blocks,
+        agree_routes=agree_routes,
         ranks_on_device=sharing,
         graph_logits=sharing == 1,
     )
@@ -133,12 +182,19 @@ def worker_main(
     threading.Thread(target=_watch_parent, args=(rank, parent_pid), daemon=True).start()
     try:
         runner = build_rank(rank, config, port, devices)
-        last = 0
+        last, previous = 0, None  # previous: device ids the next step may take as input ids
         while True:
-            last, packed = channel.receive(rank, last)
+            last, kind, packed = channel.receive(rank, last)
             if packed is None:
                 break
-            runner.execute(packed)
+            if kind == SPEC_STEP:
+                runner.execute_spec(packed)
+                previous = None
+            else:
+                if kind == PLAIN_STEP_AFTER_PREVIOUS and previous is None:
+                    raise RuntimeError("a step takes the previous step's ids, but that step sampled none")
+                previous = runner.follow(packed, previous if kind == PLAIN_STEP_AFTER_PREVIOUS else None)
+            channel.mark_done(rank, last)
         if devices[rank].type == "cuda":
             torch.cuda.synchronize()
     except BaseException as exc:
@@ -150,11 +206,12 @@ def worker_main(
 
 
 class TensorParallelExecutor:
-    """Rank 0 of a tensor-parallel group, plus the worker processes of ranks 1..N-1.
-
-    Same interface as ModelRunner for the engine: run(batch, engine_seed, banned_token_ids),
-    model_config, vocab_size, max_model_len, num_kv_blocks, shutdown(). Raises ValueError for bad
-    device settings and RuntimeError naming the rank when a worker fails.
+    """Rank 0 of a tensor-parallel group, plus the worker processes of ranks 1..N-1: the Executor
+    (executor.py) for TP > 1. launch() publishes the step to the workers, then enqueues rank 0's
+    share; a step launched with previous= tells the workers to take their own copy of the previous
+    step's ids as input ids. Raises ValueError for bad device settings and RuntimeError naming the
+    rank when a worker fails; a worker alive but stuck longer than the step timeout
+    ($TPFUSE_STEP_TIMEOUT_S) stops the process with a message naming it.
     """
 
     def __init__(self, config: EngineConfig):
@@ -195,6 +252,8 @@ class TensorParallelExecutor:
             process.start()
         self.failure: str | None = None
         self._failed_at = 0.0
+        self.step_timeout_s = step_timeout_s()
+        self._sent_at = time.monotonic()
         self._busy = True
         self._closing = False
         threading.Thread(target=self._watch_workers, daemon=True).start()
@@ -215,21 +274,32 @@ class TensorParallelExecutor:
         self.max_model_len = self.runner.max_model_len
         self.num_kv_blocks = self.runner.num_kv_blocks
 
-    def run(self, batch, engine_seed: int, banned_token_ids) -> list[int | None]:
-        packed = self.runner.pack(batch, engine_seed, banned_token_ids)
-        return self._in_lock_step(packed, lambda: self.runner.run_packed(batch, packed))
+    def pack(self, batch, engine_seed: int, banned_token_ids) -> torch.Tensor:
+        return self.runner.pack(batch, engine_seed, banned_token_ids)
+
+    def pack_next_decode(self, batch, engine_seed: int) -> torch.Tensor:
+        return self.runner.pack_next_decode(batch, engine_seed)
+
+    def launch(self, batch, packed: torch.Tensor, previous=None):
+        kind = PLAIN_STEP if previous is None else PLAIN_STEP_AFTER_PREVIOUS
+        return self._in_lock_step(lambda: self.runner.launch(batch, packed, previous), packed, kind)
+
+    def wait(self, pending) -> list[int | None]:
+        return self._in_lock_step(lambda: self.runner.wait(pending))
 
     def execute_spec(self, packed: torch.Tensor):
         """Sends a speculative packed step to the workers and runs rank 0's share (SpecForward)."""
-        return self._in_lock_step(packed, lambda: self.runner.execute_spec(packed))
+        return self._in_lock_step(lambda: self.runner.execute_spec(packed), packed, SPEC_STEP)
 
-    def _in_lock_step(self, packed: torch.Tensor, run_rank0):
-        """Publishes packed to the workers, then run_rank0(); names a dead rank on failure."""
+    def _in_lock_step(self, run_rank0, packed: torch.Tensor | None = None, kind: int = PLAIN_STEP):
+        """Publishes packed (if any) to the workers, then run_rank0(); names a dead rank on failure."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         self._busy = True
         try:
-            self.channel.send(packed, is_alive=lambda: self.failure is None)
+            if packed is not None:
+                self.channel.send(packed, kind, is_alive=lambda: self.failure is None)
+                self._sent_at = time.monotonic()
             return run_rank0()
         except Exception as exc:
             # A collective with a dead rank fails fast; give the watchdog a moment to name the rank.
@@ -253,12 +323,36 @@ class TensorParallelExecutor:
                         )
                         self._failed_at = time.monotonic()
                         break
+                if self.failure is None:
+                    self._check_progress()
             elif self._busy and time.monotonic() - self._failed_at > GRACE_S:
                 print(f"tpfuse: {self.failure}; rank 0 is stuck waiting for it, exiting", file=sys.stderr)
                 for process in self.workers:
                     if process.is_alive():
                         process.kill()
                 os._exit(1)
+
+    def _check_progress(self) -> None:
+        """A worker that has not run the newest step within the step timeout while rank 0 waits on
+        the group is stuck (alive, but not answering): rank 0 cannot leave the collective it is in,
+        so the process stops with a message that names the rank."""
+        if not self._busy or time.monotonic() - self._sent_at < self.step_timeout_s:
+            return
+        lagging = self.channel.lagging()
+        if not lagging or self._closing:
+            return
+        rank = lagging[0]
+        message = (
+            f"tensor-parallel rank {rank} (pid {self.workers[rank - 1].pid}) has not run step "
+            f"{self.channel.sent} within {self.step_timeout_s:g} s: it is alive but stuck (stopped, or "
+            f"spinning in a collective); rank 0 is waiting for it, exiting (raise {knobs.STEP_TIMEOUT} "
+            "if steps are legitimately this slow)"
+        )
+        print(f"tpfuse: {message}", file=sys.stderr, flush=True)
+        for process in self.workers:
+            if process.is_alive():
+                process.kill()
+        os._exit(1)
 
     def _reason(self, process) -> str:
         try:
@@ -269,10 +363,14 @@ class TensorParallelExecutor:
             return f"exit code {process.exitcode}"
 
     def shutdown(self) -> None:
-        """Stops the workers (killing any that do not exit within 10 s) and leaves the process group."""
+        """Stops the workers (killing any that do not exit within 10 s), leaves the process group
+        and releases rank 0's device memory."""
         if self._closing:
             return
         self._closing = True
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.release()
         if all(p.is_alive() for p in self.workers) and self.failure is None:
             self.channel.send_shutdown()
         for process in self.workers:

@@ -176,14 +176,20 @@ def _decide(key: Key, weights, how: str, timer) -> Choice:
 
 @torch.inference_mode()
 def choose(
-    projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int = 1, time_us=None
+    projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+    max_rows: int = 1,
+    time_us=None,
+    agree=None,
 ) -> list[Choice]:
     """Decides every new (weight, bias) shape among projections (layers.projections(model)) at each
     row bucket up to max_rows' and returns this call's decisions; cases decided before (another
     engine, another rank) are kept. Runs on the GPU before any model CUDA graph is captured (it
     captures its own, and runs every chosen tile once, allocating its split-K buffers).
     time_us(weights, rows, route) -> us per call (route None: cuBLAS) replaces the measurement
-    (tests); without it, auto decides nothing on CPU (F.linear throughout)."""
+    (tests); without it, auto decides nothing on CPU (F.linear throughout).
+    agree(choices) -> choices: for tensor-parallel ranks, every rank passes its decisions (a list of
+    Choice, in projection order) and gets rank 0's, so all ranks run the same kernels (drafts and
+    sums stay bit-identical even where the timings would differ by rank)."""
     how = mode()
     top = bucket(min(max(max_rows, 1), MAX_ROWS))
     groups: dict[Key, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
@@ -194,15 +200,22 @@ def choose(
             key = _key(weight, bias, rows_bucket)
             if rows_bucket <= top and key not in _DECIDED:
                 groups.setdefault(key, []).append((weight, bias))
-    decided = []
+    decided_keys, decided = [], []
     for key, weights in groups.items():
         if how == "auto" and time_us is None and not weights[0][0].is_cuda:
             continue
-        choice = _decide(key, weights, how, time_us or _time_us)
+        decided_keys.append(key)
+        decided.append(_decide(key, weights, how, time_us or _time_us))
+    if agree is not None:
+        decided = agree(decided)
+        mine = [(k[0], k[4]) for k in decided_keys]
+        if mine != [(c.shape, c.bucket) for c in decided]:
+            mismatch = sorted(set(mine) ^ {(c.shape, c.bucket) for c in decided})
+            raise RuntimeError(f"tensor-parallel ranks decided different projection cases: {mismatch[:3]}")
+    for key, choice in zip(decided_keys, decided, strict=True):
         _DECIDED[key] = choice
         if choice.route is not None:
             _ROUTES[key] = choice.route
-        decided.append(choice)
     if decided:
         log.info("projection routes: %s", "; ".join(c.describe() for c in decided))
     return decided

@@ -1,0 +1,117 @@
+"""The overlap schedule at TP > 1 (gloo on CPU): rank 0 publishes and launches step n+1 before it reads
+step n, the workers take step n's ids from their own copy of its sampling, and every request gets
+the TP=1 tokens (greedy and seeded sampling); a worker that is alive but stuck ends the run with an
+error naming it within the step timeout."""
+
+import contextlib
+import textwrap
+import time
+
+import pytest
+
+from tests.engine.checkpoints import build_checkpoint
+from tests.engine.tp_processes import start_engine_script
+from tpfuse.engine import engine as engine_module
+from tpfuse.engine.llm import LLM
+from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.worker import TensorParallelExecutor
+
+ENGINE = dict(device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=32)
+PROMPTS = [[5, 17, 33, 100, 2, 9, 81], [200, 3], list(range(40, 61))]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=7, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
+]
+
+
+class RecordingExecutor:
+    """Wraps an executor and records ("launch", n, chained) and ("wait", n) in call order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.events: list[tuple] = []
+        self._launched: list = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch(self, batch, packed, previous=None):
+        pending = self.inner.launch(batch, packed, previous)
+        self.events.append(("launch", len(self._launched), previous is not None))
+        self._launched.append(pending)
+        return pending
+
+    def wait(self, pending):
+        self.events.append(("wait", next(i for i, p in enumerate(self._launched) if p is pending)))
+        return self.inner.wait(pending)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tp-overlap"))
+    build_checkpoint(directory, "llama")
+    llm = LLM(directory, **ENGINE)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    llm.shutdown()
+    return directory, expected
+
+
+def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monkeypatch):
+    directory, expected = checkpoint
+    make = engine_module._make_executor
+    recorders = []
+
+    def recording(config):
+        recorders.append(RecordingExecutor(make(config)))
+        return recorders[-1]
+
+    monkeypatch.setattr(engine_module, "_make_executor", recording)
+    llm = LLM(directory, tp_size=2, **ENGINE)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    finally:
+        llm.shutdown()
+    [recorder] = recorders
+    assert isinstance(recorder.inner, TensorParallelExecutor)
+    order = {event: i for i, event in enumerate(recorder.events)}
+    chained = [n for kind, n, *rest in recorder.events if kind == "launch" and rest[0]]
+    assert len(chained) >= 5  # most decode steps of the run
+    for n in chained:  # launched (with step n-1's ids) before step n-1 was read
+        assert order[("launch", n, True)] < order[("wait", n - 1)]
+
+
+STUCK_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["TPFUSE_STEP_TIMEOUT_S"] = "3"
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+    if __name__ == "__main__":
+        llm = LLM("tiny", device="cpu", tp_size=2, num_kv_blocks=64)
+        print(" ".join(str(p.pid) for p in llm.engine.executor.workers), flush=True)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        while True:
+            llm.generate("keep going", params)
+    """
+)
+
+
+def test_a_worker_alive_but_stuck_ends_the_run_with_an_error_naming_it(tmp_path):
+    import os
+    import signal
+
+    proc, [worker] = start_engine_script(tmp_path, STUCK_SCRIPT)
+    try:
+        time.sleep(0.5)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - stopped
+    finally:
+        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "tensor-parallel rank 1" in stderr and "stuck" in stderr, stderr[-2000:]
+    assert took < 3 + 10
