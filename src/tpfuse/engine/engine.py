@@ -13,7 +13,7 @@ to back while the host postprocesses. If a request then finishes (a stop id, EOS
 the launched step still runs and that row's token is discarded; a request that arrives joins the
 step after it. Every request gets the tokens the synchronous path gives it.
 
-Speculative steps chain the same way (TP=1, EAGLE-3 chain drafting): while a window step runs, the
+Speculative steps chain the same way (EAGLE-3 chain drafting, any TP size): while a window step runs, the
 next one is packed as a template and shifted on the device by the accepted counts (spec_chain.py).
 """
 
@@ -110,10 +110,9 @@ class LLMEngine:
         # Adaptive speculation: a decode step the policy gives k = 0 runs as a plain, overlapped
         # decode (no drafter work), so not speculating costs what plain decoding costs.
         self.plain_when_k_is_zero = spec.enabled and spec.adaptive and not config.disable_overlap_schedule
-        # Chained speculative steps (spec_chain.py): TP=1, EAGLE-3 chain drafting in windows.
+        # Chained speculative steps (spec_chain.py): EAGLE-3 chain drafting in windows, any TP size.
         self.chain_spec = (
-            config.tp_size == 1
-            and self.spec_decoder is not None
+            self.spec_decoder is not None
             and self.spec_decoder.ext_window > 0
             and not config.disable_overlap_schedule
         )

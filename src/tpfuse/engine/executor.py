@@ -18,6 +18,7 @@ import torch
 if TYPE_CHECKING:
     from tpfuse.engine.runner import ModelRunner
     from tpfuse.engine.scheduler import Batch
+    from tpfuse.engine.spec_chain import ChainLink
     from tpfuse.engine.spec_forward import SpecForward
     from tpfuse.engine.token_readback import PendingStep
     from tpfuse.model.config import ModelConfig
@@ -43,8 +44,9 @@ class Executor(Protocol):
     def wait(self, pending: PendingStep) -> list[int | None]:
         """The sampled id of each batch row of a launched step (None: the row did not sample)."""
 
-    def execute_spec(self, packed: torch.Tensor) -> SpecForward:
-        """Every rank: the forward of a speculative packed step; rank 0's SpecForward."""
+    def execute_spec(self, packed: torch.Tensor, link: ChainLink | None = None) -> SpecForward:
+        """Every rank: the forward of a speculative packed step; rank 0's SpecForward. link: the step
+        in flight when packed is a chained template (every rank shifts it by its own verify result)."""
 
     def shutdown(self) -> None:
         """Stops every rank and releases the device memory held; safe to call twice."""

@@ -20,6 +20,7 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
 from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.spec_chain import ChainLink
 from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
 from tpfuse.engine.spec_worker import SpecWorker
 from tpfuse.engine.step_inputs import (
@@ -90,6 +91,7 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         parallel = ParallelContext(rank, config.tp_size, comm or SingleRankCommunicator())
+        self.comm = parallel.comm
         self.model, self.model_config = load_model(config, parallel, self.device)
         self.spec: SpecWorker | None = None
         if config.speculative.enabled:
@@ -285,11 +287,11 @@ class ModelRunner:
             return step, None, False
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
 
-    def execute_spec(self, packed: torch.Tensor, shift=None) -> SpecForward:
+    def execute_spec(self, packed: torch.Tensor, link: ChainLink | None = None) -> SpecForward:
         """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py).
-        shift: (accepted [D], emitted [D, k'+1], k') of the step in flight when packed is a chained
-        template (spec_chain.py; TP=1 only)."""
-        return run_spec_forward(self, packed, shift)
+        link: the step in flight when packed is a chained template (spec_chain.py); the device shifts
+        the template by that step's verify result."""
+        return run_spec_forward(self, packed, link.shift() if link is not None else None)
 
     @torch.inference_mode()
     def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,15 @@ ban left, room for the full k whatever step N accepts). So a chained step comput
 synchronous path would have packed. If a request finishes or is aborted meanwhile, the launched
 step still runs for the others and that row's tokens are discarded (its KV writes lie past the
 sequence's computed positions), and the step chained after it leaves that row out: its template
-rows take their shifts from the rows they continue (continued_results). A request that arrives joins
-the first step scheduled after it.
+rows take their shifts from the rows they continue (ChainLink). A request that arrives joins the
+first step scheduled after it. At TP > 1 every rank verifies the step in flight itself
+(spec_verify.py) and shifts by its own result; rank 0 sends only the rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +35,7 @@ from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.spec_inputs import SpecInputs
 from tpfuse.engine.step_inputs import StepInputs
+from tpfuse.spec.verify import VerifyResult
 
 TEMPLATE_TOKEN = 0  # the placeholder of each row's newest id in a template; the device replaces it
 
@@ -85,16 +88,39 @@ def template_batch(batch: Batch) -> Batch:
     return Batch([_AfterOneToken(seq) for seq in batch.seqs], list(batch.num_new_tokens))
 
 
-def continued_results(before: Batch, batch: Batch, result) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [D], emitted [D, k'+1]) of the step before, on the device, for the rows of batch:
-    batch's rows are before's rows in order, less those that finished while before ran."""
+@dataclass
+class ChainLink:
+    """What a chained template needs of the step in flight before it: that step's verify result, its
+    k, and the rows of it each template row continues (None: all of them, in order)."""
+
+    result: VerifyResult
+    num_draft_tokens: int
+    rows: list[int] | None
+
+    def shift(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(accepted [D], emitted [D, k'+1], k') for the template's rows, on the device."""
+        accepted, emitted = self.result.num_accepted, self.result.token_ids
+        if self.rows is not None:
+            index = torch.tensor(self.rows)
+            if accepted.is_cuda:  # pinned: the copy must not wait for the step in flight
+                index = index.pin_memory().to(accepted.device, non_blocking=True)
+            accepted, emitted = accepted[index], emitted[index]
+        return accepted, emitted, self.num_draft_tokens
+
+
+def continued_rows(before: Batch, batch: Batch) -> list[int] | None:
+    """The row of before that each row of batch continues (batch's rows are before's rows in order,
+    less those that finished while before ran); None when batch keeps them all."""
     if len(batch.seqs) == len(before.seqs):
-        return result.num_accepted, result.token_ids
+        return None
     row_of = {id(seq): row for row, seq in enumerate(before.seqs)}
-    rows = torch.tensor([row_of[id(seq)] for seq in batch.seqs])
-    if result.num_accepted.is_cuda:  # pinned: the copy must not wait for the step in flight
-        rows = rows.pin_memory().to(result.num_accepted.device, non_blocking=True)
-    return result.num_accepted[rows], result.token_ids[rows]
+    return [row_of[id(seq)] for seq in batch.seqs]
+
+
+def continued_results(before: Batch, batch: Batch, result) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [D], emitted [D, k'+1]) of the step before, on the device, for the rows of batch."""
+    accepted, emitted, _ = ChainLink(result, 0, continued_rows(before, batch)).shift()
+    return accepted, emitted
 
 
 def _lookup_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ set, and `wait(pending)` returns the tokens each sequence gets from that step: o
 a prefill row that reached its end, the accepted drafts plus one target token for a decode (verify)
 row, None otherwise. Verification is greedy (temperature 0) or rejection sampling, both lossless;
 with --speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py).
-The chosen tokens reach the other ranks as input ids of the next packed step. At TP=1 with EAGLE-3
+The chosen tokens reach the other ranks as input ids of the next packed step. With EAGLE-3
 chain drafting the engine launches the next step before waiting for this one (spec_chain.py).
 """
 
@@ -20,19 +20,20 @@ import torch
 from tpfuse.config import EngineConfig
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
-from tpfuse.engine.spec_chain import continued_results, template_batch
+from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
 from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
+from tpfuse.engine.spec_verify import verify_inputs, verify_without_sampling
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
-from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length, simulate_acceptance
+from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length
 from tpfuse.spec.tree_verify import (
     TreeVerifyResult,
     greedy_tree_verify,
     rejection_tree_verify,
     seeded_tree_verify,
 )
-from tpfuse.spec.verify import VerifyResult, greedy_verify, rejection_sample_verify, seeded_sample_verify
+from tpfuse.spec.verify import VerifyResult, rejection_sample_verify, seeded_sample_verify
 
 
 class SpecStats:
@@ -240,11 +241,11 @@ class SpecDecoder:
             ext_window=self.ext_window,
             catch_up_budget=self.max_num_batched_tokens,
         )
-        if previous is None:
-            forward = self.executor.execute_spec(packed)
-        else:
-            accepted, emitted = continued_results(previous.batch, batch, previous.result)
-            forward = self.runner.execute_spec(packed, (accepted, emitted, previous.num_draft_tokens))
+        link = None
+        if previous is not None:
+            rows = continued_rows(previous.batch, batch)
+            link = ChainLink(previous.result, previous.num_draft_tokens, rows)
+        forward = self.executor.execute_spec(packed, link)
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)
@@ -328,27 +329,10 @@ class SpecDecoder:
         self, forward, k: int, any_seeded: bool, all_seeded: bool
     ) -> tuple[VerifyResult, torch.Tensor]:
         spec, logits = forward.spec, forward.verify_logits
-        num_decode = spec.header.num_decode
-        if spec.header.num_banned:
-            flat = logits.view(num_decode * (k + 1), -1)
-            flat[spec.banned_rows, spec.banned_ids] = float("-inf")
-        if forward.proposal is not None:
-            drafts, counts, probs = (
-                forward.proposal.token_ids,
-                forward.proposal.num_draft_tokens,
-                forward.proposal.probs,
-            )
-        else:
-            drafts = spec.draft_ids.view(num_decode, k)
-            counts, probs = spec.num_drafts, None
-        if self.simulated_rate is not None:
-            target = logits.argmax(dim=-1)
-            result = simulate_acceptance(
-                drafts, target, self.simulated_rate, spec.request_seeds, spec.output_index, counts
-            )
+        drafts, counts, probs = verify_inputs(forward, k)
+        result = verify_without_sampling(forward, drafts, counts, self.simulated_rate)
+        if result is not None:  # what every rank computes alike (spec_verify.py)
             return result, counts
-        if spec.header.all_greedy:
-            return greedy_verify(drafts, logits, counts), counts
         sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
         seeded = None
         if any_seeded:

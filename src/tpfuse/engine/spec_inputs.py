@@ -18,7 +18,7 @@ rows included, ending at each row's newest verified position: fixed shapes for t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import pairwise
 
 import torch
@@ -26,8 +26,6 @@ import torch
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
-
-SPEC_HEADER_LEN = 15
 
 
 @dataclass
@@ -40,7 +38,6 @@ class SpecHeader:
     all_greedy: int  # every verify row has temperature 0
     host_drafts: int  # drafts are packed (n-gram); else the drafter proposes them on every rank
     pure_decode: int  # no prefill rows (a CUDA-graph candidate); padding rows may follow
-    num_real_rows: int  # rows before padding
     sampled_drafts: int  # some row samples without a seed: model drafters draw drafts (and keep q)
     ext_max_query_len: int  # longest drafter-extend run
     ext_max_seq_len: int  # largest extended position + 1
@@ -74,6 +71,9 @@ class SpecHeader:
             ("kv_move_src", self.num_kv_moves),
             ("kv_move_dst", self.num_kv_moves),
         ]
+
+
+SPEC_HEADER_LEN = len(fields(SpecHeader))
 
 
 @dataclass
@@ -318,7 +318,6 @@ def pack_spec_step(
         all_greedy=int(all(t == 0.0 for t in v_temp)),
         host_drafts=int(host_drafts is not None),
         pure_decode=int(pure_decode),
-        num_real_rows=num_real,
         sampled_drafts=int(any(t > 0.0 and not s for t, s in zip(v_temp, v_seeded, strict=True))),
         ext_max_query_len=max((b - a for a, b in pairwise(ext_starts)), default=0),
         ext_max_seq_len=max(ext_pos, default=-1) + 1,

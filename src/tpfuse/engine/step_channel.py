@@ -50,18 +50,21 @@ class StepChannel:
     def capacity(self) -> int:
         return self.buffer.numel() - self.header
 
-    def send(self, packed: torch.Tensor, kind: int = 0, is_alive=lambda: True) -> None:
-        """Rank 0: publishes packed (CPU int64) with a step kind (the worker's business). Waits for
-        every worker to have taken the previous step; is_alive() -> False aborts the wait with
-        RuntimeError (a worker died)."""
-        n = packed.numel()
+    def send(self, packed: torch.Tensor, kind: int = 0, is_alive=lambda: True, prefix=()) -> None:
+        """Rank 0: publishes prefix (a few ints) followed by packed (CPU int64), with a step kind (both
+        the worker's business). Waits for every worker to have taken the previous step; is_alive() ->
+        False aborts the wait with RuntimeError (a worker died)."""
+        m = len(prefix)
+        n = m + packed.numel()
         if n > self.capacity:
             raise ValueError(
                 f"a step of {n} values exceeds the worker channel ({self.capacity}); lower "
                 "--max-num-batched-tokens or --max-running-requests"
             )
         self._wait_for_acks(is_alive)
-        self.buffer[self.header : self.header + n].copy_(packed)
+        if m:
+            self._array[self.header : self.header + m] = prefix
+        self.buffer[self.header + m : self.header + n].copy_(packed)
         self._array[2] = kind
         self._publish(n)
 

@@ -1,13 +1,17 @@
 """Tensor parallelism, one process per rank: the engine process is rank 0, ranks 1..N-1 are workers.
 
-Rank 0 schedules, packs each step (step_inputs.py), publishes it on a StepChannel, runs its own share
-of the forward and samples; workers take each step from the channel and run the same forward, so the
-all-reduces inside the model pair up. Workers hold no sequence state and need no sampled tokens (the
-next step carries its input ids).
+Rank 0 schedules, packs each step (step_inputs.py), publishes it on a StepChannel with a kind word,
+runs its own share of the forward and samples; workers take each step from the channel and run it
+as rank 0 does (follow_steps), so the all-reduces inside the model pair up. Workers hold no sequence
+state: a step carries its input ids, except one launched before the step it follows was read, whose
+ids (a plain decode) or shift (a chained speculative step) each worker takes from its own copy of
+that step's token choice or greedy verification.
 
 Failure handling: every worker watches its parent and exits within a second when the engine process
 is gone; rank 0 watches its workers, and when one dies it raises on the next step, or, when it is
-stuck inside a collective with the dead rank, prints the reason and exits after GRACE_S.
+stuck inside a collective with the dead rank, prints the reason and exits after GRACE_S. A worker
+alive but stuck (no progress on the newest step within the step timeout while rank 0 waits) ends the
+process the same way, naming the rank.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import torch
 
 from tpfuse import knobs
 from tpfuse.config import EngineConfig
+from tpfuse.engine.spin_errors import SpinErrorWatch
 
 GRACE_S = 10.0
 STEP_TIMEOUT_S = 120.0  # a worker slower than this on one step is taken as stuck
 # Step kinds on the channel: how a worker runs the packed step that follows.
-PLAIN_STEP, PLAIN_STEP_AFTER_PREVIOUS, SPEC_STEP = 0, 1, 2
+PLAIN_STEP, PLAIN_STEP_AFTER_PREVIOUS, SPEC_STEP, CHAINED_SPEC_STEP = 0, 1, 2, 3
 WATCH_INTERVAL_S = 0.5
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -174,6 +179,49 @@ def _watch_parent(rank: int, parent_pid: int) -> None:
             os._exit(1)
 
 
+def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
+    """A worker's loop: runs each step rank 0 publishes, as rank 0 runs it, until shutdown. Keeps
+    what a step launched after the one before needs of it: its sampled ids (a plain decode) or its
+    verify result (a speculative step that a chained template may follow)."""
+    from tpfuse.engine.spec_chain import ChainLink
+    from tpfuse.engine.spec_verify import worker_chain_result
+    from tpfuse.spec.simulate import acceptance_rate_for_length
+
+    spec = config.speculative
+    rate = None
+    if spec.enabled and spec.simulate_acceptance_length is not None:
+        rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
+    chains = (
+        not config.disable_overlap_schedule
+        and runner.spec is not None
+        and runner.spec.window_drafter is not None
+    )
+    last, ids, verified = 0, None, None
+    spin_errors = SpinErrorWatch(runner.comm, rank)
+    while True:
+        last, kind, packed = channel.receive(rank, last)
+        if packed is None:
+            return
+        if kind in (SPEC_STEP, CHAINED_SPEC_STEP):
+            link = None
+            if kind == CHAINED_SPEC_STEP:
+                k, n = int(packed[0]), int(packed[1])
+                if verified is None:
+                    raise RuntimeError("a chained step follows a step whose verify result this rank lacks")
+                link = ChainLink(verified, k, packed[2 : 2 + n].tolist() if n >= 0 else None)
+                packed = packed[2 + max(n, 0) :]
+            forward = runner.execute_spec(packed, link)
+            verified = worker_chain_result(forward, rate) if chains else None
+            ids = None
+        else:
+            if kind == PLAIN_STEP_AFTER_PREVIOUS and ids is None:
+                raise RuntimeError("a step takes the previous step's ids, but that step sampled none")
+            ids = runner.follow(packed, ids if kind == PLAIN_STEP_AFTER_PREVIOUS else None)
+            verified = None
+        channel.mark_done(rank, last)
+        spin_errors.poll()
+
+
 def worker_main(
     rank: int, config: EngineConfig, port: int, devices, channel, parent_pid: int, errors
 ) -> None:
@@ -182,19 +230,7 @@ def worker_main(
     threading.Thread(target=_watch_parent, args=(rank, parent_pid), daemon=True).start()
     try:
         runner = build_rank(rank, config, port, devices)
-        last, previous = 0, None  # previous: device ids the next step may take as input ids
-        while True:
-            last, kind, packed = channel.receive(rank, last)
-            if packed is None:
-                break
-            if kind == SPEC_STEP:
-                runner.execute_spec(packed)
-                previous = None
-            else:
-                if kind == PLAIN_STEP_AFTER_PREVIOUS and previous is None:
-                    raise RuntimeError("a step takes the previous step's ids, but that step sampled none")
-                previous = runner.follow(packed, previous if kind == PLAIN_STEP_AFTER_PREVIOUS else None)
-            channel.mark_done(rank, last)
+        follow_steps(rank, config, runner, channel)
         if devices[rank].type == "cuda":
             torch.cuda.synchronize()
     except BaseException as exc:
@@ -269,6 +305,7 @@ class TensorParallelExecutor:
             raise
         finally:
             self._busy = False
+        self.spin_errors = SpinErrorWatch(self.runner.comm, 0)
         self.model_config = self.runner.model_config
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -285,20 +322,29 @@ class TensorParallelExecutor:
         return self._in_lock_step(lambda: self.runner.launch(batch, packed, previous), packed, kind)
 
     def wait(self, pending) -> list[int | None]:
-        return self._in_lock_step(lambda: self.runner.wait(pending))
+        ids = self._in_lock_step(lambda: self.runner.wait(pending))
+        self.spin_errors.poll()
+        return ids
 
-    def execute_spec(self, packed: torch.Tensor):
-        """Sends a speculative packed step to the workers and runs rank 0's share (SpecForward)."""
-        return self._in_lock_step(lambda: self.runner.execute_spec(packed), packed, SPEC_STEP)
+    def execute_spec(self, packed: torch.Tensor, link=None):
+        """Sends a speculative packed step to the workers and runs rank 0's share (SpecForward). With
+        link (a chained template) the workers get its k and rows; each shifts by its own result."""
+        run = lambda: self.runner.execute_spec(packed, link)  # noqa: E731
+        if link is None:
+            return self._in_lock_step(run, packed, SPEC_STEP)
+        rows = link.rows or []
+        prefix = [link.num_draft_tokens, len(rows) if link.rows is not None else -1, *rows]
+        return self._in_lock_step(run, packed, CHAINED_SPEC_STEP, prefix)
 
-    def _in_lock_step(self, run_rank0, packed: torch.Tensor | None = None, kind: int = PLAIN_STEP):
-        """Publishes packed (if any) to the workers, then run_rank0(); names a dead rank on failure."""
+    def _in_lock_step(self, run_rank0, packed: torch.Tensor | None = None, kind: int = PLAIN_STEP, prefix=()):
+        """Publishes prefix + packed (if any) to the workers, then run_rank0(); names a dead rank on
+        failure."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         self._busy = True
         try:
             if packed is not None:
-                self.channel.send(packed, kind, is_alive=lambda: self.failure is None)
+                self.channel.send(packed, kind, is_alive=lambda: self.failure is None, prefix=prefix)
                 self._sent_at = time.monotonic()
             return run_rank0()
         except Exception as exc:
