@@ -12,6 +12,7 @@ Printed per batch size (median over the profiled steps, and per step with --per-
     python benchmarks/profile_engine_step.py                  # llama-3.1-8b bf16, batch 1 and 64
     python benchmarks/profile_engine_step.py --model tiny --device cpu --batch-sizes 1 --steps 3 \
         --context 32                                            # smoke test on a CPU
+    python benchmarks/profile_engine_step.py --tp-size 2 --devices 0,0   # TP=2 sharing GPU 0 (rank 0's view)
 Writes JSON to --out (default $OUT/profile_engine_step.json) and the Chrome traces next to it.
 """
 
@@ -253,6 +254,8 @@ def main() -> None:
     parser.add_argument(
         "--num-steps", type=int, default=3, help="draft tokens per step with --eagle3-simulate"
     )
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (rank 0 is profiled)")
+    parser.add_argument("--devices", default=None, help="CUDA device per rank, e.g. 0,0 (ranks share GPU 0)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_engine_step.json"))
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -272,6 +275,8 @@ def main() -> None:
         if cuda
         else max(batch_sizes) * (-(-(args.context + tokens_per_request) // 16) + 1),
         disable_overlap_schedule=args.disable_overlap_schedule,
+        tp_size=args.tp_size,
+        devices=[int(d) for d in args.devices.split(",")] if args.devices else None,
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as head_dir:  # the head is read while the engine starts
@@ -282,12 +287,13 @@ def main() -> None:
     if engine.spec_decoder is not None:
         engine.spec_decoder.policy = None  # fixed k: every decode step drafts num_steps tokens
         print(SIMULATED_ACCEPTANCE_NOTICE)
-    graphs = getattr(engine.executor, "graphs", None) is not None
+    graphs = engine.executor.runner.graphs is not None
     print(f"engine ready in {time.perf_counter() - start:.1f} s; graphs: {graphs}; overlap: {engine.overlap}")
     instrument_phases(engine)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     record = {"model": args.model, "dtype": args.dtype, "device": args.device, "context": args.context,
+              "tp_size": args.tp_size, "devices": args.devices,
               "steps": args.steps, "graphs": graphs, "overlap": engine.overlap, "results": {}}  # fmt: skip
     for b in batch_sizes:
         start_decode_batch(engine, b, args.context, tokens_per_request, f"b{b}")

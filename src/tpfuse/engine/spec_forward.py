@@ -66,7 +66,7 @@ def run_spec_forward(runner, packed: torch.Tensor, shift=None) -> SpecForward:
     elif proposal is not None and k > 0:
         draft_at = spec.verify_indices.view(num_decode, k + 1)[:, 1:].reshape(-1)
         step.input_ids[draft_at] = proposal.token_ids.reshape(-1)
-    tree = spec_header.tree and k > 0  # tree verify runs eagerly in this first version
+    tree = spec_header.tree and k > 0  # tree steps run eagerly
     # verify graphs that draft inside (graphs.drafter) need a window step; k = 0 graphs never draft
     graphable = (
         spec_header.pure_decode and not tree and graphs is not None and (graphs.drafter is None or k == 0)

@@ -35,18 +35,15 @@ from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
 log = logging.getLogger("tpfuse")
 
-# The Triton route must need at most 98 % of cuBLAS's time, so noise does not flip a tie: repeats of
-# the start-up timing moved by 0.1-0.3 % for the tiles and 0.5-2.3 % for cuBLAS (docs/PERF.md, s9-3),
-# and at 0.97 the 64-row down tile (0.970-0.975 of cuBLAS) stayed on cuBLAS, costing 29 us per batch-64
-# decode step measured side by side.
+# A Triton route is taken where it needs at most MARGIN of cuBLAS's time, so timing noise does not flip
+# a tie (why 0.98: docs/PERF.md, the linear-route margin).
 MARGIN = 0.98
 MARGIN_VARIABLE = knobs.LINEAR_MARGIN  # overrides MARGIN (benchmarks: what a margin costs or gains)
 MODES = ("auto", "triton", "cublas")
 GEMV = "gemv"  # the route of bucket 1
 BUCKETS = (1, 16, 32, 64)
-# Tiles tried per row bucket (the first, never split-K, is TPFUSE_LINEAR=triton's): each won at
-# least one llama-3.1-8b projection against the others on one H200 (docs/PERF.md, session 8 sweep);
-# start-up keeps the fastest per weight shape, or cuBLAS.
+# Tiles tried per row bucket (the first, never split-K, is TPFUSE_LINEAR=triton's); start-up keeps the
+# fastest per weight shape, or cuBLAS (how the candidates were picked: docs/PERF.md).
 TILES: dict[int, tuple[Tile, ...]] = {
     16: (
         Tile(16, 64, 128, 5, 4, swap=True),  # qkv, gate_up

@@ -120,7 +120,7 @@ def rejection_tree_verify(
     max_depth: int,
 ) -> TreeVerifyResult:
     """Multi-candidate rejection sampling (module docstring); rows with temperature <= 0 greedy.
-    seeds: [B] per row and step. Walks each row on the host (eager, first version)."""
+    seeds: [B] per row and step. Walks each row on the host (eager)."""
     batch, n, _ = target_logits.shape
     device = target_logits.device
     p_all = target_probs(target_logits, temperatures.clamp(min=1e-6), top_ks, top_ps)
