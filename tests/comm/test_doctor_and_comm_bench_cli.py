@@ -41,6 +41,7 @@ def test_chosen_path_is_the_custom_kernel_only_where_it_beats_nccl_plus_norm():
     assert chosen_method(row) == "tpfuse_fused_one_shot"
     assert chosen_method({**row, "nccl+norm": 6.0}) == "nccl+norm"
     assert chosen_method({"tpfuse_fused_one_shot": None, "nccl+norm": None}) is None
+    assert chosen_method({**row, "tpfuse_fused_pull": 4.0}) == "tpfuse_fused_pull"
 
 
 def test_table_shows_the_shared_gpu_warning_first_and_one_column_per_method():

@@ -13,21 +13,22 @@ METHODS = (
     "tpfuse_two_shot",
     "tpfuse_fused_one_shot",
     "tpfuse_fused_two_shot",
+    "tpfuse_fused_staged",
+    "tpfuse_fused_ordered_push",
+    "tpfuse_fused_pull",
 )
+FUSED_PREFIX = "tpfuse_fused_"
 SHARED_WARNING = "ranks share one GPU: kernel latency, not a link measurement"
 EPS = 1e-6
 
 
 def chosen_method(timings: dict[str, float | None]) -> str | None:
-    """The column the Communicator's rule picks for the fused op: the faster tpfuse fused kernel,
+    """The column the Communicator's rule picks for the fused op: the fastest tpfuse fused schedule,
     unless NCCL + norm is at least as fast (or the only one measured)."""
     from tpfuse.comm.plan import FALLBACK, decide
 
-    measured = {
-        "one_shot": timings.get("tpfuse_fused_one_shot"),
-        "two_shot": timings.get("tpfuse_fused_two_shot"),
-        FALLBACK: timings.get("nccl+norm"),
-    }
+    measured = {k[len(FUSED_PREFIX) :]: v for k, v in timings.items() if k.startswith(FUSED_PREFIX)}
+    measured[FALLBACK] = timings.get("nccl+norm")
     measured = {k: v for k, v in measured.items() if v is not None}
     if not measured:
         return None
@@ -47,12 +48,13 @@ def _inputs(tokens, hidden, dtype, device, rank):
 def tpfuse_calls(ws, x, residual, weight) -> dict:
     from tpfuse.comm import launch
 
-    return {
+    calls = {
         "tpfuse_one_shot": lambda: launch.all_reduce(ws, x, "one_shot"),
         "tpfuse_two_shot": lambda: launch.all_reduce(ws, x, "two_shot"),
-        "tpfuse_fused_one_shot": lambda: launch.fused_add_rmsnorm(ws, x, residual, weight, EPS, "one_shot"),
-        "tpfuse_fused_two_shot": lambda: launch.fused_add_rmsnorm(ws, x, residual, weight, EPS, "two_shot"),
     }
+    for name in ("one_shot", "two_shot", "staged", "ordered_push", "pull"):
+        calls[FUSED_PREFIX + name] = lambda a=name: launch.fused_add_rmsnorm(ws, x, residual, weight, EPS, a)
+    return calls
 
 
 def _row(tp, tokens, hidden, dtype) -> dict:
