@@ -1,5 +1,6 @@
 """Fused MoE under the interpreter against float64: routing (softmax, top-k, ties to the lower id,
-renormalisation), grouping by expert, and the grouped GEMMs at odd token and expert counts."""
+renormalisation), grouping by expert, the grouped GEMMs at odd token and expert counts, and the
+TP = 1 finalize (combine + residual + RMSNorm)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from tpfuse.kernels.fused_moe import MoeTile, fused_experts_ref, fused_experts_triton
 from tpfuse.kernels.moe_align import max_blocks, moe_align_triton
+from tpfuse.kernels.moe_finalize import moe_finalize_ref, moe_finalize_triton
 from tpfuse.kernels.moe_routing import moe_topk_ref, moe_topk_triton
 
 DECODE_TILE = MoeTile(16, 32, 32, 1, 4)
@@ -100,3 +102,17 @@ def test_half_precision_matches_float64_within_rounding():  # float16: the inter
     want = fused_experts_ref(*(t.double() for t in half), weights.double(), ids)
     assert got.dtype == torch.float16
     assert relative_error(got, want) <= 2e-3
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 2, 40), (13, 3, 72), (6, 8, 33)])
+def test_moe_finalize_combines_adds_residual_and_norms_like_float64(num_tokens, top_k, hidden):
+    g = torch.Generator().manual_seed(num_tokens * top_k)
+    slots = torch.randn(num_tokens * top_k, hidden, generator=g)
+    residual = torch.randn(num_tokens, hidden, generator=g)
+    weight = torch.rand(hidden, generator=g) + 0.5
+    before = (slots.clone(), residual.clone())
+    normed, new_residual = moe_finalize_triton(slots, top_k, residual, weight, 1e-6)
+    want = moe_finalize_ref(slots.double(), top_k, residual.double(), weight.double(), 1e-6)
+    assert relative_error(new_residual, want[1]) <= 1e-6
+    assert relative_error(normed, want[0]) <= 1e-5
+    assert torch.equal(slots, before[0]) and torch.equal(residual, before[1])  # not written in place

@@ -100,3 +100,24 @@ def test_qwen3_30b_a3b_preset_serves_end_to_end_with_cuda_graphs_deterministical
     assert all(len(t) == 24 and max(t) < 151936 for t in first)
     assert [o.token_ids for o in llm.generate(prompts, params)] == first
     llm.shutdown()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_moe_finalize_matches_float64_in_and_out_of_a_cuda_graph(num_tokens):
+    from tpfuse.kernels import moe_finalize_op
+    from tpfuse.kernels.moe_finalize import moe_finalize_ref
+
+    g = torch.Generator(device=CUDA).manual_seed(num_tokens)
+    slots = torch.randn(num_tokens * K, H, device=CUDA, generator=g).bfloat16()
+    residual = torch.randn(num_tokens, H, device=CUDA, generator=g).bfloat16()
+    weight = (torch.rand(H, device=CUDA, generator=g) + 0.5).bfloat16()
+    want = moe_finalize_ref(slots.double(), K, residual.double(), weight.double(), 1e-6)
+    normed, new_residual = moe_finalize_op(slots, K, residual, weight, 1e-6)
+    assert relative_error(new_residual, want[1]) <= 1e-2 and relative_error(normed, want[0]) <= 2e-2
+    moe_finalize_op(slots, K, residual, weight, 1e-6)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = moe_finalize_op(slots, K, residual, weight, 1e-6)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed[0], normed) and torch.equal(graphed[1], new_residual)

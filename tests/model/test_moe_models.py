@@ -98,6 +98,18 @@ def test_single_rank_logits_and_greedy_tokens_match_transformers(checkpoints, ki
     assert tokens == want_tokens
 
 
+def test_plain_finalize_path_gives_the_same_tokens(checkpoints, monkeypatch):
+    """At TP = 1 the combine runs fused into the residual add + RMSNorm unless measured slower; the
+    plain path (combine, then the communicator's fused add + RMSNorm) gives transformers' tokens too."""
+    from tpfuse.model import moe_choice
+
+    monkeypatch.setattr(moe_choice, "fuse_finalize", lambda x, num_slots: False)
+    directory, want_tokens, want_logits = checkpoints["qwen3_moe"]
+    tokens, prefill = greedy(load_for_test(directory)[0], PROMPTS, NEW_TOKENS)
+    assert relative_error(prefill, want_logits) <= TOLERANCE
+    assert tokens == want_tokens
+
+
 def test_layer_kinds_follow_mlp_only_layers_and_decoder_sparse_step(checkpoints):
     kinds = {}
     for kind in ("qwen3_moe", "qwen3_moe_step"):

@@ -36,6 +36,16 @@ class Communicator(abc.ABC):
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenation of every rank's x along dim, in rank order."""
 
+    def moe_finalize_all_reduce(
+        self, slot_out: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fused_add_rmsnorm_all_reduce of the MoE combine: x[t] = round(sum_j slot_out[t * k + j]) in
+        float32, slot order. slot_out: [T * k, H], this rank's weighted expert outputs. A communicator
+        may fuse the combine into its all-reduce (comm/moe_finalize.py); the results are the same."""
+        from tpfuse.kernels import moe_combine
+
+        return self.fused_add_rmsnorm_all_reduce(moe_combine(slot_out, top_k), residual, weight, eps)
+
     def fused_add_rmsnorm_all_reduce_fp8(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

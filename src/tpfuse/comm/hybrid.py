@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse import knobs
-from tpfuse.comm import launch, schedules
+from tpfuse.comm import launch, moe_finalize, schedules
 from tpfuse.comm.communicator import Communicator
 from tpfuse.comm.plan import FALLBACK, Plan, unmeasured_plan
 from tpfuse.comm.workspace import RankWorkspace, create_virtual_workspaces
@@ -92,6 +92,15 @@ class CustomCommunicator(Communicator):
         if algorithm in self.externals:
             return self.externals[algorithm].fused_add_rmsnorm(x, residual, weight, eps)
         return self._done(launch.fused_add_rmsnorm(self.workspace, x, residual, weight, eps, algorithm))
+
+    def moe_finalize_all_reduce(self, slot_out, top_k, residual, weight, eps):
+        # fused where the plan runs one-shot and no peer process shares this GPU (lazy module loading)
+        fusable = moe_finalize.usable(self.workspace)
+        if fusable and self._algorithm("fused", residual) == moe_finalize.ALGORITHM:
+            return self._done(
+                moe_finalize.moe_finalize_all_reduce(self.workspace, slot_out, top_k, residual, weight, eps)
+            )
+        return super().moe_finalize_all_reduce(slot_out, top_k, residual, weight, eps)
 
     def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
         algorithm = self._algorithm("fused", x)

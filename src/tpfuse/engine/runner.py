@@ -104,7 +104,9 @@ class ModelRunner:
                 max_rows=max_step_rows(config),
                 agree=agree_routes,
             )
-            moe_choice.choose(self.model, max_step_rows(config), config.max_num_batched_tokens)
+            moe_choice.choose(
+                self.model, max_step_rows(config), config.max_num_batched_tokens, config.tp_size
+            )
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
         # Drafts may reach num_draft_tokens + 1 positions past the newest token.

@@ -24,6 +24,7 @@ from tpfuse.kernels import (
     mla_rope,
     mla_rope_store,
     mla_store,
+    moe_finalize,
     moe_routing,
     prefill_attention,
     quant_fp8,
@@ -41,6 +42,7 @@ __all__ = [
     "fp8_linear_op",
     "fused_add_rmsnorm",
     "fused_experts",
+    "fused_experts_slots",
     "int_linear_op",
     "gemv_op",
     "grouped_topk_op",
@@ -48,6 +50,8 @@ __all__ = [
     "mla_prefill_op",
     "mla_rope_norm_store_op",
     "mla_rope_op",
+    "moe_combine",
+    "moe_finalize_op",
     "moe_topk",
     "prefill_attention_op",
     "rmsnorm_op",
@@ -235,3 +239,24 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids):
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k] -> [T, H] of x.dtype, the weighted sum of
     each token's k experts (kernels/fused_moe.py)."""
     return _pick(fused_moe, "fused_experts", x)(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_experts_slots(x, w13, w2, topk_weights, topk_ids):
+    """fused_experts without the combine: [T * k, H] of x.dtype, row t * k + j = topk_weights[t, j] *
+    expert_{ids[t, j]}(x[t]) (kernels/fused_moe.py), for an epilogue that sums the rows."""
+    if use_triton(x):
+        return fused_moe.fused_slots_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe.fused_experts_ref(x, w13, w2, topk_weights, topk_ids, combine=False).flatten(0, 1)
+
+
+def moe_finalize_op(slot_out, top_k, residual, weight, eps):
+    """TP = 1 MoE finalize: (rmsnorm(s) * weight, s) with s = round(sum of each token's k slot rows +
+    residual) (kernels/moe_finalize.py)."""
+    return _pick(moe_finalize, "moe_finalize", residual)(slot_out, top_k, residual, weight, eps)
+
+
+def moe_combine(slot_out, top_k: int):
+    """[T * k, H] -> [T, H]: each token's k rows summed in float32 in slot order, rounded once."""
+    if use_triton(slot_out):
+        return fused_moe.combine_slots_triton(slot_out, top_k)
+    return fused_moe.combine_slots_ref(slot_out, top_k)

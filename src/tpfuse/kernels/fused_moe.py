@@ -211,6 +211,12 @@ def expert_slot_outputs(
     return slot_out
 
 
+def combine_slots_ref(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """combine_slots_triton in torch: [T * k, H] -> [T, H], float32 sum (float64 for float64) rounded once."""
+    compute = torch.float64 if slot_out.dtype == torch.float64 else torch.float32
+    return slot_out.view(-1, top_k, slot_out.shape[-1]).to(compute).sum(dim=1).to(slot_out.dtype)
+
+
 def combine_slots_triton(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
     """[T * k, H] -> [T, H]: each token's k rows summed in float32 (slot order), rounded once."""
     num_slots, hidden = slot_out.shape
@@ -221,6 +227,11 @@ def combine_slots_triton(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
             slot_out, out, hidden, TOP_K=top_k, BLOCK=block
         )
     return out
+
+
+def fused_slots_triton(x, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:
+    """expert_slot_outputs at the measured (or default) tile: [T * k, H] of x.dtype."""
+    return expert_slot_outputs(x, w13, w2, topk_weights, topk_ids, tile or tile_for(w13, topk_ids.numel()))
 
 
 def fused_experts_triton(x, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:

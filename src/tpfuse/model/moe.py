@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import fused_experts, moe_topk
+from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_topk
+from tpfuse.model import moe_choice
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 
 
@@ -39,7 +40,15 @@ class ExpertMethod(Protocol):
 
     def apply(
         self, experts: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """-> [T, H], the weighted sum of each token's k experts (this rank's partial sum)."""
+        ...
+
+    def apply_slots(
+        self, experts: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """-> [T * k, H], row t * k + j the weighted output of token t's j-th expert (uncombined)."""
+        ...
 
 
 class UnquantizedExperts:
@@ -63,6 +72,9 @@ class UnquantizedExperts:
 
     def apply(self, experts, x, topk_weights, topk_ids):
         return fused_experts(x, experts.w13, experts.w2, topk_weights, topk_ids)
+
+    def apply_slots(self, experts, x, topk_weights, topk_ids):
+        return fused_experts_slots(x, experts.w13, experts.w2, topk_weights, topk_ids)
 
 
 class FusedMoE(nn.Module):
@@ -96,6 +108,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x, topk_weights, topk_ids):
         return self.method.apply(self, x, topk_weights, topk_ids)
+
+    def slot_outputs(self, x, topk_weights, topk_ids):
+        """[T * k, H]: each (token, slot)'s weighted expert output, not yet summed over k."""
+        return self.method.apply_slots(self, x, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -132,7 +148,19 @@ class SparseMoeBlock(nn.Module):
     def forward_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+        """The weighted combine ends inside the layer's last sync: at TP > 1 in the communicator's MoE
+        finalize (combine + all-reduce + residual + RMSNorm, one kernel where it can:
+        comm/moe_finalize.py); at TP = 1, where model/moe_choice.py measured it faster, in the fused
+        combine + residual + RMSNorm (kernels/moe_finalize.py), else combine then fused add + RMSNorm."""
+        topk_weights, topk_ids = self.route(x)
+        if comm.world_size > 1:
+            slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
+            return comm.moe_finalize_all_reduce(slots, self.top_k, residual, weight, eps)
+        if moe_choice.fuse_finalize(x, topk_ids.numel()):
+            slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
+            return moe_finalize_op(slots, self.top_k, residual, weight, eps)
+        partial = self.experts(x, topk_weights, topk_ids)
+        return comm.fused_add_rmsnorm_all_reduce(partial, residual, weight, eps)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         weight = self.gate.weight

@@ -7,7 +7,10 @@ the routing spread and the GPU, so it is timed, never assumed: for each distinct
 model's FusedMoE layers and each power-of-two bucket of T * k slots up to the engine's largest step,
 every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above) is timed by
 CUDA-graph replay on uniformly random routing over the model's own weights, and the fastest is
-recorded with fused_moe.set_tile. On CPU nothing is timed (the interpreter runs the default tiles).
+recorded with fused_moe.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
+finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
+fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). On CPU nothing is timed: the
+default tiles run, and the fused finalize.
 """
 
 from __future__ import annotations
@@ -21,8 +24,32 @@ from torch import nn
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import fused_moe
 from tpfuse.kernels.fused_moe import MoeTile
+from tpfuse.kernels.moe_finalize import moe_finalize_triton
+from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
 
 log = logging.getLogger("tpfuse")
+
+_FUSED_FINALIZE: dict[tuple, bool] = {}  # (hidden, dtype, device, slots bucket) -> fused is faster
+
+
+def fuse_finalize(x: torch.Tensor, num_slots: int) -> bool:
+    """Whether the TP = 1 MoE finalize runs fused for x [T, H] with num_slots = T * k (measured at
+    start-up; True where nothing was measured)."""
+    key = (x.shape[-1], x.dtype, x.device, fused_moe.slots_bucket(num_slots))
+    return _FUSED_FINALIZE.get(key, True)
+
+
+def _time_finalize(hidden: int, dtype, device, num_tokens: int, top_k: int) -> tuple[float, float]:
+    """(fused us, plain us) of the finalize at num_tokens tokens."""
+    slots = torch.randn(num_tokens * top_k, hidden, device=device).to(dtype)
+    residual = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    weight = torch.ones(hidden, device=device, dtype=dtype)
+    fused = graph_us([lambda: moe_finalize_triton(slots, top_k, residual, weight, 1e-6)], 16, 5, 3)
+
+    def plain_call():
+        return fused_add_rmsnorm_triton(fused_moe.combine_slots_triton(slots, top_k), residual, weight, 1e-6)
+
+    return fused, graph_us([plain_call], 16, 5, 3)
 
 
 @dataclass(frozen=True)
@@ -63,15 +90,16 @@ def _time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> float:
 
 
 @torch.inference_mode()
-def choose(model: nn.Module, max_decode_rows: int, max_prefill_tokens: int) -> list[MoeChoice]:
-    """Times and records the tile of every distinct FusedMoE shape of model at each slot bucket.
-    Runs on the GPU before any CUDA graph is captured; returns the decisions (none on CPU)."""
-    from tpfuse.model.moe import FusedMoE
-
+def choose(
+    model: nn.Module, max_decode_rows: int, max_prefill_tokens: int, tp_size: int = 1
+) -> list[MoeChoice]:
+    """Times and records the tile of every distinct FusedMoE shape of model at each slot bucket (and
+    at tp_size 1 the finalize route). Runs on the GPU before any CUDA graph is captured; returns the
+    tile decisions (none on CPU)."""
     seen, decided = set(), []
-    for block in model.modules():  # every MoE block: a FusedMoE "experts" and its top_k
+    for block in model.modules():  # MoE blocks: a top_k and experts with unquantized w13 / w2
         experts = getattr(block, "experts", None)
-        if not isinstance(experts, FusedMoE) or not hasattr(experts, "w13"):
+        if not hasattr(block, "top_k") or not hasattr(experts, "w13"):
             continue
         if not experts.w13.is_cuda:
             continue
@@ -87,6 +115,11 @@ def choose(model: nn.Module, max_decode_rows: int, max_prefill_tokens: int) -> l
             us, best = min(times)
             fused_moe.set_tile(experts.w13, bucket, candidates[best])
             decided.append(MoeChoice(key[0], bucket, candidates[best], us, times[0][0]))
+            if tp_size == 1:
+                hidden, dtype, device = experts.hidden_size, experts.w13.dtype, experts.w13.device
+                fused_us, plain_us = _time_finalize(hidden, dtype, device, num_tokens, block.top_k)
+                _FUSED_FINALIZE[(hidden, dtype, device, bucket)] = fused_us <= plain_us
+                log.info("MoE finalize <= %d slots: fused %.1f us, plain %.1f us", bucket, fused_us, plain_us)
     if decided:
         log.info("fused-MoE tiles: %s", "; ".join(c.describe() for c in decided))
     return decided
