@@ -71,6 +71,13 @@ def configure_schedules(comm, group, device: torch.device, islands: str | None, 
     else:
         ws.notes.append(f"hierarchical schedule not a candidate: {why}")
     comm.candidates = tuple(schedules.available(ws))
+    if "hierarchical" in comm.candidates:  # the gate ran before the islands were known
+        from tpfuse.comm.topology import self_test_vote
+
+        failures = self_test_vote(ws, group, ["hierarchical"])
+        if failures:
+            comm.removed["hierarchical"] = f"self-test failed: rank {failures[0][0]}: {failures[0][1]}"
+            comm.candidates = tuple(c for c in comm.candidates if c != "hierarchical")
     if not probe:
         return
     from tpfuse.comm.link_decision import decide_candidates
