@@ -90,3 +90,17 @@ def test_topology_round_trips_through_json():
     again = HostTopology.from_json(topology.to_json())
     assert again.ancestor == topology.ancestor and again.gpus == topology.gpus
     assert again.describe_pair(0, 4) == "PCIe (one PCIe host bridge)"
+
+
+def test_without_nvml_the_topology_read_fails_with_a_reason_and_no_islands_are_derived(monkeypatch):
+    import sys
+
+    from tpfuse.comm.host_topology import read_host_topology
+    from tpfuse.comm.link_setup import derive_group_islands
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(RuntimeError, match="nvidia-ml-py"):
+        read_host_topology(0)
+    islands, why = derive_group_islands([("host", "uuid-a"), ("host", "uuid-b")])
+    assert islands is None and "nvidia-ml-py" in why
+    assert derive_group_islands([("a", "u"), ("b", "u")]) == (None, "ranks on several hosts: no islands derived")

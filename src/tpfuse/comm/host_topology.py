@@ -127,7 +127,10 @@ def read_host_topology(device_count: int | None = None) -> HostTopology:
     except ImportError as exc:
         raise RuntimeError("NVML bindings missing: pip install nvidia-ml-py") from exc
     n = torch.cuda.device_count() if device_count is None else device_count
-    pynvml.nvmlInit()
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - no NVML library or driver: no topology, say why
+        raise RuntimeError(f"NVML unavailable: {type(exc).__name__}: {exc}") from exc
     try:
         handles, gpus = [], []
         for i in range(n):
@@ -147,7 +150,7 @@ def read_host_topology(device_count: int | None = None) -> HostTopology:
                 ancestor[i][j] = ancestor[j][i] = level
                 nvlink[i][j] = nvlink[j][i] = status == pynvml.NVML_P2P_STATUS_OK
         return HostTopology(gpus, ancestor, nvlink)
-    except pynvml.NVMLError as exc:
-        raise RuntimeError(f"NVML topology query failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any NVML failure: no topology, with the reason
+        raise RuntimeError(f"NVML topology query failed: {type(exc).__name__}: {exc}") from exc
     finally:
         pynvml.nvmlShutdown()
