@@ -176,8 +176,16 @@ def _moe_variants(p: str):
     yield moe_align._scatter_kernel, i32, {}, dict(BLOCK=256)
     grouped = {"*": p, "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
     for tile in fused_moe.CANDIDATE_TILES:
-        blocks = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+        blocks = dict(
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=fused_moe.GROUP_M
+        )
         options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+        if tile.block_m == 1:
+            slot = {"*": p, "ids_ptr": "*i32", "weights_ptr": "*fp32"}
+            gemv_blocks = dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+            yield fused_moe._slot_gate_up_kernel, slot, {}, dict(gemv_blocks, TOP_K=8), options
+            yield fused_moe._slot_down_kernel, slot, {}, gemv_blocks, options
+            continue
         yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options
         yield fused_moe._down_kernel, {**grouped, "weights_ptr": "*fp32"}, {}, blocks, options
     yield fused_moe._combine_kernel, {"*": p}, {}, dict(TOP_K=8, BLOCK=1024)

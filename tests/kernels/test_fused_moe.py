@@ -13,6 +13,7 @@ from tpfuse.kernels.moe_finalize import moe_finalize_ref, moe_finalize_triton
 from tpfuse.kernels.moe_routing import moe_topk_ref, moe_topk_triton
 
 DECODE_TILE = MoeTile(16, 32, 32, 1, 4)
+SLOT_GEMV_TILE = MoeTile(1, 16, 32, 1, 4)
 PREFILL_TILE = MoeTile(32, 32, 16, 1, 4)
 
 
@@ -66,7 +67,14 @@ def test_align_groups_every_slot_once_in_single_expert_blocks(num_tokens, num_ex
 
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,tile",
-    [(1, 5, 2, DECODE_TILE), (7, 13, 3, DECODE_TILE), (33, 3, 2, PREFILL_TILE), (45, 7, 1, PREFILL_TILE)],
+    [
+        (1, 5, 2, DECODE_TILE),
+        (7, 13, 3, DECODE_TILE),
+        (33, 3, 2, PREFILL_TILE),
+        (45, 7, 1, PREFILL_TILE),
+        (1, 5, 2, SLOT_GEMV_TILE),
+        (9, 7, 3, SLOT_GEMV_TILE),
+    ],
 )
 def test_fused_experts_match_float64_at_odd_sizes(num_tokens, num_experts, top_k, tile):
     hidden, inter = 40, 24  # neither a multiple of the 32-column tiles
@@ -88,9 +96,10 @@ def test_every_token_picking_the_same_experts_fills_many_blocks_of_them():
     logits[:, 4], logits[:, 1] = 9.0, 8.0
     weights, ids = moe_topk_triton(logits, 2, renormalize=False)
     assert (ids == torch.tensor([4, 1], dtype=torch.int32)).all()
-    got = fused_experts_triton(x, w13, w2, weights, ids, tile=DECODE_TILE)
-    want = fused_experts_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    assert relative_error(got, want) <= 1e-5
+    for tile in (DECODE_TILE, SLOT_GEMV_TILE):
+        got = fused_experts_triton(x, w13, w2, weights, ids, tile=tile)
+        want = fused_experts_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+        assert relative_error(got, want) <= 1e-5
 
 
 def test_half_precision_matches_float64_within_rounding():  # float16: the interpreter mis-handles bf16 dots

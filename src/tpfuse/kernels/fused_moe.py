@@ -47,8 +47,10 @@ def fused_experts_ref(
 
 @dataclass(frozen=True)
 class MoeTile:
-    """Launch configuration of both grouped GEMMs: block_m rows of one expert per program (16:
-    decode, the MMA minimum; 64-128: prefill), block_n output and block_k reduction columns."""
+    """Launch configuration of both expert products: block_m rows of one expert per program (16:
+    decode, the MMA minimum; 64-128: prefill), block_n output and block_k reduction columns.
+    block_m = 1 is the per-slot GEMV route: no grouping, one (token, slot) row per program, its
+    expert's weight tile streamed with multiply-adds (few tokens, each slot a distinct expert)."""
 
     block_m: int
     block_n: int
@@ -57,16 +59,21 @@ class MoeTile:
     num_warps: int = 4
 
     def label(self) -> str:
-        return f"moe {self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
+        kind = "slot gemv " if self.block_m == 1 else f"moe {self.block_m}x"
+        return f"{kind}{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
 
 
 DEFAULT_DECODE_TILE = MoeTile(16, 64, 128, 4, 4)
 DEFAULT_PREFILL_TILE = MoeTile(64, 128, 64, 3, 4)
+GROUP_M = 8  # row blocks that sweep the column tiles together (grouped launch order)
 DECODE_MAX_SLOTS = 64 * 8  # up to 64 tokens of top-8: the decode tiles, unless measured otherwise
 # What model/moe_choice.py times at start-up (the defaults first): decode tiles stream each routed
 # expert's weights once with few rows; prefill tiles are tensor-core GEMM tiles.
 DECODE_TILES = (
     DEFAULT_DECODE_TILE,
+    MoeTile(1, 32, 256, 2, 4),
+    MoeTile(1, 16, 512, 2, 4),
+    MoeTile(1, 64, 128, 2, 4),
     MoeTile(16, 32, 128, 4, 4),
     MoeTile(16, 128, 64, 4, 4),
     MoeTile(16, 64, 256, 3, 8),
@@ -83,13 +90,26 @@ CANDIDATE_TILES = DECODE_TILES + PREFILL_TILES[1:]
 
 
 @triton.jit
+def _block_ids(num_blocks, num_cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program on a 1-D grid, GROUP_M row blocks at a time sweeping
+    every column tile, so a group's token rows and its experts' weight tiles are reused from L2."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(num_cols, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_slots, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
+    num_slots, num_blocks, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the block's slots s = t * k + j."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _block_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -120,11 +140,11 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_slots, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    num_slots, num_blocks, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), rounded to out's dtype."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _block_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -147,6 +167,55 @@ def _down_kernel(
     tl.store(
         out, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
     )
+
+
+@triton.jit
+def _slot_gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k."""
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    token = (slot // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w13_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (ks + k0) < hidden
+        xk = tl.load(x_ptr + token * stride_x + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        mask = col_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xk[None, :]
+        acc_u += tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xk[None, :]
+    g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _slot_down_kernel(
+    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
+    stride_act, stride_we, stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Per-slot GEMV: out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (ks + k0) < inter
+        a = tl.load(act_ptr + slot * stride_act + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + slot)
+    tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -188,27 +257,48 @@ def expert_slot_outputs(
     if num_slots == 0:
         return slot_out
     x = x if x.stride(-1) == 1 else x.contiguous()
+    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    if tile.block_m == 1:
+        _slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile)
+        return slot_out
     sorted_slots, block_expert, num_padded = moe_align_triton(
         topk_ids.contiguous(), num_experts, tile.block_m
     )
-    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     nb = block_expert.shape[0]
     common = dict(
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
         num_stages=tile.num_stages, num_warps=tile.num_warps,
     )  # fmt: skip
-    _gate_up_kernel[(nb, triton.cdiv(inter, tile.block_n))](
+    _gate_up_kernel[(nb * triton.cdiv(inter, tile.block_n),)](
         x, w13, act, sorted_slots, block_expert, num_padded,
-        num_slots, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        num_slots, nb, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, **common,
     )  # fmt: skip
-    weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[(nb, triton.cdiv(hidden, tile.block_n))](
+    _down_kernel[(nb * triton.cdiv(hidden, tile.block_n),)](
         act, w2, slot_out, weights, sorted_slots, block_expert, num_padded,
-        num_slots, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
+        num_slots, nb, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
         **common,
     )  # fmt: skip
     return slot_out
+
+
+def _slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -> None:
+    """The per-slot GEMV route (tile.block_m == 1) of expert_slot_outputs."""
+    num_slots, inter = act.shape
+    hidden, top_k = x.shape[1], topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    opts = dict(
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages, num_warps=tile.num_warps
+    )
+    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
+        x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, **opts,
+    )  # fmt: skip
+    _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
+        act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        slot_out.stride(0), **opts,
+    )  # fmt: skip
 
 
 def combine_slots_ref(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
