@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from tpfuse.config import EngineConfig
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.executor import Executor
+from tpfuse.engine.logits_processing import LogitsProcessing, TokenLogprobs
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
@@ -39,6 +40,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" when finished
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
 
 
 @dataclass(slots=True)
@@ -101,6 +103,10 @@ class LLMEngine:
             eos,
             num_lookahead_tokens=num_lookahead_tokens(spec) if spec.enabled else 0,
         )
+        # Rank 0's per-request logits processing (penalties, bias, grammar, logprobs), used by the
+        # runner's sampling hook for batches that need it.
+        self.logits_processing = LogitsProcessing(self.vocab_size, self.tokenizer, eos)
+        self.executor.runner.logits_processing = self.logits_processing
         self.spec_decoder = None
         if spec.enabled:
             from tpfuse.engine.spec_decoder import SpecDecoder
@@ -147,6 +153,13 @@ class LLMEngine:
                 f"max_tokens {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
                 f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
             )
+        if params.needs_logits_processing:
+            if self.spec_decoder is not None:
+                raise ValueError(
+                    "logprobs, logit_bias, penalties and grammars are not supported with speculative "
+                    "decoding; leave them out or serve without --speculative-algorithm"
+                )
+            self.logits_processing.check(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, self.config.block_size)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -208,6 +221,8 @@ class LLMEngine:
         following = self.scheduler.schedule_next_decode(batch, plain=plain)
         if following is not None and plain and not self._runs_plain(following):
             following = None  # the next step speculates: it is scheduled (and packed) synchronously
+        if following is not None and any(seq.params.needs_logits_processing for seq in following.seqs):
+            following = None  # its logits processing needs this step's tokens (grammar, penalties)
         if following is not None:
             packed = self.executor.pack_next_decode(following, self.config.seed)
             self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
@@ -262,6 +277,9 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens,
+                    logprobs=self.logits_processing.pop_logprobs(seq)
+                    if seq.params.logprobs is not None
+                    else None,
                 )
             )
         return outputs

@@ -140,6 +140,7 @@ class ModelRunner:
         tree = config.speculative.enabled and config.speculative.eagle_topk > 1
         num_heads = self.model.layers[0].self_attn.num_heads
         self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
+        self.logits_processing = None  # rank 0: per-request processing (engine/logits_processing.py)
         self._staging: torch.Tensor | None = None
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.readback = TokenReadback(self.device)
@@ -258,12 +259,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(
-        self, packed: torch.Tensor, input_ids: torch.Tensor | None = None
+        self, packed: torch.Tensor, input_ids: torch.Tensor | None = None, need_logits: bool = False
     ) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, logits of the sampled rows or None, whether the graph chose every row's token:
         an all-greedy decode graph step without banned tokens; its ids are in graphs.token_ids).
         input_ids: device ids [R] that replace the first R packed input ids (the overlap schedule
-        feeds the previous step's sampled ids this way, without waiting for them)."""
+        feeds the previous step's sampled ids this way, without waiting for them). need_logits: return
+        the logits even when the graph chose the tokens (for logits processing)."""
         header = read_header(packed)
         if self._uses_decode_graph(header):
             graphs = self.graphs
@@ -278,7 +280,7 @@ class ModelRunner:
                 out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
                 return step, None, False
-            if graphs.graph_logits and header.all_greedy and not header.num_banned:
+            if graphs.graph_logits and header.all_greedy and not header.num_banned and not need_logits:
                 return step, None, True
             rows = out.index_select(0, step.sample_indices)
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
@@ -309,30 +311,40 @@ class ModelRunner:
         return self.readback.to_list(self._choose_tokens(step, logits))
 
     def _forward_and_choose(
-        self, packed: torch.Tensor, input_ids: torch.Tensor | None
+        self, packed: torch.Tensor, input_ids: torch.Tensor | None, processing=None
     ) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, device ids of the sampled rows or None, whether they are by batch row: the graph's
-        argmax buffer, padding rows last; else in the order of the sampling rows)."""
-        step, logits, chosen_in_graph = self._forward(packed, input_ids)
+        argmax buffer, padding rows last; else in the order of the sampling rows). processing: rank
+        0's logits processing of this batch (engine/logits_processing.py), applied to the logits
+        before the token choice on the eager sampling path."""
+        step, logits, chosen_in_graph = self._forward(packed, input_ids, need_logits=processing is not None)
         if chosen_in_graph:
             return step, self.graphs.token_ids[: step.header.num_seqs], True
         if logits is None:
             return step, None, False
-        return step, self._choose_tokens(step, logits), False
+        if processing is not None:
+            logits = processing.apply(logits)
+        tokens = self._choose_tokens(step, logits)
+        if processing is not None:
+            processing.record(tokens)
+        return step, tokens, False
 
     def launch(self, batch: Batch, packed: torch.Tensor, previous: PendingStep | None = None) -> PendingStep:
         """Rank 0: enqueues the forward and sampling of packed (a step of batch) and the copy of its
         ids to the host; returns without waiting (see wait). previous: the step before, whose
         sampled ids become this step's input ids on the device (every row of both steps samples)."""
         input_ids = previous.next_input_ids() if previous is not None else None
-        _, tokens, by_row = self._forward_and_choose(packed, input_ids)
+        processing = self.logits_processing.for_batch(batch) if self.logits_processing is not None else None
+        _, tokens, by_row = self._forward_and_choose(packed, input_ids, processing)
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         return self.readback.start(tokens, rows, by_row, len(batch.seqs))
 
     def follow(self, packed: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Ranks 1..N-1: runs a plain packed step exactly as rank 0's launch does (the same forward
         and the same token choice, so the ranks' ids agree bit for bit). Returns the device ids a
-        next step may take as its input ids (a decode step: one per real row), else None."""
+        next step may take as its input ids (a decode step: one per real row), else None. (Rank 0's
+        logits processing is not repeated here: a step after a processed batch is never launched
+        ahead, so no rank takes such ids from the device.)"""
         step, tokens, _ = self._forward_and_choose(packed, input_ids)
         if tokens is None or not step.header.is_decode:
             return None

@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 INT64_MAX = (1 << 63) - 1
 GREEDY_BELOW = 1e-5  # positive temperatures below this are greedy (dividing by them overflows float32)
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint on the output: kind "json_schema" (spec: the schema as JSON text) or "ebnf"
+    (spec: the grammar in xgrammar's EBNF)."""
+
+    kind: str
+    spec: str
 
 
 @dataclass(slots=True)
@@ -21,6 +31,11 @@ class SamplingParams:
     None draws from the engine's seed. Temperatures in (0, GREEDY_BELOW) are stored as 0 (greedy).
     Every integer fits int64, every float is finite; `checked_for(vocab_size)` adds the checks that
     need the vocabulary.
+
+    Logits processing (engine/logits_processing.py; such requests take the eager sampling path):
+    logprobs (None: off; k: the chosen token's log-probability and the k most likely), logit_bias
+    {token id: added to its logit}, repetition_penalty (1: off), presence/frequency_penalty
+    (0: off), grammar (constrained decoding).
     """
 
     temperature: float = 1.0
@@ -32,6 +47,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: Grammar | None = None
+    needs_logits_processing: bool = field(init=False, default=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +84,36 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            if not all(0 <= t <= INT64_MAX and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+                raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must lie in (0, 10] (1: off), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must lie in [-2, 2] (0: off), got {getattr(self, name)}")
+        if self.grammar is not None and self.grammar.kind not in ("json_schema", "ebnf"):
+            raise ValueError(f"grammar kind must be json_schema or ebnf, got {self.grammar.kind!r}")
+        self.needs_logits_processing = bool(
+            self.logprobs is not None
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.grammar is not None
+        )
 
     def checked_for(self, vocab_size: int) -> SamplingParams:
         """These params for a model of vocab_size tokens: raises ValueError for a stop token id outside
@@ -69,6 +121,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab_size})")
         if self.top_k >= vocab_size:
             return dataclasses.replace(self, top_k=-1)
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import secrets
 import time
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpfuse.config import ServerConfig
 from tpfuse.server import protocol, responses
+from tpfuse.server.choices import Choices, choice_seed, sse
 from tpfuse.server.engine_client import EngineClient, EngineDied
 from tpfuse.server.generation import Generation
 from tpfuse.server.metrics import ServerMetrics
@@ -33,13 +34,6 @@ from tpfuse.server.schemas import REQUEST_MODELS
 
 DISCONNECT_POLL_S = 0.5
 logger = logging.getLogger("tpfuse.server")
-# JSON leaves these raw, and clients that split lines on them (NEL, LINE/PARAGRAPH SEPARATOR) break.
-_SSE_ESCAPES = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _dumps(obj) -> str:
-    """JSON for an SSE data line: one line, whatever the text holds."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_SSE_ESCAPES)
 
 
 def _request_body_schema(model_name: str) -> dict:
@@ -156,17 +150,22 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             info = client.info
             prompt_ids = _tokenize(req, info.tokenizer)
             params = protocol.sampling_params_for(req, len(prompt_ids), info.max_model_len, info.vocab_size)
-            gen = Generation(
-                client,
-                info.tokenizer,
-                metrics,
-                kind,
-                responses.new_response_id(kind),
-                prompt_ids,
-                params,
-                arrival,
-            )
-            await _unless_disconnected(request, gen.start())
+            response_id = responses.new_response_id(kind)
+            gens = [
+                Generation(
+                    client,
+                    info.tokenizer,
+                    metrics,
+                    kind,
+                    f"{response_id}-{i}",
+                    prompt_ids,
+                    dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                    arrival,
+                )
+                for i in range(req.n)
+            ]
+            choices = Choices(gens, req, info.tokenizer)
+            await _unless_disconnected(request, choices.start())
         except ClientGone:
             return Response(status_code=499)
         except RequestError as exc:
@@ -176,8 +175,8 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             metrics.request_errors.labels("503").inc()
             return _error(503, str(exc), type="service_unavailable")
         if req.stream:
-            return StreamingResponse(_stream(gen, req), media_type="text/event-stream")
-        return await _complete(request, gen, req)
+            return StreamingResponse(_stream(choices, response_id), media_type="text/event-stream")
+        return await _complete(request, choices)
 
     @app.post("/v1/completions", openapi_extra=_request_body_schema("CompletionRequest"))
     async def completions(request: Request):
@@ -221,55 +220,21 @@ def _tokenize(req: GenerateRequest, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _usage(gen: Generation) -> dict:
-    return responses.usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
-
-
-async def _complete(request: Request, gen: Generation, req: GenerateRequest):
-    """Collects the whole text; aborts the request if the client disconnects meanwhile."""
-
-    async def collect():
-        parts = []
-        async for piece in gen.pieces():
-            parts.append(piece.text)
-        return "".join(parts)
-
+async def _complete(request: Request, choices: Choices):
+    """The whole response; aborts the request if the client disconnects meanwhile."""
     try:
-        text = await _unless_disconnected(request, collect())
+        return JSONResponse(await _unless_disconnected(request, choices.complete()))
     except ClientGone:
         return Response(status_code=499)
     except EngineDied as exc:
         return _error(503, str(exc), type="service_unavailable")
-    created = responses.now()
-    body = responses.full_response(
-        req.kind, gen.request_id, created, req.model, text, gen.finish_reason, _usage(gen)
-    )
-    return JSONResponse(body)
 
 
-async def _stream(gen: Generation, req: GenerateRequest):
-    """SSE events: one chunk per text piece (the last carries finish_reason), the usage chunk when
-    asked for, then [DONE]. With continuous_usage_stats every engine output is a chunk (even when
-    its text is held back) carrying the cumulative usage, so clients can time each token.
-    Leaving early (client gone) closes gen.pieces(), which aborts."""
-    created = responses.now()
-    first = True
-    pieces = gen.pieces()
+async def _stream(choices: Choices, response_id: str):
+    """Choices.stream, ending with an error event if the engine fails it, then [DONE]."""
     try:
-        async for piece in pieces:
-            if not piece.text and piece.finish_reason is None and not req.continuous_usage:
-                continue
-            usage = _usage(gen) if req.continuous_usage else None
-            chunk = responses.chunk(
-                req.kind, gen.request_id, created, req.model, piece.text, piece.finish_reason, first, usage
-            )
-            first = False
-            yield f"data: {_dumps(chunk)}\n\n"
-        if req.include_usage:
-            last = responses.usage_chunk(req.kind, gen.request_id, created, req.model, _usage(gen))
-            yield f"data: {_dumps(last)}\n\n"
+        async for event in choices.stream(response_id):
+            yield event
     except EngineDied as exc:
-        yield f"data: {_dumps(error_body(str(exc), type='service_unavailable'))}\n\n"
-    finally:
-        await pieces.aclose()
+        yield sse(error_body(str(exc), type="service_unavailable"))
     yield "data: [DONE]\n\n"

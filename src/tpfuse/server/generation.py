@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpfuse.engine.detokenizer import Detokenizer
 from tpfuse.server.engine_client import EngineClient, EngineDied
@@ -22,6 +22,7 @@ from tpfuse.server.protocol import RequestError
 class Piece:
     text: str
     finish_reason: str | None  # None until the last piece
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of the tokens that came with it
 
 
 class Generation:
@@ -53,6 +54,7 @@ class Generation:
         self._queue: asyncio.Queue | None = None
         self._first = None
         self._last_token_time: float | None = None
+        self._logprobs: list = []  # arrived since the last piece
 
     @property
     def num_completion_tokens(self) -> int:
@@ -110,6 +112,7 @@ class Generation:
         """Takes one engine output; returns (new text, finish_reason or None)."""
         self._record_tokens(output)
         self.num_cached_tokens = getattr(output, "num_cached_tokens", 0) or 0
+        self._logprobs += getattr(output, "logprobs", None) or []
         text = self.detokenizer.add(output.new_token_ids)
         if self.detokenizer.stopped:
             self.client.abort(self.request_id)  # frees its KV now; later outputs are dropped
@@ -132,10 +135,11 @@ class Generation:
                 while reason is None and not self._queue.empty():
                     more, reason = self._consume(self._check(self._queue.get_nowait()))
                     text += more
+                logprobs, self._logprobs = self._logprobs, []
                 if reason is not None:
-                    yield Piece(text, reason)
+                    yield Piece(text, reason, logprobs)
                     return
-                yield Piece(text, None)  # maybe "" (text held back): the tokens still arrived
+                yield Piece(text, None, logprobs)  # maybe "" (text held back): the tokens still arrived
                 text, reason = self._consume(await self._next())
         finally:
             self._abort()  # no-op once finished

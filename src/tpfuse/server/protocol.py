@@ -9,13 +9,15 @@ never ignored.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.sampling_params import Grammar, SamplingParams
+from tpfuse.server import tool_calls
 from tpfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -65,6 +67,14 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    n: int = 1
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: Grammar | None = None  # response_format or forced tool calls
+    tools: tool_calls.ToolChoice | None = None  # chat: tools the model may call
 
 
 def _param(loc: tuple) -> str | None:
@@ -133,15 +143,36 @@ def _common_fields(body, req: GenerateRequest) -> None:
     options = body.stream_options
     req.include_usage = bool(options and options.include_usage and req.stream)
     req.continuous_usage = bool(options and options.continuous_usage_stats and req.stream)
-    if body.n != 1:
-        raise _unsupported("n", "send one request per completion")
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) != off:
-            raise _unsupported(name, f"leave it out or set it to {off}")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "leave it out")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise _unsupported("response_format", "only {'type': 'text'}")
+    req.n = body.n
+    req.repetition_penalty = body.repetition_penalty
+    req.presence_penalty = body.presence_penalty
+    req.frequency_penalty = body.frequency_penalty
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise RequestError(
+                f"'logit_bias' keys must be token ids (decimal strings), got {key!r}", "logit_bias"
+            )
+        req.logit_bias[int(key)] = bias
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        req.grammar = Grammar("json_schema", json.dumps({"type": "object"}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise RequestError(
+                "'response_format.json_schema' is required with type json_schema", "response_format"
+            )
+        req.grammar = Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
+
+
+def _check_grammar_fields(req: GenerateRequest) -> None:
+    if req.grammar is None:
+        return
+    if req.ignore_eos:
+        raise RequestError(
+            "'ignore_eos' cannot be combined with constrained output (it ends at EOS)", "ignore_eos"
+        )
+    if req.min_tokens:
+        raise RequestError("'min_tokens' cannot be combined with constrained output", "min_tokens")
 
 
 def parse_completion_request(body: Any, model_names: list[str]) -> GenerateRequest:
@@ -159,8 +190,7 @@ def parse_completion_request(body: Any, model_names: list[str]) -> GenerateReque
     else:
         req.prompt_token_ids = list(prompt)
     req.max_tokens = parsed.max_tokens
-    if parsed.logprobs:
-        raise _unsupported("logprobs", "leave it out")
+    req.logprobs = parsed.logprobs
     if parsed.echo:
         raise _unsupported("echo", "leave it out")
     if parsed.suffix:
@@ -168,15 +198,8 @@ def parse_completion_request(body: Any, model_names: list[str]) -> GenerateReque
     if parsed.best_of not in (None, parsed.n):
         raise _unsupported("best_of", "leave it out or set it to n")
     _common_fields(parsed, req)
+    _check_grammar_fields(req)
     return req
-
-
-def _message_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
 
 
 def parse_chat_request(body: Any, model_names: list[str]) -> GenerateRequest:
@@ -184,23 +207,29 @@ def parse_chat_request(body: Any, model_names: list[str]) -> GenerateRequest:
     Raises RequestError naming the field."""
     parsed = _validate(ChatCompletionRequest, body)
     req = GenerateRequest(kind="chat", model=_model_name(parsed.model, model_names))
-    req.messages = []
-    for i, m in enumerate(parsed.messages):
-        if m.role == "tool" or m.tool_calls:
-            raise _unsupported(f"messages[{i}]", "tool messages and tool calls need 'tools'")
-        role = "system" if m.role == "developer" else m.role
-        req.messages.append({"role": role, "content": _message_text(m.content)})
+    req.messages = [tool_calls.message_for_template(m) for m in parsed.messages]
     if parsed.max_completion_tokens is not None:
         req.max_tokens, req.max_tokens_field = parsed.max_completion_tokens, "max_completion_tokens"
     else:
         req.max_tokens = parsed.max_tokens
-    if parsed.logprobs or parsed.top_logprobs:
-        raise _unsupported("logprobs", "leave it out")
-    if parsed.tools:
-        raise _unsupported("tools", "leave it out")
-    if parsed.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "it needs 'tools'")
+    if parsed.logprobs:
+        req.logprobs = parsed.top_logprobs or 0
+    elif parsed.top_logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     _common_fields(parsed, req)
+    try:
+        req.tools = tool_calls.choice_for(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
+    except ValueError as exc:
+        raise RequestError(str(exc), "tool_choice") from None
+    if req.tools is not None:
+        req.messages.insert(0, tool_calls.system_message(req.tools))
+        if req.tools.grammar is not None:
+            if req.grammar is not None:
+                raise RequestError(
+                    "'response_format' cannot be combined with forced tool calls", "response_format"
+                )
+            req.grammar = req.tools.grammar
+    _check_grammar_fields(req)
     return req
 
 
@@ -238,6 +267,11 @@ def sampling_params_for(
                 )
         if top_k >= vocab_size:
             top_k = -1  # keeps every token: the same as off
+    bad = [t for t in req.logit_bias if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise RequestError(
+            f"'logit_bias' names token {bad[0]}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+        )
     return SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -248,4 +282,10 @@ def sampling_params_for(
         stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+        logit_bias=dict(req.logit_bias) or None,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        grammar=req.grammar,
     )

@@ -77,3 +77,36 @@ def models_response(model_names: list[str], created: int) -> dict:
         "object": "list",
         "data": [{"id": m, "object": "model", "created": created, "owned_by": "tpfuse"} for m in model_names],
     }
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(entries, tokenizer, text_offset: int = 0) -> dict:
+    """/v1/completions logprobs of TokenLogprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [_token_text(tokenizer, e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries, tokenizer) -> dict:
+    """/v1/chat/completions logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+        ]
+    }

@@ -1,0 +1,31 @@
+"""The engine tokenizer's vocabulary as xgrammar sees it (xgrammar.TokenizerInfo), for grammar masks.
+
+Byte tokenizer: ids 0x20..0xFF are their bytes; its special tokens (and any id past them, which
+preset models with larger vocabularies have) are empty strings, which xgrammar treats as special:
+never allowed inside a grammar, only as a stop token. So are the control bytes 0x00..0x1F: JSON
+forbids them raw inside strings, yet xgrammar 0.2's length-bounded string rule admits them (and
+compact JSON needs no whitespace outside strings; escapes such as \n remain). Hugging Face tokenizers go through xgrammar's own
+reader. vocab_size is the model's (its logits' width), which may exceed the tokenizer's.
+"""
+
+from __future__ import annotations
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    import xgrammar
+
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        encoded = [b""] * 0x20 + [bytes([i]) for i in range(0x20, 256)] + [b""] * (vocab_size - 256)
+        return xgrammar.TokenizerInfo(
+            encoded, xgrammar.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+    hf = getattr(tokenizer, "_tok", None)
+    if hf is None:
+        raise ValueError(
+            f"grammar-constrained decoding does not know the tokenizer {type(tokenizer).__name__}"
+        )
+    return xgrammar.TokenizerInfo.from_huggingface(
+        hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+    )

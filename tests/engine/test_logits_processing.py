@@ -1,0 +1,93 @@
+"""engine/logits_processing.py: logprobs against a float64 softmax of the engine's own logits,
+penalties and logit_bias against a float64 reference, and plain batches left alone."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine.engine import LLMEngine
+from tpfuse.engine.logits_processing import LogitsProcessing
+from tpfuse.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = LLMEngine(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, max_model_len=128))
+    yield e
+    e.shutdown()
+
+
+def test_logprobs_match_a_float64_log_softmax_of_the_engines_logits(engine, monkeypatch):
+    recorded = []
+    model = engine.executor.runner.model
+    compute = model.compute_logits
+
+    def recording(hidden):
+        logits = compute(hidden)
+        recorded.append(logits.detach().clone())
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", recording)
+    engine.add_request(
+        "lp", [3, 1, 4, 1, 5], SamplingParams(temperature=0.7, seed=3, max_tokens=5, logprobs=5)
+    )
+    entries, tokens = [], []
+    while engine.has_unfinished():
+        for output in engine.step():
+            entries += output.logprobs
+            tokens += output.new_token_ids
+    assert len(entries) == len(recorded) == len(tokens) == 5
+    for entry, logits, token in zip(entries, recorded, tokens, strict=True):
+        reference = torch.log_softmax(logits[-1].double(), dim=-1)
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(float(reference[token]), abs=1e-5)
+        top_values, top_ids = reference.topk(5)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-5)
+
+
+def _seq(params: SamplingParams, prompt: list[int], output: list[int]):
+    return SimpleNamespace(params=params, token_ids=prompt + output, output_token_ids=output)
+
+
+def _reference(logits: torch.Tensor, seq) -> torch.Tensor:
+    """float64: HF repetition penalty over every token, OpenAI presence/frequency over output, bias."""
+    p, out = seq.params, logits.double().clone()
+    for t in set(seq.token_ids):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(seq.output_token_ids):
+        out[t] -= p.frequency_penalty * seq.output_token_ids.count(t) + p.presence_penalty
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    return out
+
+
+def test_penalties_and_bias_match_a_float64_reference():
+    vocab = 37
+    processing = LogitsProcessing(vocab, tokenizer=None, eos_token_ids=[1])
+    seqs = [
+        _seq(SamplingParams(repetition_penalty=1.3), [2, 5, 5], [7, 2]),
+        _seq(SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4), [3], [4, 4, 9, 4]),
+        _seq(SamplingParams(), [1], [2]),  # plain: untouched
+        _seq(
+            SamplingParams(logit_bias={0: 5.0, 36: -100.0}, repetition_penalty=0.8, frequency_penalty=2.0),
+            [6],
+            [6, 6],
+        ),
+    ]
+    batch = SimpleNamespace(seqs=seqs, samples=lambda i: True)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    expected = [_reference(logits[j], s) for j, s in enumerate(seqs)]
+    out = processing.for_batch(batch).apply(logits.clone())
+    for j in range(4):
+        torch.testing.assert_close(out[j].double(), expected[j], rtol=1e-6, atol=1e-5)
+
+
+def test_a_batch_of_plain_requests_needs_no_processing():
+    processing = LogitsProcessing(37, tokenizer=None, eos_token_ids=[1])
+    batch = SimpleNamespace(
+        seqs=[_seq(SamplingParams(temperature=0.5, top_k=3), [1], [2])], samples=lambda i: True
+    )
+    assert processing.for_batch(batch) is None
