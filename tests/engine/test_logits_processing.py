@@ -48,8 +48,14 @@ def test_logprobs_match_a_float64_log_softmax_of_the_engines_logits(engine, monk
         assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-5)
 
 
-def _seq(params: SamplingParams, prompt: list[int], output: list[int]):
-    return SimpleNamespace(params=params, token_ids=prompt + output, output_token_ids=output)
+class _Seq:
+    """What logits processing reads of a Sequence."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], output: list[int]):
+        self.params, self.token_ids, self.output_token_ids = params, prompt + output, output
+
+
+_seq = _Seq
 
 
 def _reference(logits: torch.Tensor, seq) -> torch.Tensor:
@@ -77,6 +83,9 @@ def test_penalties_and_bias_match_a_float64_reference():
             [6, 6],
         ),
     ]
+    for seq in seqs:
+        if seq.params.needs_logits_processing:
+            processing.register(seq)
     batch = SimpleNamespace(seqs=seqs, samples=lambda i: True)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     expected = [_reference(logits[j], s) for j, s in enumerate(seqs)]

@@ -161,6 +161,8 @@ class LLMEngine:
                 )
             self.logits_processing.check(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, self.config.block_size)
+        if params.needs_logits_processing:
+            self.logits_processing.register(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.num_prompt_tokens += n

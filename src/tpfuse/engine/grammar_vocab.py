@@ -4,8 +4,9 @@ Byte tokenizer: ids 0x20..0xFF are their bytes; its special tokens (and any id p
 preset models with larger vocabularies have) are empty strings, which xgrammar treats as special:
 never allowed inside a grammar, only as a stop token. So are the control bytes 0x00..0x1F: JSON
 forbids them raw inside strings, yet xgrammar 0.2's length-bounded string rule admits them (and
-compact JSON needs no whitespace outside strings; escapes such as \n remain). Hugging Face tokenizers go through xgrammar's own
-reader. vocab_size is the model's (its logits' width), which may exceed the tokenizer's.
+compact JSON needs no whitespace outside strings; escapes such as \n remain). Hugging Face
+tokenizers go through xgrammar's own reader. vocab_size is the model's (its logits' width), which
+may exceed the tokenizer's.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 (xgrammar) and logprobs.
 
 The runner asks `for_batch(batch)` at each launch; it returns None unless some sequence's params
-need processing (`SamplingParams.needs_logits_processing`), so plain batches pay one attribute
-check per sequence. Otherwise the step takes the eager sampling path: `apply(logits)` edits the
+need processing (`SamplingParams.needs_logits_processing`; the engine registers those at admission,
+so while none is alive plain batches pay one dictionary check per step). Otherwise the step takes the eager sampling path: `apply(logits)` edits the
 logits of the sampled rows [N, V] float32 in place, in this order: raw log-probabilities kept for
 logprobs, repetition penalty (over prompt and output, HF's rule: positive logits divided, negative
 multiplied), presence and frequency penalties (over output tokens, OpenAI's rule), logit_bias, and
@@ -105,9 +105,14 @@ class LogitsProcessing:
             state = self._states[seq] = _SequenceState(matcher)
         return state
 
+    def register(self, seq) -> None:
+        """Called at admission for a sequence whose params need processing (after check)."""
+        self._state(seq)
+
     def for_batch(self, batch) -> BatchProcessing | None:
-        """The processing of batch's sampled rows, or None when none needs any."""
-        if not any(seq.params.needs_logits_processing for seq in batch.seqs):
+        """The processing of batch's sampled rows, or None when none needs any (at once when no
+        registered sequence is alive, so plain traffic never walks the batch)."""
+        if not self._states or not any(seq.params.needs_logits_processing for seq in batch.seqs):
             return None
         rows = []
         for i, seq in enumerate(batch.seqs):
