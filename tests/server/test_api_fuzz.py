@@ -27,7 +27,8 @@ def test_openapi_declares_every_request_body_and_field(fake_server):
 def test_schemathesis_finds_no_server_error(fake_server, tmp_path):
     result = subprocess.run(
         ["schemathesis", "run", fake_server.url + "/openapi.json", "--url", fake_server.url,
-         "--checks", "not_a_server_error", "--phases", "fuzzing", "--max-time", str(FUZZ_SECONDS), "--seed", "24",
+         "--checks", "not_a_server_error", "--phases", "fuzzing", "--max-time", str(FUZZ_SECONDS),
+         "--seed", "24",
          "-H", f"Authorization: Bearer {API_KEY}"],
         capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path,
     )  # fmt: skip
