@@ -5,9 +5,10 @@ The runner asks `for_batch(batch)` at each launch; it returns None unless some s
 need processing (`SamplingParams.needs_logits_processing`; the engine registers those at admission,
 so while none is alive plain batches pay one dictionary check per step). Otherwise the step takes
 the eager sampling path: `apply(logits)` edits the logits of the sampled rows [N, V] float32 in
-place, in this order: raw log-probabilities kept for logprobs, repetition penalty (over prompt and output, HF's rule: positive logits divided, negative
-multiplied), presence and frequency penalties (over output tokens, OpenAI's rule), logit_bias, and
-the grammar mask (disallowed tokens to -inf); then `record(tokens)` stores each logprobs row's
+place, in this order: raw log-probabilities kept for logprobs, repetition penalty (over prompt
+and output, HF's rule: positive logits divided, negative multiplied), presence and frequency
+penalties (over output tokens, OpenAI's rule), logit_bias, and the grammar mask (disallowed tokens
+to -inf); then `record(tokens)` stores each logprobs row's
 chosen and top log-probabilities. Logprobs are those of the model (log_softmax of the raw logits,
 before any processing or temperature), as vLLM reports them by default.
 
