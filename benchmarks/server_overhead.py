@@ -3,8 +3,15 @@
 For each concurrency c: c streamed requests (random prompt token ids, ignore_eos, max_tokens L) sent at
 once through the server, then the same workload on an LLMEngine in this process (after the server has
 stopped, so both get the whole GPU). Reports output tok/s of both, their ratio, and TTFT / inter-token
-latency seen by the HTTP client. The server's goal: ratio >= 0.95 at every concurrency (HTTP,
+latency seen by the HTTP client. The server's goal: ratio >= 0.97 at every concurrency (HTTP,
 tokenization and detokenization never stall the engine loop).
+
+Where a loss goes: "decode ratio" compares the per-stream decode rate after the first token (so it
+leaves out TTFT, which a short run's wall time includes: request set-up, tokenization, prefill);
+"step ms" is the engine process's mean engine.step() under the server, beside the in-process one;
+"outside us" is its mean time per step outside engine.step() (pipe, outputs, stats), from the
+loop_* counters in /metrics. A gap in step ms points at the engine process itself; a gap in the
+decode ratio with equal step ms points at the HTTP side (SSE, detokenization, the event loop).
 
 GPU: python benchmarks/server_overhead.py --model llama-3.1-8b --load-format dummy
 CPU smoke: python benchmarks/server_overhead.py --device cpu --model tiny --concurrency 1,4 --max-tokens 16
@@ -61,16 +68,40 @@ async def _http_batch(url: str, model: str, prompts, max_tokens: int) -> dict:
         itl = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)
         return ttft, itl, tokens
 
+    before = _loop_counters(url)
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - start
+    after = _loop_counters(url)
     tokens = sum(r[2] for r in results)
+    steps = max(after["steps"] - before["steps"], 1)
     return {
         "tok_s": tokens / wall,
+        "decode_tok_s": statistics.median([1.0 / r[1] for r in results if r[1] > 0] or [float("nan")]),
         "ttft_p50_ms": 1e3 * statistics.median(r[0] for r in results),
         "itl_p50_ms": 1e3 * statistics.median(r[1] for r in results),
+        "step_ms": 1e3 * (after["step_s"] - before["step_s"]) / steps,
+        "outside_us": 1e6 * (after["outside_s"] - before["outside_s"]) / steps,
         "tokens": tokens,
     }
+
+
+def _loop_counters(url: str) -> dict:
+    """The engine loop's cumulative counters from /metrics (stats are sent every 0.25 s and on idle)."""
+    import httpx
+
+    time.sleep(0.3)
+    names = {
+        "tpfuse_engine_loop_steps_total": "steps",
+        "tpfuse_engine_loop_step_seconds_total": "step_s",
+        "tpfuse_engine_loop_outside_step_seconds_total": "outside_s",
+    }
+    values = {v: 0.0 for v in names.values()}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[names[name]] = float(value)
+    return values
 
 
 def _engine_batch(engine, prompts, max_tokens: int, tag: str) -> dict:
@@ -80,11 +111,26 @@ def _engine_batch(engine, prompts, max_tokens: int, tag: str) -> dict:
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
-    tokens = 0
+    tokens, steps, step_s = 0, 0, 0.0
+    first, last, count = {}, {}, {}
     while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        began = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps, step_s = steps + 1, step_s + now - began
+        for o in outputs:
+            tokens += len(o.new_token_ids)
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            count[o.request_id] = count.get(o.request_id, 0) + len(o.new_token_ids)
     wall = time.perf_counter() - start
-    return {"tok_s": tokens / wall, "tokens": tokens}
+    decode = [(count[r] - 1) / (last[r] - first[r]) for r in count if last[r] > first[r]]
+    return {
+        "tok_s": tokens / wall,
+        "decode_tok_s": statistics.median(decode) if decode else float("nan"),
+        "step_ms": 1e3 * step_s / max(steps, 1),
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -129,6 +175,7 @@ def main() -> None:
                 "http": http[c],
                 "in_process": local,
                 "ratio": http[c]["tok_s"] / local["tok_s"],
+                "decode_ratio": http[c]["decode_tok_s"] / local["decode_tok_s"],
             }
         )
     engine.shutdown()
@@ -138,14 +185,15 @@ def main() -> None:
         f"{args.max_tokens} tokens, ignore_eos, greedy"
     )
     print(
-        f"{'conc':>5} {'http tok/s':>11} {'engine tok/s':>13} {'ratio':>6} {'TTFT p50 ms':>12} "
-        f"{'ITL p50 ms':>11}"
+        f"{'conc':>5} {'http tok/s':>11} {'engine tok/s':>13} {'ratio':>6} {'decode ratio':>13} "
+        f"{'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'step ms srv/eng':>16} {'outside us':>11}"
     )
     for r in rows:
-        h = r["http"]
+        h, e = r["http"], r["in_process"]
         print(
-            f"{r['concurrency']:>5} {h['tok_s']:>11.1f} {r['in_process']['tok_s']:>13.1f} {r['ratio']:>6.3f} "
-            f"{h['ttft_p50_ms']:>12.1f} {h['itl_p50_ms']:>11.2f}"
+            f"{r['concurrency']:>5} {h['tok_s']:>11.1f} {e['tok_s']:>13.1f} {r['ratio']:>6.3f} "
+            f"{r['decode_ratio']:>13.3f} {h['ttft_p50_ms']:>12.1f} {h['itl_p50_ms']:>11.2f} "
+            f"{h['step_ms']:>7.3f}/{e['step_ms']:<8.3f} {h['outside_us']:>11.1f}"
         )
     out = os.environ.get("OUT")
     if out:

@@ -100,3 +100,44 @@ def test_a_batch_of_plain_requests_needs_no_processing():
         seqs=[_seq(SamplingParams(temperature=0.5, top_k=3), [1], [2])], samples=lambda i: True
     )
     assert processing.for_batch(batch) is None
+
+
+@pytest.mark.gpu
+def test_grammar_and_logprobs_on_cuda_graph_steps():
+    """On CUDA, decode steps replay graphs: processed rows still get their logits (not the graph's
+    argmax), the mask is applied on the device, and a greedy json_schema answer validates."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+
+    engine = LLMEngine(EngineConfig(model="tiny", device="cuda", max_model_len=512))
+    try:
+        schema = {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                "s": {"type": "string", "maxLength": 6},
+            },
+            "required": ["n", "s"],
+            "additionalProperties": False,
+        }
+        params = SamplingParams(
+            temperature=0, max_tokens=64, logprobs=2, grammar=Grammar("json_schema", json.dumps(schema))
+        )
+        engine.add_request("g", engine.tokenizer.encode("JSON:"), params)
+        engine.add_request(
+            "plain", engine.tokenizer.encode("plain"), SamplingParams(temperature=0, max_tokens=16)
+        )
+        tokens, entries = [], []
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.request_id == "g":
+                    tokens += output.new_token_ids
+                    entries += output.logprobs
+        value = json.loads(engine.tokenizer.decode(tokens))
+        assert set(value) == {"n", "s"} and 0 <= value["n"] <= 99 and len(value["s"]) <= 6
+        assert len(entries) == len(tokens) and all(
+            e.token_id == t for e, t in zip(entries, tokens, strict=True)
+        )
+    finally:
+        engine.shutdown()

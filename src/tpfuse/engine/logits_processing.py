@@ -161,24 +161,29 @@ class BatchProcessing:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[j].index_add_(0, ids, bias)
-            if p.grammar is not None:
-                self._mask(logits, j, seq)
+        grammar_rows = [j for j, s in enumerate(seqs) if s.params.grammar is not None]
+        if grammar_rows:
+            self._mask(logits, grammar_rows)
         return logits
 
-    def _mask(self, logits: torch.Tensor, j: int, seq) -> None:
+    def _mask(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Grammar masks of rows, filled on the host into one bitmask, applied in one pass."""
         import xgrammar
 
-        state = self.owner._state(seq)
-        outputs = seq.output_token_ids
-        for token in outputs[state.num_accepted :]:
-            if not state.matcher.is_terminated():
-                state.matcher.accept_token(token)
-        state.num_accepted = len(outputs)
         vocab = logits.shape[-1]
-        bitmask = xgrammar.allocate_token_bitmask(1, vocab)
-        state.matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = _unpack_bitmask(bitmask[0].to(logits.device), vocab)
-        logits[j].masked_fill_(~allowed, float("-inf"))
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+        for r, j in enumerate(rows):
+            seq = self.seqs[j]
+            state = self.owner._state(seq)
+            outputs = seq.output_token_ids
+            for token in outputs[state.num_accepted :]:
+                if not state.matcher.is_terminated():
+                    state.matcher.accept_token(token)
+            state.num_accepted = len(outputs)
+            state.matcher.fill_next_token_bitmask(bitmask, r)
+        index = torch.tensor(rows, device=logits.device)
+        allowed = _unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
 
     @torch.inference_mode()
     def record(self, tokens: torch.Tensor | None) -> None:
@@ -215,9 +220,9 @@ def _penalize(row: torch.Tensor, seq, p) -> None:
 
 
 def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """xgrammar's packed bitmask [ceil(V/32)] int32 (bit b of word w: token 32 w + b) -> bool [V]."""
+    """xgrammar's packed bitmask [R, ceil(V/32)] int32 (bit b of word w: token 32 w + b) -> bool [R, V]."""
     bits = torch.arange(32, device=words.device, dtype=torch.int32)
-    return ((words[:, None] >> bits) & 1).bool().reshape(-1)[:vocab]
+    return ((words[:, :, None] >> bits) & 1).bool().reshape(words.shape[0], -1)[:, :vocab]
 
 
 def json_object_grammar() -> Grammar:

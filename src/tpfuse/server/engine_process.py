@@ -137,8 +137,40 @@ def _handle(engine, conn, message) -> bool:
     return True
 
 
-def _step(engine, conn, failures: int) -> int:
+class _LoopTimes:
+    """Where the engine process's time goes: inside engine.step() and outside it (draining the pipe,
+    sending outputs and stats), as cumulative stats entries loop_steps_total,
+    loop_step_seconds_total and loop_outside_step_seconds_total, so /metrics shows whether serving
+    costs the engine loop anything (benchmarks/server_overhead.py diffs them around each run).
+    Time blocked on the pipe while idle is not counted."""
+
+    def __init__(self):
+        self.steps = 0
+        self.in_step = 0.0
+        self.outside = 0.0
+        self.last_end: float | None = None
+
+    def step(self, began: float, ended: float) -> None:
+        if self.last_end is not None:
+            self.outside += began - self.last_end
+        self.in_step += ended - began
+        self.steps += 1
+        self.last_end = ended
+
+    def idle(self) -> None:
+        self.last_end = None
+
+    def stats(self) -> dict:
+        return {
+            "loop_steps_total": self.steps,
+            "loop_step_seconds_total": self.in_step,
+            "loop_outside_step_seconds_total": self.outside,
+        }
+
+
+def _step(engine, conn, failures: int, times: _LoopTimes) -> int:
     """One engine step; returns the number of failed steps in a row (0 after a good one)."""
+    began = time.perf_counter()
     try:
         outputs = engine.step()
     except Exception:
@@ -147,6 +179,7 @@ def _step(engine, conn, failures: int) -> int:
             raise
         conn.send(("step_failed", engine.abort_failed_step(), report))
         return failures + 1
+    times.step(began, time.perf_counter())
     if outputs:
         conn.send(("outputs", outputs))
     return 0
@@ -156,11 +189,13 @@ def _serve(conn, engine) -> None:
     last_stats = 0.0
     stats_dirty = True
     failures = 0
+    times = _LoopTimes()
     while True:
         if not engine.has_unfinished():
             if stats_dirty:
-                conn.send(("stats", stats_dict(engine.stats())))
+                conn.send(("stats", {**stats_dict(engine.stats()), **times.stats()}))
                 stats_dirty = False
+            times.idle()
             if not _handle(engine, conn, conn.recv()):  # idle: block until there is work
                 return
         while conn.poll():
@@ -168,8 +203,8 @@ def _serve(conn, engine) -> None:
                 return
         stats_dirty = True
         if engine.has_unfinished():
-            failures = _step(engine, conn, failures)
+            failures = _step(engine, conn, failures, times)
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:
-            conn.send(("stats", stats_dict(engine.stats())))
+            conn.send(("stats", {**stats_dict(engine.stats()), **times.stats()}))
             last_stats = now
