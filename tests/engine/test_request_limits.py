@@ -59,7 +59,6 @@ def test_a_failed_step_is_aborted_and_the_engine_serves_on(engine, monkeypatch):
         raise RuntimeError("broken step")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.executor, "run", broken)
         patch.setattr(engine.executor, "launch", broken)
         with pytest.raises(RuntimeError):
             engine.step()
