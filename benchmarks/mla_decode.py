@@ -5,8 +5,9 @@ Heads 128 (TP 1) and 16 (TP 8), batch 1-64, context 1k-32k. Each case is timed b
 (gpu_timing.graph_us) round-robin over enough separate caches ("layers") to exceed the L2, as 61
 layers' caches do. Bytes per call = batch * context * 576 * 2 (the latent rows each sequence reads
 once); of_copy = that rate over an eager 1 GiB device copy's (read + write) rate. The shipped tile
-(MLA_DECODE_BLOCK_M/N) is reported everywhere; a tile sweep (rows per program, keys per tile,
-warps) runs while its time budget lasts, and the best tile per case is reported beside it.
+(decode_block_m(heads), MLA_DECODE_BLOCK_N, 4 warps) is reported everywhere; a tile sweep (rows per
+program, keys per tile, warps) runs while its time budget lasts, and the best tile per case is
+reported beside it.
 
 Usage (device machine, repo root): python benchmarks/mla_decode.py [--sweep-seconds 180] [--quick]
 JSON rows go to $OUT/mla_decode.json when $OUT is set.
@@ -98,7 +99,6 @@ def main() -> None:
     batches, contexts = (
         ([1, 64], [4096, 32768]) if args.quick else ([1, 8, 32, 64], [1024, 4096, 16384, 32768])
     )
-    shipped = (mla_decode.MLA_DECODE_BLOCK_M, mla_decode.MLA_DECODE_BLOCK_N, 4)
     deadline = time.monotonic() + args.sweep_seconds
     rows = []
     print(
@@ -108,6 +108,7 @@ def main() -> None:
         for batch in batches:
             for context in contexts:
                 case = make_case(batch, context, heads)
+                shipped = (mla_decode.decode_block_m(heads), mla_decode.MLA_DECODE_BLOCK_N, 4)
                 nbytes = batch * context * ROW_BYTES
                 us = time_tile(case, shipped)
                 best, best_us = shipped, us

@@ -222,9 +222,9 @@ def mla_rope_norm_store_op(
 
 
 def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
-    """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k] float32, ids [T, k] int32); torch on
-    every device, CUDA-graph safe (kernels/grouped_topk.py)."""
-    return grouped_topk.grouped_topk(
+    """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k] float32, ids [T, k] int32),
+    CUDA-graph safe (kernels/grouped_topk.py)."""
+    return _pick(grouped_topk, "grouped_topk", router_logits)(
         router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
     )
 

@@ -15,9 +15,15 @@ import triton
 from tpfuse.kernels.decode_attention import choose_num_splits
 from tpfuse.kernels.mla_attention import check_mla_inputs, mla_attention_launch
 
-# Rows (heads) per program and keys per tile: a first choice, to be set from benchmarks/mla_decode.py.
+# Rows (heads) per program, at most, and keys per tile: a first choice, not yet measured; to be set
+# from benchmarks/mla_decode.py on the H200.
 MLA_DECODE_BLOCK_M = 32
 MLA_DECODE_BLOCK_N = 32
+
+
+def decode_block_m(heads: int) -> int:
+    """Heads per program: all of them up to MLA_DECODE_BLOCK_M, never fewer than 16 (tl.dot's minimum)."""
+    return max(16, min(triton.next_power_of_2(heads), MLA_DECODE_BLOCK_M))
 
 
 def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,15 +55,17 @@ def mla_decode_ref(q_latent, q_rope, cache, block_tables, seq_lens, scale):
 def mla_decode_num_splits(batch: int, heads: int, max_blocks: int, block_size: int, device) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe), decode_attention's rule with the
     head tiles of one sequence in place of its KV heads."""
-    head_tiles = triton.cdiv(heads, MLA_DECODE_BLOCK_M)
+    head_tiles = triton.cdiv(heads, decode_block_m(heads))
     return choose_num_splits(batch, head_tiles, max_blocks, block_size, device)
 
 
 def mla_decode_launch(
     q_latent, q_rope, cache, block_tables, seq_lens, scale, num_splits,
-    block_m=MLA_DECODE_BLOCK_M, block_n=MLA_DECODE_BLOCK_N, num_warps=4, num_stages=2,
+    block_m=None, block_n=MLA_DECODE_BLOCK_N, num_warps=4, num_stages=2,
 ):  # fmt: skip
-    """mla_decode_triton with explicit splits and tiles (tests, benchmarks)."""
+    """mla_decode_triton with explicit splits and tiles (tests, benchmarks); block_m None: decode_block_m."""
+    if block_m is None:
+        block_m = decode_block_m(q_latent.shape[1])
     return mla_attention_launch(
         q_latent, q_rope, cache, block_tables, seq_lens, None, 1, scale,
         num_splits, block_m, block_n, num_warps, num_stages,
