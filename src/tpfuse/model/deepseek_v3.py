@@ -4,9 +4,10 @@ experts under group-limited sigmoid routing plus always-on shared experts.
 
 Tensor parallelism: attention heads split over ranks, the latent cache replicated on every rank
 (LatentCacheLayout); every rank holds every routed expert's slice of the intermediate dim
-(FusedMoE) and a slice of the shared experts, so the routed combine and the shared output are one
-partial sum that enters the fused all-reduce + residual + RMSNorm. Checkpoint tensors of the MTP
-(NextN) layers, model.layers.{num_hidden_layers + i}.*, are skipped.
+(FusedMoE) and a slice of the shared experts; the shared output is one more slot of each token in
+the MoE finalize (routed combine + shared + all-reduce + residual + RMSNorm in the layer's last
+sync). Checkpoint tensors of the MTP (NextN) layers, model.layers.{num_hidden_layers + i}.*, are
+skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import grouped_topk_op
+from tpfuse.kernels import grouped_topk_op, moe_finalize_op
+from tpfuse.model import moe_choice
 from tpfuse.model.blocks import GatedMLP
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
@@ -70,7 +72,22 @@ class DeepseekV3MoE(nn.Module):
     def forward_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+        """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
+        experts' output as one more slot of each token, so routed and shared outputs are summed in
+        float32 and rounded once, then all-reduced with the residual add and the next norm."""
+        topk_weights, topk_ids = self.route(x)
+        slots_per_token = self.top_k + (self.shared_experts is not None)
+        fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
+        if not fused:
+            return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+        slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            num_tokens, hidden = x.shape
+            shared = self.shared_experts(x).view(num_tokens, 1, hidden)
+            slots = torch.cat([slots.view(num_tokens, self.top_k, hidden), shared], dim=1).view(-1, hidden)
+        if comm.world_size > 1:
+            return comm.moe_finalize_all_reduce(slots, slots_per_token, residual, weight, eps)
+        return moe_finalize_op(slots, slots_per_token, residual, weight, eps)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         slots = {
