@@ -7,7 +7,7 @@ import subprocess
 import httpx
 from tests.server.conftest import API_KEY
 
-FUZZ_SECONDS = 20
+FUZZ_SECONDS = 15
 
 
 def test_openapi_declares_every_request_body_and_field(fake_server):

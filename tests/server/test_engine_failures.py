@@ -52,7 +52,9 @@ def _engine_pid(server_pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    server = start_server(FAKE, ["--device", "cpu", "--engine-step-timeout", "2"])
+    server = start_server(
+        FAKE, ["--device", "cpu", "--engine-step-timeout", "2", "--shutdown-drain-timeout", "0.2"]
+    )
     yield server
     server.stop()
     server.remove_log()
@@ -89,9 +91,19 @@ def test_hung_engine_is_killed_after_the_step_timeout_and_restarted(server):
     assert "a hung step or rank" in server.output()
 
 
-def test_sigterm_after_an_engine_death_exits_non_zero(server):
+def test_sigterm_ends_an_open_stream_with_an_error_event_and_exits_non_zero_after_an_engine_death(server):
     assert "the engine process died" in server.output()  # the tests above killed it
-    assert server.stop(signal.SIGTERM, timeout=20) == 1
+    body = {"prompt": "x", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    # 240 tokens at the fake engine's 2 ms per step outlast the 0.2 s drain
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(rest[-2][len("data: ") :])["error"]["message"]
+    assert server.proc.wait(20) == 1
+    assert "Traceback" not in server.output().split("a step failed")[0]
 
 
 def test_no_restart_engine_makes_the_server_exit_non_zero_when_the_engine_dies():
@@ -101,25 +113,6 @@ def test_no_restart_engine_makes_the_server_exit_non_zero_when_the_engine_dies()
         assert server.proc.wait(30) == 1
         assert "--no-restart-engine" in server.output()
         assert server.wait_group_gone(10)
-    finally:
-        server.stop()
-        server.remove_log()
-
-
-def test_sigterm_ends_an_open_stream_with_an_error_event_and_done():
-    server = start_server(FAKE, ["--device", "cpu", "--shutdown-drain-timeout", "0.2"])
-    try:
-        body = {"prompt": "x", "max_tokens": 240, "stream": True, "ignore_eos": True}
-        # 240 tokens at the fake engine's 2 ms per step outlast the 0.2 s drain
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            server.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        assert "shutting down" in json.loads(rest[-2][len("data: ") :])["error"]["message"]
-        assert server.proc.wait(20) == 0
-        assert "Traceback" not in server.output()
     finally:
         server.stop()
         server.remove_log()

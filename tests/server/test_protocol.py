@@ -139,3 +139,8 @@ def test_sampling_params_carry_the_request_fields():
     params = protocol.sampling_params_for(req, num_prompt_tokens=4, max_model_len=64)
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (5, 0.0, 3, 9)
     assert (params.stop, params.min_tokens, params.ignore_eos) == (["z"], 1, True)
+
+
+def test_null_fields_mean_their_defaults():
+    req = _completion(n=None, temperature=None, stop=None, seed=None, max_tokens=None, stream_options=None)
+    assert (req.n, req.temperature, req.stop, req.seed, req.max_tokens) == (1, 1.0, [], None, 16)

@@ -97,6 +97,7 @@ def _short(value: Any) -> str:
 def _validate(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # a null field means its default
     try:
         return model.model_validate(body)
     except ValidationError as exc:
