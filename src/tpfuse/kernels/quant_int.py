@@ -61,12 +61,13 @@ def pack_int(values: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = values_per_word(bits)
     rows, cols = values.shape
     words = -(-cols // per_word)
-    padded = torch.zeros(rows, words * per_word, dtype=torch.int64, device=values.device)
-    padded[:, :cols] = values.to(torch.int64)
+    padded = torch.zeros(rows, words * per_word, dtype=torch.int32, device=values.device)
+    padded[:, :cols] = values
     padded = padded.view(rows, words, per_word)
-    shifts = torch.arange(per_word, device=values.device, dtype=torch.int64) * bits
-    packed = (padded << shifts).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    packed = padded[..., 0].clone()
+    for i in range(1, per_word):  # int32 shifts wrap into the sign bit, as the layout wants
+        packed |= padded[..., i] << (bits * i)
+    return packed
 
 
 def unpack_int(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:

@@ -143,6 +143,21 @@ def method_for(role: str) -> LinearMethod:
     return UNQUANTIZED if config is None else config.linear_method(role)
 
 
+def reference_product(
+    layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, dequantize
+) -> torch.Tensor:
+    """The torch reference path of a quantized method (CPU runs): x.float() @ W.T (+ bias) rounded
+    once to x.dtype, where W = dequantize() [N, K] float32 is computed once per layer and kept."""
+    weight = layer.__dict__.get("reference_weight")
+    if weight is None:
+        weight = dequantize()
+        layer.__dict__["reference_weight"] = weight
+    out = x.float() @ weight.T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 def process_all(model: nn.Module) -> None:
     """Runs every method's process_weights (linears', experts') once, after the checkpoint is loaded."""
     for module in model.modules():

@@ -17,11 +17,13 @@ import zlib
 import torch
 
 from tpfuse.config import EngineConfig
-from tpfuse.model import quant
+from tpfuse.model import gguf, quant
 from tpfuse.model.config import ModelConfig
+from tpfuse.model.gguf import GgufFile, is_gguf
 from tpfuse.model.layers import ParallelContext, ShardSlot
 from tpfuse.model.linear_method import QuantConfig, linear_methods, process_all
 from tpfuse.model.presets import PRESETS, is_preset, preset_config
+from tpfuse.model.quant.gguf import GgufConfig
 from tpfuse.model.registry import model_class
 
 log = logging.getLogger("tpfuse")
@@ -45,13 +47,17 @@ def read_json(path: str) -> dict | None:
 
 
 def load_model_config(engine_config: EngineConfig) -> ModelConfig:
-    """ModelConfig of --model (a preset name or a local Hugging Face directory) with --dtype applied."""
+    """ModelConfig of --model (a preset name, a local Hugging Face directory or a .gguf file) with
+    --dtype applied."""
     model = engine_config.model
     if is_preset(model):
         return preset_config(model, engine_config.dtype)
+    if is_gguf(model):
+        return ModelConfig.from_hf_dict(open_gguf(model).hf_config(), engine_config.dtype, None, source=model)
     if not os.path.isdir(model):
         raise CheckpointError(
-            f"--model {model!r} is neither a local directory nor a preset; presets: {', '.join(PRESETS)}"
+            f"--model {model!r} is neither a local directory, a .gguf file nor a preset; "
+            f"presets: {', '.join(PRESETS)}"
         )
     config_path = os.path.join(model, "config.json")
     hf = read_json(config_path)
@@ -83,6 +89,8 @@ def load_model(
     slots = model.checkpoint_slots()
     if is_preset(engine_config.model) or engine_config.load_format == "dummy":
         fill_dummy_weights(slots, engine_config.seed)
+    elif is_gguf(engine_config.model):
+        load_gguf(model, slots, open_gguf(engine_config.model))
     else:
         load_safetensors(model, slots, engine_config.model)
     check_all_parameters_written(model, slots)
@@ -98,7 +106,9 @@ def load_quant_config(engine_config: EngineConfig) -> QuantConfig | None:
     dummy weights. Raises QuantizationError (a ValueError) naming an unsupported format or field."""
     dummy = is_preset(engine_config.model) or engine_config.load_format == "dummy"
     stored = None
-    if not is_preset(engine_config.model):
+    if is_gguf(engine_config.model):
+        stored = GgufConfig(open_gguf(engine_config.model))
+    elif not is_preset(engine_config.model):
         config_path = os.path.join(engine_config.model, "config.json")
         stored = quant.from_hf_config(read_json(config_path) or {}, config_path)
     if engine_config.quantization is None:
@@ -208,6 +218,58 @@ def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], direct
                         "re-download that shard"
                     )
                 _copy_slice(f.get_slice(name), slots[name], name, path)
+
+
+def open_gguf(path: str) -> GgufFile:
+    """The parsed file (memory-mapped; parsed once per process). Raises CheckpointError."""
+    try:
+        return gguf.open_gguf(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+
+def load_gguf(model: torch.nn.Module, slots: dict[str, ShardSlot], file: GgufFile) -> None:
+    """Copies this rank's shard of every tensor of a GGUF file into the model: Q8_0/Q4_0/Q4_1
+    linears as codes (the slots of model/quant/gguf.py), everything else dequantized. Logs which."""
+    sources = {name: _gguf_source(name) for name in slots}
+    missing = sorted({source for source in sources.values() if source not in file.tensors})
+    if missing:
+        raise CheckpointError(f"{file.path} has no tensor {_listing(missing)}; is it a complete model file?")
+    unexpected = [n for n in file.tensors if n not in set(sources.values())]
+    if unexpected:
+        raise CheckpointError(f"{file.path} has tensors the model has no place for: {_listing(unexpected)}")
+    converted: dict[str, dict[str, torch.Tensor]] = {}
+    kept, dequantized = [], []
+    for name, slot in slots.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in _GGUF_CODES:
+            if base not in converted:
+                converted[base] = file.group_quantized(sources[name])
+                kept.append(f"{base} {file.tensor_type(sources[name])}")
+            source = converted[base][suffix]
+        else:
+            source = file.dequantized(name)
+            dequantized.append(f"{name} {file.tensor_type(name)}")
+        if not slot.accepts_shape(tuple(source.shape)):
+            raise CheckpointError(
+                f"{file.path}: tensor {name} has shape {list(source.shape)} but the model needs "
+                f"{list(slot.full_shape)}; the file's metadata and tensors disagree"
+            )
+        if slot.length:
+            slot.destination().copy_(source[slot.source_index()])
+    log.info(
+        "GGUF %s: %d linears run by the group-quantized kernels (%s); %d tensors dequantized at load (%s)",
+        os.path.basename(file.path), len(kept), _listing(kept), len(dequantized), _listing(dequantized),
+    )  # fmt: skip
+
+
+_GGUF_CODES = ("weight_packed", "weight_scale", "weight_offset")
+
+
+def _gguf_source(name: str) -> str:
+    """The file tensor a slot reads: a linear's codes and scales all come from its weight."""
+    base, _, suffix = name.rpartition(".")
+    return f"{base}.weight" if suffix in _GGUF_CODES else name
 
 
 def _copy_slice(source, slot: ShardSlot, name: str, path: str) -> None:

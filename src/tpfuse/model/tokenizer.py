@@ -111,13 +111,40 @@ class HFTokenizer:
         return _plain_chat_template(messages, prefix, "\n", "Assistant:")
 
 
-def load_tokenizer(model: str) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of a preset name (byte-level) or of a local Hugging Face directory.
+class GgufTokenizer(HFTokenizer):
+    """The tokenizer a .gguf file describes (tokenizer.ggml.* metadata, converted by transformers),
+    with the file's chat template (tokenizer.chat_template) and eos id."""
 
-    Raises ValueError when model is neither a preset nor a directory, or the directory has no tokenizer.
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        from tpfuse.model.gguf import open_gguf
+
+        directory, name = os.path.split(os.path.abspath(path))
+        try:
+            self._tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        except (OSError, ValueError) as e:
+            reason = " ".join(str(e).split())
+            raise ValueError(f"could not build the tokenizer of {path} from its metadata: {reason}") from e
+        file = open_gguf(path)
+        template = file.field("tokenizer.chat_template")
+        if template:
+            self._tok.chat_template = template
+        self.bos_token_id = self._tok.bos_token_id
+        self.vocab_size = len(self._tok)
+        eos = {self._tok.eos_token_id, file.field("tokenizer.ggml.eos_token_id")}
+        self.eos_token_ids = {int(i) for i in eos if i is not None}
+
+
+def load_tokenizer(model: str) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a preset name (byte-level), a local Hugging Face directory or a .gguf file.
+
+    Raises ValueError when model is none of these, or the directory has no tokenizer.
     """
     if is_preset(model):
         return ByteTokenizer()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return GgufTokenizer(model)
     if os.path.isdir(model):
         return HFTokenizer(model)
     from tpfuse.model.presets import PRESETS

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
-from tpfuse.kernels.quant_fp8 import FP8_DTYPE, fp8_dot_supported
-from tpfuse.model.linear_method import LinearShards
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8, fp8_dot_supported
+from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.shard import ShardSlot
 
 FP8_STORED = ("F8_E4M3",)
@@ -119,6 +119,9 @@ class Fp8LinearMethod:
         layer.weight_scale.data = torch.cat(expanded).contiguous()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not use_triton(x):
+            weight, scale, block = layer.weight, layer.weight_scale, layer.fp8_block
+            return reference_product(layer, x, bias, lambda: dequantize_fp8(weight, scale, block))
         w8a8 = x.shape[0] > MAX_DECODE_ROWS and x.is_cuda and use_triton(x) and fp8_dot_supported(x.device)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, w8a8=w8a8)
 

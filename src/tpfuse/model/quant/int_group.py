@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpfuse.kernels import int_linear_op
-from tpfuse.kernels.quant_int import values_per_word
-from tpfuse.model.linear_method import LinearShards
+from tpfuse.kernels import int_linear_op, use_triton
+from tpfuse.kernels.quant_int import dequantize_int, values_per_word
+from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.shard import ShardSlot
 
 INT_STORED = ("I32",)
@@ -124,6 +124,14 @@ class IntGroupLinearMethod:
         self.check_shapes(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int_linear_op(
-            x, layer.weight_packed, layer.weight_scale, layer.weight_offset, self.bits, layer.int_group, bias
-        )
+        return int_group_product(layer, x, bias, self.bits, layer.int_group)
+
+
+def int_group_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int):
+    """layer.weight_packed / weight_scale / weight_offset (kernels/quant_int.py's layout) times x:
+    the Triton kernel, or on the reference path the weight dequantized once and kept."""
+    packed, scale, offset = layer.weight_packed, layer.weight_scale, layer.weight_offset
+    if use_triton(x):
+        return int_linear_op(x, packed, scale, offset, bits, group, bias)
+    k = layer.shards.k_local
+    return reference_product(layer, x, bias, lambda: dequantize_int(packed, scale, offset, bits, group, k))
