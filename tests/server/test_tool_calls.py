@@ -60,3 +60,13 @@ def test_tool_choice_none_shows_no_tools_and_a_named_unknown_function_is_refused
     assert _choice("none") is None
     with pytest.raises(ValueError, match="not among 'tools'"):
         _choice({"type": "function", "function": {"name": "missing"}})
+
+
+def test_the_functions_join_the_first_system_message_or_open_one():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}]
+    tool_calls.add_to_system_message(messages, _choice("auto"))
+    assert len(messages) == 2 and messages[0]["content"].startswith("Be brief.\n\nYou can call")
+    assert '"name": "add"' in messages[0]["content"]
+    alone = [{"role": "user", "content": "x"}]
+    tool_calls.add_to_system_message(alone, _choice("auto"))
+    assert [m["role"] for m in alone] == ["system", "user"]

@@ -223,7 +223,11 @@ class LLMEngine:
         following = self.scheduler.schedule_next_decode(batch, plain=plain)
         if following is not None and plain and not self._runs_plain(following):
             following = None  # the next step speculates: it is scheduled (and packed) synchronously
-        if following is not None and any(seq.params.needs_logits_processing for seq in following.seqs):
+        if (
+            following is not None
+            and self.logits_processing.active
+            and any(seq.params.needs_logits_processing for seq in following.seqs)
+        ):
             following = None  # its logits processing needs this step's tokens (grammar, penalties)
         if following is not None:
             packed = self.executor.pack_next_decode(following, self.config.seed)

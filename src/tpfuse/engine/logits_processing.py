@@ -106,6 +106,11 @@ class LogitsProcessing:
             state = self._states[seq] = _SequenceState(matcher)
         return state
 
+    @property
+    def active(self) -> bool:
+        """Whether any registered sequence is alive (else no batch needs processing)."""
+        return bool(self._states)
+
     def register(self, seq) -> None:
         """Called at admission for a sequence whose params need processing (after check)."""
         self._state(seq)

@@ -223,7 +223,7 @@ def parse_chat_request(body: Any, model_names: list[str]) -> GenerateRequest:
     except ValueError as exc:
         raise RequestError(str(exc), "tool_choice") from None
     if req.tools is not None:
-        req.messages.insert(0, tool_calls.system_message(req.tools))
+        tool_calls.add_to_system_message(req.messages, req.tools)
         if req.tools.grammar is not None:
             if req.grammar is not None:
                 raise RequestError(

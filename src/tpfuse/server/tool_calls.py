@@ -77,13 +77,18 @@ def choice_for(tools, tool_choice, parallel: bool) -> ToolChoice | None:
     )
 
 
-def system_message(choice: ToolChoice) -> dict:
+def add_to_system_message(messages: list[dict], choice: ToolChoice) -> None:
+    """Shows the functions in the system message (the first message, added if there is none, so
+    templates that allow one system message at the start still apply)."""
     listing = json.dumps(choice.functions, ensure_ascii=False)
-    return {
-        "role": "system",
-        "content": "You can call these functions. To call them, reply with only a JSON array of "
-        f'{{"name": ..., "arguments": {{...}}}} objects.\nFunctions: {listing}',
-    }
+    text = (
+        "You can call these functions. To call them, reply with only a JSON array of "
+        f'{{"name": ..., "arguments": {{...}}}} objects.\nFunctions: {listing}'
+    )
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
 
 
 def message_for_template(m) -> dict:
