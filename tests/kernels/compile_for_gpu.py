@@ -177,7 +177,8 @@ def _moe_variants(p: str):
     grouped = {"*": p, "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
     for tile in fused_moe.CANDIDATE_TILES:
         blocks = dict(
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=fused_moe.GROUP_M
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=fused_moe.GROUP_M,
+            DOT_PRECISION="tf32",
         )
         options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
         if tile.block_m == 1:

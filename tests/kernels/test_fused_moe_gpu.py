@@ -121,3 +121,22 @@ def test_moe_finalize_matches_float64_in_and_out_of_a_cuda_graph(num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed[0], normed) and torch.equal(graphed[1], new_residual)
+
+
+def test_start_up_choice_keeps_the_fastest_measured_tile_and_records_it():
+    from types import SimpleNamespace
+
+    from tpfuse.kernels import fused_moe
+    from tpfuse.model import moe_choice
+
+    w13, w2 = experts(21)
+    block = torch.nn.Module()
+    block.top_k, block.experts = K, SimpleNamespace(w13=w13, w2=w2, hidden_size=H)
+    decisions = moe_choice.choose(block, max_decode_rows=64, max_prefill_tokens=2048, tp_size=1)
+    assert {d.slots_bucket for d in decisions} >= {8, 512, 16384}
+    for d in decisions:
+        assert d.us <= d.default_us
+        assert fused_moe.tile_for(w13, d.slots_bucket) == d.tile
+        assert (d.tile in fused_moe.DECODE_TILES) == (d.slots_bucket <= fused_moe.DECODE_MAX_SLOTS)
+    x = torch.empty(1, H, device=CUDA, dtype=torch.bfloat16)
+    assert isinstance(moe_choice.fuse_finalize(x, K), bool)

@@ -106,7 +106,7 @@ def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_slots, num_blocks, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the block's slots s = t * k + j."""
     pid_m, pid_n = _block_ids(num_blocks, inter, BLOCK_N, GROUP_M)
@@ -130,8 +130,8 @@ def _gate_up_kernel(
         k_ok = (ks + k0) < hidden
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), acc_g)
-        acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), acc_u)
+        acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), acc_u, input_precision=DOT_PRECISION)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out = act_ptr + slots[:, None].to(tl.int64) * stride_act + cols[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -142,6 +142,7 @@ def _down_kernel(
     act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_slots, num_blocks, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), rounded to out's dtype."""
     pid_m, pid_n = _block_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
@@ -161,7 +162,8 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (ks + k0) < inter
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0)
     out = out_ptr + safe[:, None] * stride_out + cols[None, :]
     tl.store(
@@ -268,6 +270,7 @@ def expert_slot_outputs(
     nb = block_expert.shape[0]
     common = dict(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         num_stages=tile.num_stages, num_warps=tile.num_warps,
     )  # fmt: skip
     _gate_up_kernel[(nb * triton.cdiv(inter, tile.block_n),)](

@@ -16,10 +16,12 @@ default tiles run, and the fused finalize.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from triton.runtime.errors import OutOfResources
 
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import fused_moe
@@ -79,6 +81,15 @@ def slot_buckets(top_k: int, max_decode_rows: int, max_prefill_tokens: int) -> l
 
 
 def _time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> float:
+    """us per call of the experts at tile; inf when the tile cannot run here (too much shared memory,
+    e.g. float32 weights in a tile sized for bf16)."""
+    try:
+        return _graph_time_tile(experts, tile, num_tokens, top_k)
+    except OutOfResources:
+        return math.inf
+
+
+def _graph_time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> float:
     w13, w2 = experts.w13, experts.w2
     g = torch.Generator(device=w13.device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, w13.shape[2], device=w13.device, generator=g).to(w13.dtype)
