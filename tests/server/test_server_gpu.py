@@ -2,6 +2,7 @@
 aborts, and a real-shape model. Run: pytest -m gpu tests/server"""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -101,3 +102,41 @@ def test_gpu_server_serves_llama_8b_shapes_with_dummy_weights():
     finally:
         server.stop()
         server.remove_log()
+
+
+def test_requests_that_once_killed_the_engine_are_400_on_cuda_and_features_run_on_graphs(gpu_server):
+    """On CUDA an out-of-vocabulary id reaching the sampler is a device-side assert that ends the
+    process, so these must stop in the HTTP process; logprobs, a grammar and n run beside plain
+    requests on graph steps."""
+    url = gpu_server.url + "/v1/completions"
+    for body in (
+        {"prompt": "x", "top_k": 2**63},
+        {"prompt": "x", "stop_token_ids": [300], "min_tokens": 1},
+        {"prompt": "x", "logit_bias": {"300": 5}},
+        {"prompt": [1, 300]},
+    ):
+        assert httpx.post(url, json={"max_tokens": 2, **body}, timeout=60).status_code == 400
+    assert httpx.get(gpu_server.url + "/health", timeout=10).status_code == 200
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+    }
+    fancy = {
+        "prompt": "JSON:",
+        "max_tokens": 32,
+        "temperature": 0,
+        "logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
+    plain = {"prompt": "plain", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "n": 3, "seed": 1}
+
+    async def both():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(http.post(url, json=fancy), http.post(url, json=plain))
+
+    constrained, batch = asyncio.run(both())
+    choice = constrained.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and 0 <= json.loads(choice["text"])["n"] <= 9
+    assert len(choice["logprobs"]["tokens"]) == constrained.json()["usage"]["completion_tokens"]
+    assert [c["index"] for c in batch.json()["choices"]] == [0, 1, 2]
