@@ -54,6 +54,14 @@ def _ptx(kernel, epilogue, out_type="*bf16", lockstep=True):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
+def _probe_ptx(write: bool) -> str:
+    from tpfuse.comm import link_probe
+
+    signature = {"address": "i64", "out_ptr": "*i64", "iters": "i32", "WRITE": "constexpr"}
+    source = ASTSource(fn=link_probe._latency_kernel, signature=signature, constexprs={"WRITE": write})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+
+
 def main() -> None:
     print(
         json.dumps(
@@ -69,6 +77,8 @@ def main() -> None:
                 ),
                 "hierarchical": _ptx(allreduce_pcie.hierarchical_kernel, allreduce.EPILOGUE_NORM.value),
                 "pull": _ptx(allreduce_pcie.pull_kernel, allreduce.EPILOGUE_NORM.value),
+                "probe_write_latency": _probe_ptx(True),
+                "probe_read_latency": _probe_ptx(False),
             }
         )
     )

@@ -58,3 +58,9 @@ def test_no_atomic_is_wider_than_gpu_scope(ptx_by_kernel, name):
 def test_one_shot_moves_rows_in_16_byte_vectors(ptx_by_kernel):
     ptx = ptx_by_kernel["one_shot"]
     assert "st.global.v4" in ptx and "ld.volatile.global.v4" in ptx
+
+
+def test_the_link_probe_times_release_stores_and_acquire_loads_at_system_scope(ptx_by_kernel):
+    assert "st.release.sys.global.u32" in ptx_by_kernel["probe_write_latency"]
+    assert "ld.acquire.sys.global.u32" in ptx_by_kernel["probe_read_latency"]
+    assert all("%globaltimer" in ptx_by_kernel[k] for k in ("probe_write_latency", "probe_read_latency"))
