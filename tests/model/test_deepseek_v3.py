@@ -144,3 +144,29 @@ def test_triton_kernels_match_torch_references_inside_the_model(tmp_path, monkey
         runs[mode] = run_prefill_then_decode(model, [PROMPTS[0][:5], PROMPTS[1]], [[7, 8]])
     assert relative_error(runs["triton"][0], runs["torch"][0]) <= 1e-4
     assert relative_error(runs["triton"][1][0], runs["torch"][1][0]) <= 1e-4
+
+
+def test_unsupported_routing_and_a_missing_latent_projection_are_named(checkpoints, tmp_path):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from tpfuse.model.config import ModelConfig
+    from tpfuse.model.loader import CheckpointError
+
+    directory = checkpoints["no_q_lora"][0]
+    hf = json.loads(Path(directory, "config.json").read_text())
+    with pytest.raises(ValueError, match="scoring_func 'sigmoid'"):
+        ModelConfig.from_hf_dict({**hf, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match=r"n_routed_experts \(8\) must split into n_group \(3\)"):
+        ModelConfig.from_hf_dict({**hf, "n_group": 3})
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    missing = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors.pop(missing)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
+        load_for_test(tmp_path)

@@ -247,6 +247,12 @@ def _deepseek_fields(hf: dict, architecture: str, source: str) -> dict:
     experts = hf.get("n_routed_experts") or 0
     if experts < 1:
         raise ValueError(f"{source} is a DeepseekV3ForCausalLM config without n_routed_experts >= 1")
+    groups, kept = routing.n_group, routing.topk_group
+    if groups < 1 or experts % groups or experts // groups < 2 or not 1 <= kept <= groups:
+        raise ValueError(
+            f"{source}: n_routed_experts ({experts}) must split into n_group ({groups}) groups of >= 2 "
+            f"experts, with 1 <= topk_group ({kept}) <= n_group"
+        )
     num_layers = _required(hf, "num_hidden_layers", source)
     return dict(
         mla=mla_shape(hf),
