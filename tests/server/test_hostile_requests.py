@@ -59,6 +59,7 @@ CASES = [
     (COMPLETIONS, _completion(prompt=[0, TINY_VOCAB_SIZE - 1]), 200, None),
     (CHAT, _chat(messages=[{"role": "user", "content": "\u2028\u0085\u2029 \x00"}]), 200, None),
     # wrong types, oversized lists, unknown fields, bad bodies
+    (COMPLETIONS, _completion(prompt="x" * 70_000), 400, "prompt"),  # tokenized in a thread
     (COMPLETIONS, _completion(prompt=[1, 2.5]), 400, "prompt"),
     (COMPLETIONS, _completion(prompt=[TINY_VOCAB_SIZE]), 400, "prompt"),
     (COMPLETIONS, _completion(prompt=[[1], [2]]), 400, "prompt"),

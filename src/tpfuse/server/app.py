@@ -33,6 +33,7 @@ from tpfuse.server.request_body import decode_json_body
 from tpfuse.server.schemas import REQUEST_MODELS
 
 DISCONNECT_POLL_S = 0.5
+TOKENIZE_INLINE_CHARS = 1 << 16  # longer prompts are tokenized in a thread, so streams keep flowing
 logger = logging.getLogger("tpfuse.server")
 
 
@@ -148,7 +149,10 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
             req = parse(body, model_names)
             info = client.info
-            prompt_ids = _tokenize(req, info.tokenizer)
+            if _prompt_chars(req) > TOKENIZE_INLINE_CHARS:  # long texts: off the event loop
+                prompt_ids = await asyncio.to_thread(_tokenize, req, info.tokenizer)
+            else:
+                prompt_ids = _tokenize(req, info.tokenizer)
             params = protocol.sampling_params_for(req, len(prompt_ids), info.max_model_len, info.vocab_size)
             response_id = responses.new_response_id(kind)
             gens = [
@@ -206,6 +210,12 @@ async def _unless_disconnected(request: Request, coroutine):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise ClientGone
+
+
+def _prompt_chars(req: GenerateRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    return sum(len(m["content"]) for m in req.messages or [])
 
 
 def _tokenize(req: GenerateRequest, tokenizer) -> list[int]:
