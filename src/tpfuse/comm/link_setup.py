@@ -71,13 +71,13 @@ def configure_schedules(comm, group, device: torch.device, islands: str | None, 
     else:
         ws.notes.append(f"hierarchical schedule not a candidate: {why}")
     comm.candidates = tuple(schedules.available(ws))
-    if "hierarchical" in comm.candidates:  # the gate ran before the islands were known
-        from tpfuse.comm.topology import self_test_vote
+    from tpfuse.comm.topology import GATE_SCHEDULES, self_test_vote
 
-        failures = self_test_vote(ws, group, ["hierarchical"])
+    for name in [c for c in comm.candidates if c not in GATE_SCHEDULES]:  # the gate tested the others
+        failures = self_test_vote(ws, group, [name])
         if failures:
-            comm.removed["hierarchical"] = f"self-test failed: rank {failures[0][0]}: {failures[0][1]}"
-            comm.candidates = tuple(c for c in comm.candidates if c != "hierarchical")
+            comm.removed[name] = f"self-test failed: rank {failures[0][0]}: {failures[0][1]}"
+            comm.candidates = tuple(c for c in comm.candidates if c != name)
     if not probe:
         return
     from tpfuse.comm.link_decision import decide_candidates

@@ -62,13 +62,15 @@ def peer_write_test_virtual(workspaces: list[RankWorkspace]) -> list[str]:
     return problems
 
 
-def _self_test(ws: RankWorkspace, group, algorithms=None, dtype=torch.bfloat16, tokens=3) -> list[str]:
-    """One fused all-reduce per algorithm (default: every schedule ws can run) on seeded inputs; the new
-    residual must match a torch fp32 sum in rank order bit for bit (to rounding for the hierarchical
-    schedule, whose island partials sum in another order), the normed output to rounding."""
-    from tpfuse.comm import schedules
+GATE_SCHEDULES = ("one_shot", "two_shot")  # the gate's self-test; link_setup tests each other schedule
 
-    algorithms = schedules.available(ws) if algorithms is None else algorithms
+
+def _self_test(
+    ws: RankWorkspace, group, algorithms=GATE_SCHEDULES, dtype=torch.bfloat16, tokens=3
+) -> list[str]:
+    """One fused all-reduce per algorithm on seeded inputs; the new residual must match a torch fp32 sum
+    in rank order bit for bit (to rounding for the hierarchical schedule, whose island partials sum in
+    another order), the normed output to rounding."""
     import torch.distributed as dist
 
     hidden = min(520, ws.layout.slot_bytes // (tokens * 4))  # odd sizes; room for float32 partials
@@ -107,15 +109,30 @@ def _self_test(ws: RankWorkspace, group, algorithms=None, dtype=torch.bfloat16, 
 
 
 def self_test_vote(ws: RankWorkspace, group, algorithms: list[str]) -> list[tuple[int, str]]:
-    """Collective: the kernel self-test of `algorithms` only (e.g. the hierarchical schedule once the
-    islands are known); [(rank, problem)], the same on every rank."""
+    """Collective: the kernel self-test of `algorithms` only (the schedules beyond the gate's, once the
+    islands are known); [(rank, problem)], the same on every rank. After a failure every rank clears
+    its error word and takes the group's largest epoch (a rank that could not launch would be one
+    behind; epochs are small at start-up, far from wrapping), so the caller can drop the schedule and
+    keep the workspace for the others."""
+    import torch.distributed as dist
+
     from tpfuse.comm.peer_memory import vote_failures
+    from tpfuse.comm.sync import CTRL_EPOCH, CTRL_ERROR
 
     try:
         problems = _self_test(ws, group, algorithms)
     except Exception as exc:  # noqa: BLE001 - a schedule that cannot run fails its test, with the reason
         problems = [f"self-test of {algorithms} failed on rank {ws.rank}: {type(exc).__name__}: {exc}"]
-    return vote_failures("; ".join(problems) or None, group)
+    failures = vote_failures("; ".join(problems) or None, group)
+    if failures:
+        torch.cuda.synchronize(ws.device)
+        epochs: list = [None] * ws.world_size
+        dist.all_gather_object(epochs, int(ws.words[CTRL_EPOCH.value].item()), group=group)
+        ws.words[CTRL_EPOCH.value] = max(epochs)
+        ws.words[CTRL_ERROR.value] = 0
+        torch.cuda.synchronize(ws.device)
+        dist.barrier(group=group)
+    return failures
 
 
 def gate_process_workspace(ws: RankWorkspace, group) -> list[tuple[int, str]]:
