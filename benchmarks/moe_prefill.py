@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tpfuse.kernels import fused_moe
+from tpfuse.kernels.fused_moe_tiles import PREFILL_TILES
 from tpfuse.model.presets import preset_config
 
 
@@ -87,7 +88,7 @@ def main() -> None:
         weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
         inputs = (x, w13, w2, weights, ids)
         timings = []
-        for n, tile in enumerate(fused_moe.PREFILL_TILES):
+        for n, tile in enumerate(PREFILL_TILES):
             call = lambda t=tile, a=inputs: fused_moe.fused_experts_triton(*a, tile=t)  # noqa: E731
             timings.append((time_ms(call, args.iters), n, tile))
         default_ms = timings[0][0]  # PREFILL_TILES[0] is the default

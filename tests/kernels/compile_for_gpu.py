@@ -24,6 +24,8 @@ from tpfuse.kernels import (
     decode_attention,
     decode_merge,
     fused_moe,
+    fused_moe_gemv,
+    fused_moe_tiles,
     gemv,
     kv_store,
     moe_align,
@@ -175,7 +177,7 @@ def _moe_variants(p: str):
     yield moe_align._offsets_kernel, i32, {}, dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=32)
     yield moe_align._scatter_kernel, i32, {}, dict(BLOCK=256)
     grouped = {"*": p, "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
-    for tile in fused_moe.CANDIDATE_TILES:
+    for tile in fused_moe_tiles.CANDIDATE_TILES:
         blocks = dict(
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=fused_moe.GROUP_M,
             DOT_PRECISION="tf32",
@@ -184,8 +186,8 @@ def _moe_variants(p: str):
         if tile.block_m == 1:
             slot = {"*": p, "ids_ptr": "*i32", "weights_ptr": "*fp32"}
             gemv_blocks = dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
-            yield fused_moe._slot_gate_up_kernel, slot, {}, dict(gemv_blocks, TOP_K=8), options
-            yield fused_moe._slot_down_kernel, slot, {}, gemv_blocks, options
+            yield fused_moe_gemv._slot_gate_up_kernel, slot, {}, dict(gemv_blocks, TOP_K=8), options
+            yield fused_moe_gemv._slot_down_kernel, slot, {}, gemv_blocks, options
             continue
         yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options
         yield fused_moe._down_kernel, {**grouped, "weights_ptr": "*fp32"}, {}, blocks, options

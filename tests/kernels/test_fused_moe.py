@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpfuse.kernels.fused_moe import MoeTile, fused_experts_ref, fused_experts_triton
+from tpfuse.kernels.fused_moe import fused_experts_ref, fused_experts_triton
+from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_align import max_blocks, moe_align_triton
 from tpfuse.kernels.moe_finalize import moe_finalize_ref, moe_finalize_triton
 from tpfuse.kernels.moe_routing import moe_topk_ref, moe_topk_triton

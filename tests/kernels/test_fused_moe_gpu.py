@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tpfuse.kernels import fused_experts, moe_topk
-from tpfuse.kernels.fused_moe import CANDIDATE_TILES, fused_experts_ref, fused_experts_triton
+from tpfuse.kernels.fused_moe import fused_experts_ref, fused_experts_triton
+from tpfuse.kernels.fused_moe_tiles import CANDIDATE_TILES
 from tpfuse.kernels.moe_routing import moe_topk_ref
 
 pytestmark = pytest.mark.gpu
@@ -126,7 +127,7 @@ def test_moe_finalize_matches_float64_in_and_out_of_a_cuda_graph(num_tokens):
 def test_start_up_choice_keeps_the_fastest_measured_tile_and_records_it():
     from types import SimpleNamespace
 
-    from tpfuse.kernels import fused_moe
+    from tpfuse.kernels import fused_moe_tiles
     from tpfuse.model import moe_choice
 
     w13, w2 = experts(21)
@@ -136,7 +137,8 @@ def test_start_up_choice_keeps_the_fastest_measured_tile_and_records_it():
     assert {d.slots_bucket for d in decisions} >= {8, 512, 16384}
     for d in decisions:
         assert d.us <= d.default_us
-        assert fused_moe.tile_for(w13, d.slots_bucket) == d.tile
-        assert (d.tile in fused_moe.DECODE_TILES) == (d.slots_bucket <= fused_moe.DECODE_MAX_SLOTS)
+        assert fused_moe_tiles.tile_for(w13, d.slots_bucket) == d.tile
+        decode = d.slots_bucket <= fused_moe_tiles.DECODE_MAX_SLOTS
+        assert (d.tile in fused_moe_tiles.DECODE_TILES) == decode
     x = torch.empty(1, H, device=CUDA, dtype=torch.bfloat16)
     assert isinstance(moe_choice.fuse_finalize(x, K), bool)

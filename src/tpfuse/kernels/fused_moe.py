@@ -2,17 +2,19 @@
 
 x [T, H]; w13 [E, 2I, H] (gate rows then up rows of each expert); w2 [E, H, I]; topk_ids / topk_weights
 [T, k] from kernels/moe_routing.py. Output [T, H] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t]),
-this rank's partial sum when I is a tensor-parallel slice.
+this rank's partial sum when I is a tensor-parallel slice. Two routes, by the tile
+(kernels/fused_moe_tiles.py): grouped GEMMs on tensor cores over tokens sorted by expert
+(kernels/moe_align.py), or per-slot GEMVs for a few tokens (kernels/fused_moe_gemv.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.fused_moe_gemv import slot_products
+from tpfuse.kernels.fused_moe_tiles import MoeTile, default_tile, tile_for
 from tpfuse.kernels.moe_align import moe_align_triton
 
 
@@ -45,48 +47,7 @@ def fused_experts_ref(
     return out.to(compute).sum(dim=1).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class MoeTile:
-    """Launch configuration of both expert products: block_m rows of one expert per program (16:
-    decode, the MMA minimum; 64-128: prefill), block_n output and block_k reduction columns.
-    block_m = 1 is the per-slot GEMV route: no grouping, one (token, slot) row per program, its
-    expert's weight tile streamed with multiply-adds (few tokens, each slot a distinct expert)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_stages: int = 3
-    num_warps: int = 4
-
-    def label(self) -> str:
-        kind = "slot gemv " if self.block_m == 1 else f"moe {self.block_m}x"
-        return f"{kind}{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
-
-
-DEFAULT_DECODE_TILE = MoeTile(16, 64, 128, 4, 4)
-DEFAULT_PREFILL_TILE = MoeTile(64, 128, 64, 3, 4)
 GROUP_M = 8  # row blocks that sweep the column tiles together (grouped launch order)
-DECODE_MAX_SLOTS = 64 * 8  # up to 64 tokens of top-8: the decode tiles, unless measured otherwise
-# What model/moe_choice.py times at start-up (the defaults first): decode tiles stream each routed
-# expert's weights once with few rows; prefill tiles are tensor-core GEMM tiles.
-DECODE_TILES = (
-    DEFAULT_DECODE_TILE,
-    MoeTile(1, 32, 256, 2, 4),
-    MoeTile(1, 16, 512, 2, 4),
-    MoeTile(1, 64, 128, 2, 4),
-    MoeTile(16, 32, 128, 4, 4),
-    MoeTile(16, 128, 64, 4, 4),
-    MoeTile(16, 64, 256, 3, 8),
-    MoeTile(32, 64, 128, 3, 4),
-)
-PREFILL_TILES = (
-    DEFAULT_PREFILL_TILE,
-    MoeTile(64, 64, 64, 4, 4),
-    MoeTile(128, 128, 64, 3, 8),
-    MoeTile(128, 64, 64, 4, 4),
-    MoeTile(64, 128, 128, 2, 8),
-)
-CANDIDATE_TILES = DECODE_TILES + PREFILL_TILES[1:]
 
 
 @triton.jit
@@ -172,55 +133,6 @@ def _down_kernel(
 
 
 @triton.jit
-def _slot_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k."""
-    slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    token = (slot // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
-    g_ptrs = w13_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = (ks + k0) < hidden
-        xk = tl.load(x_ptr + token * stride_x + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xk[None, :]
-        acc_u += tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xk[None, :]
-    g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * u
-    tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _slot_down_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
-    stride_act, stride_we, stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Per-slot GEMV: out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
-    slot = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (ks + k0) < inter
-        a = tl.load(act_ptr + slot * stride_act + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * a[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + slot)
-    tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
 def _combine_kernel(slot_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum_j slot_out[t * k + j], summed in float32 in slot order."""
     t = tl.program_id(0).to(tl.int64)
@@ -230,10 +142,6 @@ def _combine_kernel(slot_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.co
     for j in tl.static_range(TOP_K):
         acc += tl.load(slot_ptr + (t * TOP_K + j) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def default_tile(num_slots: int) -> MoeTile:
-    return DEFAULT_DECODE_TILE if num_slots <= DECODE_MAX_SLOTS else DEFAULT_PREFILL_TILE
 
 
 def expert_slot_outputs(
@@ -262,7 +170,7 @@ def expert_slot_outputs(
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     if tile.block_m == 1:
-        _slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile)
+        slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile)
         return slot_out
     sorted_slots, block_expert, num_padded = moe_align_triton(
         topk_ids.contiguous(), num_experts, tile.block_m
@@ -284,24 +192,6 @@ def expert_slot_outputs(
         **common,
     )  # fmt: skip
     return slot_out
-
-
-def _slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -> None:
-    """The per-slot GEMV route (tile.block_m == 1) of expert_slot_outputs."""
-    num_slots, inter = act.shape
-    hidden, top_k = x.shape[1], topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).contiguous()
-    opts = dict(
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages, num_warps=tile.num_warps
-    )
-    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
-        x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, **opts,
-    )  # fmt: skip
-    _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
-        act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        slot_out.stride(0), **opts,
-    )  # fmt: skip
 
 
 def combine_slots_ref(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -335,21 +225,3 @@ def fused_experts_triton(x, w13, w2, topk_weights, topk_ids, tile: MoeTile | Non
         tile = tile_for(w13, topk_ids.numel())
     slot_out = expert_slot_outputs(x, w13, w2, topk_weights, topk_ids, tile)
     return combine_slots_triton(slot_out, topk_ids.shape[1])
-
-
-_CHOSEN_TILES: dict[tuple, MoeTile] = {}
-
-
-def set_tile(w13: torch.Tensor, slots_bucket: int, tile: MoeTile) -> None:
-    """Records the measured tile of an expert weight shape at a slot-count bucket (model/moe_choice.py)."""
-    _CHOSEN_TILES[(tuple(w13.shape), w13.dtype, w13.device, slots_bucket)] = tile
-
-
-def slots_bucket(num_slots: int) -> int:
-    """Power-of-two bucket of T * k: the key of a measured tile."""
-    return triton.next_power_of_2(max(num_slots, 1))
-
-
-def tile_for(w13: torch.Tensor, num_slots: int) -> MoeTile:
-    key = (tuple(w13.shape), w13.dtype, w13.device, slots_bucket(num_slots))
-    return _CHOSEN_TILES.get(key) or default_tile(num_slots)

@@ -7,7 +7,7 @@ the routing spread and the GPU, so it is timed, never assumed: for each distinct
 model's FusedMoE layers and each power-of-two bucket of T * k slots up to the engine's largest step,
 every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above) is timed by
 CUDA-graph replay on uniformly random routing over the model's own weights, and the fastest is
-recorded with fused_moe.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
+recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
 finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
 fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). On CPU nothing is timed: the
 default tiles run, and the fused finalize.
@@ -25,7 +25,8 @@ from triton.runtime.errors import OutOfResources
 
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import fused_moe
-from tpfuse.kernels.fused_moe import MoeTile
+from tpfuse.kernels import fused_moe_tiles as tiles
+from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
 
@@ -37,7 +38,7 @@ _FUSED_FINALIZE: dict[tuple, bool] = {}  # (hidden, dtype, device, slots bucket)
 def fuse_finalize(x: torch.Tensor, num_slots: int) -> bool:
     """Whether the TP = 1 MoE finalize runs fused for x [T, H] with num_slots = T * k (measured at
     start-up; True where nothing was measured)."""
-    key = (x.shape[-1], x.dtype, x.device, fused_moe.slots_bucket(num_slots))
+    key = (x.shape[-1], x.dtype, x.device, tiles.slots_bucket(num_slots))
     return _FUSED_FINALIZE.get(key, True)
 
 
@@ -72,8 +73,8 @@ class MoeChoice:
 
 def slot_buckets(top_k: int, max_decode_rows: int, max_prefill_tokens: int) -> list[int]:
     """Power-of-two slot buckets from one token up to the largest decode step and prefill chunk."""
-    top = fused_moe.slots_bucket(top_k * max(max_decode_rows, max_prefill_tokens, 1))
-    buckets, b = [], fused_moe.slots_bucket(top_k)
+    top = tiles.slots_bucket(top_k * max(max_decode_rows, max_prefill_tokens, 1))
+    buckets, b = [], tiles.slots_bucket(top_k)
     while b <= top:
         buckets.append(b)
         b *= 2
@@ -120,11 +121,11 @@ def choose(
                 continue
             seen.add(key)
             num_tokens = max(bucket // block.top_k, 1)
-            decode = bucket <= fused_moe.DECODE_MAX_SLOTS
-            candidates = fused_moe.DECODE_TILES if decode else fused_moe.PREFILL_TILES
+            decode = bucket <= tiles.DECODE_MAX_SLOTS
+            candidates = tiles.DECODE_TILES if decode else tiles.PREFILL_TILES
             times = [(_time_tile(experts, t, num_tokens, block.top_k), i) for i, t in enumerate(candidates)]
             us, best = min(times)
-            fused_moe.set_tile(experts.w13, bucket, candidates[best])
+            tiles.set_tile(experts.w13, bucket, candidates[best])
             decided.append(MoeChoice(key[0], bucket, candidates[best], us, times[0][0]))
             if tp_size == 1:
                 hidden, dtype, device = experts.hidden_size, experts.w13.dtype, experts.w13.device
