@@ -207,3 +207,26 @@ def test_unsupported_formats_fail_at_load_naming_the_format_and_what_is_supporte
     bad = _copy_with(int4_checkpoint, tmp_path / "bad", config_edit=replace)
     with pytest.raises(QuantizationError, match=message):
         load_for_test(bad)
+
+
+def test_the_start_up_tile_of_a_quantized_shape_is_the_one_its_kernel_runs(int4_checkpoint, monkeypatch):
+    from tpfuse import knobs
+    from tpfuse.kernels.quant_int import IntTile
+    from tpfuse.model import linear_choice
+    from tpfuse.model.quant import int_group
+
+    model, _ = load_for_test(int4_checkpoint)
+    layer = model.layers[0].mlp.down_proj
+    tile = IntTile(16, 16, 32, 2, 4)
+    monkeypatch.setitem(linear_choice._QUANT_TILES, (layer.method.tile_key(layer), 16), tile)
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    seen = []
+    real = int_group.int_linear_op
+    monkeypatch.setattr(int_group, "int_linear_op", lambda *a, tile=None: seen.append(tile) or real(*a, tile=tile))
+    x = torch.randn(5, layer.shards.k_local).half()
+    out = layer(x)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
+    assert seen == [tile]
+    torch.testing.assert_close(out.float(), layer(x.float()), rtol=2e-2, atol=2e-2)

@@ -104,6 +104,7 @@ class ModelRunner:
                 max_rows=max_step_rows(config),
                 agree=agree_routes,
             )
+            linear_choice.choose_quantized(models, max_rows=max_step_rows(config), agree=agree_routes)
             moe_choice.choose(
                 self.model, max_step_rows(config), config.max_num_batched_tokens, config.tp_size
             )

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
+from tpfuse.kernels.quant_int import IntTile
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
 log = logging.getLogger("tpfuse")
@@ -227,3 +228,82 @@ def reset() -> None:
     """Forgets every decision (tests)."""
     _DECIDED.clear()
     _ROUTES.clear()
+    _QUANT_TILES.clear()
+
+
+# Quantized methods (model/quant/): the tile of their kernels per (method, weight shape, row bucket),
+# timed the same way over the model's own layers of that shape; there is no cuBLAS route to race.
+# A method that takes part exposes product(layer, x, bias, tile) and tile_key(layer) (its name and
+# shape). The first candidate of each bucket is kernels/quant_int.default_tile's.
+QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
+    1: (
+        IntTile(1, 4, 512, 2, 4),
+        IntTile(1, 8, 256, 2, 4),
+        IntTile(1, 2, 1024, 2, 4),
+        IntTile(1, 16, 128, 2, 4),
+    ),
+    16: (
+        IntTile(16, 64, 128, 3, 4),
+        IntTile(16, 32, 256, 3, 4),
+        IntTile(16, 128, 64, 3, 4),
+        IntTile(16, 32, 128, 4, 4),
+    ),
+    32: (IntTile(32, 64, 128, 3, 4), IntTile(32, 32, 256, 3, 4), IntTile(32, 128, 64, 3, 8)),
+    64: (IntTile(64, 64, 128, 3, 4), IntTile(64, 128, 64, 3, 8), IntTile(64, 32, 128, 3, 4)),
+}
+_QUANT_TILES: dict[tuple, IntTile] = {}
+
+
+def quant_tile(layer, rows: int) -> IntTile | None:
+    """The chosen tile for a quantized layer at `rows` rows (None: the kernel's default)."""
+    if not _QUANT_TILES:
+        return None
+    rows_bucket = bucket(rows)
+    return None if rows_bucket is None else _QUANT_TILES.get((layer.method.tile_key(layer), rows_bucket))
+
+
+@torch.inference_mode()
+def choose_quantized(models, max_rows: int = 1, agree=None) -> list[tuple]:
+    """Times QUANT_TILES[bucket] for every quantized (method, shape) among the models' layers at each
+    row bucket up to max_rows and keeps the fastest (TPFUSE_LINEAR=triton: the first, untimed).
+    CUDA only, before any graph capture. agree: as in choose (rank 0's decisions for every rank).
+    Returns [(tile_key, bucket, tile, us)]."""
+    how = mode()
+    top = bucket(min(max(max_rows, 1), MAX_ROWS))
+    groups: dict[tuple, list] = {}
+    for model in models:
+        for layer in model.modules():
+            method = getattr(layer, "method", None)
+            key = method.tile_key(layer) if hasattr(method, "tile_key") else None
+            if key is not None and next(layer.parameters()).is_cuda:
+                groups.setdefault(key, []).append(layer)
+    decided = []
+    for key, layers in groups.items():
+        for rows_bucket in (b for b in BUCKETS if b <= top and (key, b) not in _QUANT_TILES):
+            candidates = QUANT_TILES[rows_bucket]
+            if how != "auto":
+                decided.append((key, rows_bucket, candidates[0], None))
+                continue
+            x = torch.randn(rows_bucket, layers[0].shards.k_local, device=next(layers[0].parameters()).device)
+            x = x.to(torch.bfloat16)
+            times = []
+            for tile in candidates:
+                calls = [
+                    lambda layer=layer, tile=tile, x=x: layer.method.product(layer, x, None, tile)
+                    for layer in layers
+                ]
+                times.append(graph_us(calls, min_launches=16, replays=5, samples=3))
+            best = min(range(len(candidates)), key=times.__getitem__)
+            decided.append((key, rows_bucket, candidates[best], times[best]))
+    if agree is not None:
+        decided = agree(decided)
+    for key, rows_bucket, tile, _ in decided:
+        _QUANT_TILES[(key, rows_bucket)] = tile
+    if decided:
+        log.info(
+            "quantized tiles: %s",
+            "; ".join(
+                f"{k} at {b} rows: {t.label()}" + (f" ({us:.1f} us)" if us else "") for k, b, t, us in decided
+            ),
+        )
+    return decided

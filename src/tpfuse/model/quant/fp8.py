@@ -21,6 +21,7 @@ from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8, fp8_dot_supported
+from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.shard import ShardSlot
 
@@ -118,11 +119,20 @@ class Fp8LinearMethod:
         layer.weight_scale = _parameter(0, dtype=torch.float32)
         layer.weight_scale.data = torch.cat(expanded).contiguous()
 
+    def tile_key(self, layer: nn.Module) -> tuple:
+        return (self.name, tuple(layer.weight.shape), layer.fp8_block)
+
+    def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
+        """The W8A16 kernel at a given tile (the decode sizes linear_choice times)."""
+        return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not use_triton(x):
             weight, scale, block = layer.weight, layer.weight_scale, layer.fp8_block
             return reference_product(layer, x, bias, lambda: dequantize_fp8(weight, scale, block))
-        w8a8 = x.shape[0] > MAX_DECODE_ROWS and x.is_cuda and use_triton(x) and fp8_dot_supported(x.device)
+        if x.shape[0] <= MAX_DECODE_ROWS:
+            return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]))
+        w8a8 = x.is_cuda and fp8_dot_supported(x.device)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, w8a8=w8a8)
 
 

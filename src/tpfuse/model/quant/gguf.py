@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpfuse.model import linear_choice
 from tpfuse.model.gguf import GROUP_SIZE, GROUP_TYPES, GgufFile
 from tpfuse.model.linear_method import UNQUANTIZED, LinearShards, linear
 from tpfuse.model.quant.int_group import int_group_product
@@ -81,10 +82,18 @@ class GgufLinearMethod:
     def process_weights(self, layer: nn.Module) -> None:
         pass
 
+    def tile_key(self, layer: nn.Module) -> tuple | None:
+        if self.kind is None:
+            return None  # dequantized: the unquantized routes (linear_choice.choose) apply
+        return (f"gguf {self.kind}", tuple(layer.weight_packed.shape), layer.weight_offset is not None)
+
+    def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
+        return int_group_product(layer, x, bias, GROUP_TYPES[self.kind], GROUP_SIZE, tile)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kind is None:
             return linear(x, layer.weight, bias)
-        return int_group_product(layer, x, bias, GROUP_TYPES[self.kind], GROUP_SIZE)
+        return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]))
 
 
 class GgufConfig:

@@ -17,6 +17,7 @@ from torch import nn
 
 from tpfuse.kernels import int_linear_op, use_triton
 from tpfuse.kernels.quant_int import dequantize_int, values_per_word
+from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.shard import ShardSlot
 
@@ -123,15 +124,26 @@ class IntGroupLinearMethod:
     def process_weights(self, layer: nn.Module) -> None:
         self.check_shapes(layer)
 
+    def tile_key(self, layer: nn.Module) -> tuple:
+        return (self.name, tuple(layer.weight_packed.shape), layer.weight_offset is not None)
+
+    def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
+        return int_group_product(layer, x, bias, self.bits, layer.int_group, tile)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int_group_product(layer, x, bias, self.bits, layer.int_group)
+        return int_group_product(
+            layer, x, bias, self.bits, layer.int_group, linear_choice.quant_tile(layer, x.shape[0])
+        )
 
 
-def int_group_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int):
+def int_group_product(
+    layer: nn.Module, x: torch.Tensor, bias, bits: int, group: int, tile=None
+) -> torch.Tensor:
     """layer.weight_packed / weight_scale / weight_offset (kernels/quant_int.py's layout) times x:
-    the Triton kernel, or on the reference path the weight dequantized once and kept."""
+    the Triton kernel (tile: its launch configuration, None: the default), or on the reference path
+    the weight dequantized once and kept."""
     packed, scale, offset = layer.weight_packed, layer.weight_scale, layer.weight_offset
     if use_triton(x):
-        return int_linear_op(x, packed, scale, offset, bits, group, bias)
+        return int_linear_op(x, packed, scale, offset, bits, group, bias, tile=tile)
     k = layer.shards.k_local
     return reference_product(layer, x, bias, lambda: dequantize_int(packed, scale, offset, bits, group, k))

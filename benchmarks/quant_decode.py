@@ -1,0 +1,153 @@
+"""Quantized decode and prefill on one GPU: llama-3.1-8b with dummy weights in bf16 and with
+--quantization fp8 (per-channel), fp8-block (128x128) and int4 (group 128), side by side.
+
+Per method: the batch-1 and batch-64 decode step (model forward + logits, CUDA-graph replayed, at a
+fixed context), each against its roofline: the bytes a step really reads (every parameter, packed
+codes and scales included, but not the untied input embedding; plus the KV cache of the context) at
+the measured device copy bandwidth; and prefill throughput (one sequence of --prefill-tokens,
+eager). Prints one table and writes JSON.
+
+    python benchmarks/quant_decode.py                       # $OUT/quant_decode.json
+    python benchmarks/quant_decode.py --methods bf16,int4 --prefill-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_decode_roofline import copy_bandwidth, decode_inputs, step_bytes, timed  # noqa: E402
+from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
+from tpfuse.config import EngineConfig  # noqa: E402
+from tpfuse.kernels.quant_fp8 import fp8_dot_supported  # noqa: E402
+from tpfuse.model import linear_choice  # noqa: E402
+from tpfuse.model.attention import AttentionMetadata  # noqa: E402
+from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
+from tpfuse.model.loader import load_model  # noqa: E402
+
+METHODS = {"bf16": None, "fp8": "fp8", "fp8-block": "fp8-block", "int4": "int4"}
+
+
+def graph_step_s(model, batch_size: int, context: int, iters: int) -> float:
+    ids, positions, attn, caches = decode_inputs(model, batch_size, context, 16, "cuda")
+
+    def step():
+        hidden, _ = model(ids, positions, attn, caches)
+        return model.compute_logits(hidden)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    return timed(graph.replay, "cuda", iters)
+
+
+def prefill_tok_s(model, tokens: int, iters: int) -> float:
+    """One sequence of `tokens` new tokens (an empty cache), eager forward + last-token logits."""
+    attn0 = model.layers[0].self_attn
+    block = 16
+    blocks = -(-tokens // block)
+    shape = (blocks, block, attn0.num_kv_heads, attn0.head_dim)
+    dtype = model.config.dtype
+    caches = [(torch.empty(shape, dtype=dtype, device="cuda"), torch.empty(shape, dtype=dtype, device="cuda"))
+              for _ in model.layers]  # fmt: skip
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device="cuda"),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, -1),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+        max_query_len=tokens,
+        max_seq_len=tokens,
+        is_decode=False,
+    )
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device="cuda")
+    positions = torch.arange(tokens, device="cuda")
+
+    def step():
+        hidden, _ = model(ids, positions, attn, caches)
+        return model.compute_logits(hidden[-1:])
+
+    for _ in range(2):
+        step()
+    return tokens / timed(step, "cuda", iters)
+
+
+def bench_method(name: str, args, bandwidth: float) -> dict:
+    config = EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy", quantization=METHODS[name])
+    model, _ = load_model(config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
+    linear_choice.choose(projections(model), max_rows=64)  # as the engine does at start-up
+    linear_choice.choose_quantized([model], max_rows=64)
+    row = {"method": name}
+    with torch.no_grad():
+        for batch_size in (1, 64):
+            seconds = graph_step_s(model, batch_size, args.context, args.iters)
+            roofline = step_bytes(model, batch_size, args.context) / bandwidth
+            row[f"b{batch_size}_ms"] = seconds * 1e3
+            row[f"b{batch_size}_roofline_ms"] = roofline * 1e3
+            row[f"b{batch_size}_fraction"] = roofline / seconds
+        row["b1_tok_s"] = 1e3 / row["b1_ms"]
+        row["b64_over_b1"] = row["b64_ms"] / row["b1_ms"]
+        row["prefill_tok_s"] = prefill_tok_s(model, args.prefill_tokens, max(3, args.iters // 20))
+    row["weight_gb"] = step_bytes(model, 0, 0) / 1e9
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "quant_decode.json"))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth("cuda")
+    device = torch.cuda.get_device_name()
+    fp8_dot = fp8_dot_supported(torch.device("cuda", torch.cuda.current_device()))
+    print(
+        f"{args.model} on {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; FP8 tensor cores: {fp8_dot}"
+    )
+    header = ("method", "GB", "b1 ms", "tok/s", "% roof", "b64 ms", "% roof", "b64/b1", "prefill tok/s")
+    widths = (10, 6, 7, 7, 7, 7, 7, 7, 13)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    rows = []
+    for name in args.methods.split(","):
+        row = bench_method(name, args, bandwidth)
+        rows.append(row)
+        print(
+            f"{name:>10} {row['weight_gb']:6.2f} {row['b1_ms']:7.3f} {row['b1_tok_s']:7.1f} "
+            f"{100 * row['b1_fraction']:6.1f}% {row['b64_ms']:7.3f} {100 * row['b64_fraction']:6.1f}% "
+            f"{row['b64_over_b1']:7.2f} {row['prefill_tok_s']:13.0f}"
+        )
+    result = {
+        "model": args.model,
+        "device": device,
+        "copy_bandwidth": bandwidth,
+        "fp8_dot": fp8_dot,
+        "rows": rows,
+    }
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
