@@ -223,7 +223,11 @@ def test_the_start_up_tile_of_a_quantized_shape_is_the_one_its_kernel_runs(int4_
     knobs.reload()
     seen = []
     real = int_group.int_linear_op
-    monkeypatch.setattr(int_group, "int_linear_op", lambda *a, tile=None: seen.append(tile) or real(*a, tile=tile))
+    def recording(*args, tile=None):
+        seen.append(tile)
+        return real(*args, tile=tile)
+
+    monkeypatch.setattr(int_group, "int_linear_op", recording)
     x = torch.randn(5, layer.shards.k_local).half()
     out = layer(x)
     monkeypatch.setenv("TPFUSE_KERNELS", "torch")
