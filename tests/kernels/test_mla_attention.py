@@ -141,3 +141,10 @@ def test_mla_rope_norm_store_matches_the_reference_on_views_of_one_projection(in
     torch.testing.assert_close(got, want, rtol=tol, atol=tol + 1e-6)
     torch.testing.assert_close(caches[1], caches[0], rtol=tol, atol=tol + 1e-6, equal_nan=True)
     assert torch.isnan(caches[1].view(-1, RANK + ROPE)[1]).all()  # slot 1 was nobody's
+
+
+def test_mla_decode_with_more_heads_than_one_program_holds():
+    # 37 heads over 16-row programs: three head tiles per sequence, the last one partial
+    q_lat, q_rope, cache, tables, lens = _latent_case([9, 30], 4, 37, 2, torch.float32, seed=8)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.2, 2, block_m=16, block_n=16)
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.2), torch.float32)
