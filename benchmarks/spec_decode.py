@@ -36,6 +36,7 @@ import torch
 from tpfuse.config import EngineConfig, SpeculativeConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.spec_verify import SimulatedChainVerifier
 from tpfuse.model.loader import load_model_config
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.eagle3_checkpoint import save_random_eagle3_head
@@ -190,7 +191,8 @@ def measure_spec(engine, args, acceptance_length: float, results: dict, with_k0:
     running later hit the modes alike. One fresh policy per acceptance length, kept across
     concurrencies as a server keeps it across load."""
     decoder = engine.spec_decoder
-    decoder.simulated_rate = acceptance_rate_for_length(acceptance_length, args.num_steps)
+    # TP=1 only: tensor-parallel workers build their verifier once, from the engine's settings
+    decoder.verifier = SimulatedChainVerifier(acceptance_rate_for_length(acceptance_length, args.num_steps))
     modes = {
         f"fixed L={acceptance_length:g}": None,
         f"adaptive L={acceptance_length:g}": AdaptivePolicy(args.num_steps, decoder.policy_buckets),

@@ -7,7 +7,7 @@ import torch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.scheduler import Ban, Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import decode_capacity, pack_step, read_header, unpack_step
 
@@ -69,7 +69,7 @@ def _decode_step(lengths: list[int], pad_to: int, first_block: int = 0) -> tuple
         seq.num_computed_tokens = n - 1
         seqs.append(seq)
     batch = Batch(seqs, [1] * len(seqs))
-    return batch, pack_step(batch, BLOCK, 0, lambda s: [], pad_to=pad_to)
+    return batch, pack_step(batch, BLOCK, 0, pad_to=pad_to)
 
 
 def _poison(graphs):
@@ -130,5 +130,6 @@ def test_decode_capacity_holds_the_largest_step_with_its_banned_pairs():
         bm.allocate(seq)
         seq.num_computed_tokens = len(seq) - 1
         seqs.append(seq)
-    packed = pack_step(Batch(seqs, [1] * 4), BLOCK, 0, lambda s: [0, 1, 2])
+    bans = {row: Ban([0, 1, 2], 5) for row in range(4)}
+    packed = pack_step(Batch(seqs, [1] * 4, bans), BLOCK, 0)
     assert packed.numel() == decode_capacity(4, MAX_BLOCKS, 12)

@@ -6,7 +6,7 @@ any bookkeeping mistake (a lost or repeated chunk, a wrong order) changes the ou
 
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Scheduler
+from tpfuse.engine.scheduler import Ban, Scheduler
 from tpfuse.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
@@ -181,3 +181,11 @@ def test_finish_of_a_waiting_request_removes_it_and_frees_nothing_twice():
     assert waiting not in sched.waiting and waiting.finish_reason == "abort"
     run_all(sched)
     assert sched.block_manager.num_free_blocks == 64
+
+
+def test_the_scheduled_batch_carries_each_rows_ban_and_how_many_tokens_it_lasts():
+    sched = make()
+    banning = add(sched, range(3), "a", min_tokens=2, stop_token_ids=[42])
+    add(sched, range(4), "b")
+    batch = sched.schedule()
+    assert batch.seqs[0] is banning and batch.bans == {0: Ban([42, EOS], 2)}

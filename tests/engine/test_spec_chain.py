@@ -42,7 +42,7 @@ def _decoding_batch(rng: random.Random, rows: int) -> Batch:
 
 
 def _pack(batch: Batch, k: int, pad_to: int) -> torch.Tensor:
-    return pack_spec_step(batch, BLOCK, 7, lambda s: [], k, 1024, pad_to=pad_to, ext_window=WINDOW)
+    return pack_spec_step(batch, BLOCK, 7, k, 1024, pad_to=pad_to, ext_window=WINDOW)
 
 
 def _unpack(packed: torch.Tensor):
@@ -119,7 +119,7 @@ def test_a_template_sees_the_ids_with_one_placeholder_appended():
 
 def test_only_a_window_step_of_the_same_decode_rows_can_be_shifted():
     batch = _decoding_batch(random.Random(1), 2)
-    step, spec = _unpack(pack_spec_step(template_batch(batch), BLOCK, 7, lambda s: [], K, 1024))
+    step, spec = _unpack(pack_spec_step(template_batch(batch), BLOCK, 7, K, 1024))
     with pytest.raises(ValueError, match="window step of the same decode rows"):
         shift_by_accepted(step, spec, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1), BLOCK, 0)
 

@@ -3,7 +3,7 @@ ranges, min_tokens bans at every verified position; the scheduler's lookahead bl
 
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Batch, Scheduler
+from tpfuse.engine.scheduler import Ban, Batch, Scheduler
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.spec_inputs import pack_spec_step, read_spec_header, unpack_spec
 from tpfuse.engine.step_inputs import read_header, unpack_step
@@ -34,7 +34,7 @@ def _unpack(packed):
 def test_decode_row_carries_its_newest_token_and_k_draft_slots_at_the_next_positions():
     batch = _batch()
     decode = batch.seqs[0]
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=64))
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, max_model_len=64))
     assert step.input_ids[:4].tolist() == [7, 0, 0, 0]  # drafts are written on the device
     assert step.positions.tolist()[:4] == [6, 7, 8, 9]
     assert step.slot_mapping[:4].tolist() == [
@@ -49,7 +49,7 @@ def test_decode_row_carries_its_newest_token_and_k_draft_slots_at_the_next_posit
 
 def test_rows_near_max_model_len_use_fewer_drafts_and_store_no_kv_for_the_rest():
     batch = _batch()  # 7 ids: within max_model_len 9 this step may emit 2 tokens, so 1 draft
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=9))
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, max_model_len=9))
     assert spec.num_drafts.tolist() == [1]
     assert step.slot_mapping[2:4].tolist() == [-1, -1]
 
@@ -58,14 +58,14 @@ def test_rows_near_max_tokens_draft_in_full():
     """Postprocessing cuts the tokens past max_tokens; a draft count that depended on the row's
     output length would depend on the acceptance of the step before (chained steps cannot know it)."""
     batch = _batch(decode_max_tokens=3)  # 2 generated: one more token ends the row
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=64))
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, max_model_len=64))
     assert spec.num_drafts.tolist() == [K]
     assert (step.slot_mapping[:4] >= 0).all()
 
 
 def test_host_drafts_fill_the_verify_row():
     batch = _batch()
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, host_drafts={0: [40, 41]}))
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, 64, host_drafts={0: [40, 41]}))
     assert step.input_ids[:4].tolist() == [7, 40, 41, 0]
     assert spec.draft_ids.tolist() == [40, 41, 0] and spec.num_drafts.tolist() == [2]
     assert step.slot_mapping[3].item() == -1
@@ -73,7 +73,7 @@ def test_host_drafts_fill_the_verify_row():
 
 def test_drafter_rows_cover_the_positions_the_drafter_lags_behind():
     batch = _batch()
-    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, max_model_len=64))
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, max_model_len=64))
     assert spec.drafter_rows.tolist() == [0, 1]
     assert spec.ext_positions.tolist() == [4, 5, 0, 1, 2, 3]
     assert spec.ext_input_ids.tolist() == [5, 6, 20, 21, 22, 23]
@@ -84,7 +84,8 @@ def test_drafter_rows_cover_the_positions_the_drafter_lags_behind():
 
 def test_min_tokens_bans_every_verify_position_before_min_tokens():
     batch = _batch(min_tokens=4)  # 2 generated: positions 0 and 1 of the verify row are banned
-    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [9, 11], K, max_model_len=64))
+    batch.bans = {0: Ban([9, 11], 2)}
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, max_model_len=64))
     assert list(zip(spec.banned_rows.tolist(), spec.banned_ids.tolist(), strict=True)) == [
         (0, 9), (0, 11), (1, 9), (1, 11),
     ]  # fmt: skip
@@ -125,7 +126,7 @@ def _decode_only_batch(lags=(1, 4), lengths=(9, 12)):
 
 def test_a_window_step_gives_every_row_the_window_ending_at_its_newest_verified_position():
     batch = _decode_only_batch()
-    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, pad_to=3, ext_window=K + 1))
+    step, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, 64, pad_to=3, ext_window=K + 1))
     h = spec.header
     assert h.ext_window == K + 1 and h.num_extend == 3 * (K + 1)
     for row, seq in enumerate(batch.seqs):
@@ -143,14 +144,14 @@ def test_a_window_step_gives_every_row_the_window_ending_at_its_newest_verified_
 
 def test_a_step_that_cannot_be_a_window_step_keeps_the_lagging_ranges():
     for batch in (_decode_only_batch(lags=(1, 5)), _decode_only_batch(lengths=(4, 12)), _batch()):
-        packed = pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, ext_window=K + 1)
+        packed = pack_spec_step(batch, BLOCK, 0, K, 64, ext_window=K + 1)
         _, spec = _unpack(packed)
         assert spec.header.ext_window == 0
 
 
 def test_decode_rows_lagging_beyond_the_budget_catch_up_only_their_newest_positions():
     batch = _decode_only_batch(lags=(50, 1), lengths=(60, 12))
-    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, catch_up_budget=16))
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, 64, catch_up_budget=16))
     begin = batch.seqs[0].num_computed_tokens
     assert spec.ext_positions[:8].tolist() == list(range(begin - 8, begin))  # 16 positions / 2 rows
     assert spec.ext_query_start_loc.tolist() == [0, 8, 9]  # the other row lags by one position
@@ -158,7 +159,7 @@ def test_decode_rows_lagging_beyond_the_budget_catch_up_only_their_newest_positi
 
 def test_lags_within_the_budget_are_caught_up_whole():
     batch = _decode_only_batch(lags=(50, 1), lengths=(60, 12))
-    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, lambda s: [], K, 64, catch_up_budget=51))
+    _, spec = _unpack(pack_spec_step(batch, BLOCK, 0, K, 64, catch_up_budget=51))
     assert spec.ext_query_start_loc.tolist() == [0, 50, 51]
 
 

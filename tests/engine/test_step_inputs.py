@@ -4,7 +4,7 @@ import torch
 
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.scheduler import Ban, Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import pack_next_decode, pack_step, read_header, row_seed, unpack_step
 
@@ -37,8 +37,8 @@ def _batch():
 
 def test_pack_then_unpack_gives_positions_slots_and_sampling_rows():
     batch = _batch()
-    banned = lambda s: [7] if s.request_id == "d" else []
-    packed = pack_step(batch, BLOCK, engine_seed=0, banned_token_ids=banned)
+    batch.bans = {0: Ban([7], 3)}  # row 0 ("d") bans id 7 (min_tokens)
+    packed = pack_step(batch, BLOCK, engine_seed=0)
     step = unpack_step(read_header(packed), packed)
     decode, chunk = batch.seqs
     assert step.input_ids.tolist() == [6, 14, 15, 16]
@@ -62,7 +62,7 @@ def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
     for s in seqs:
         bm.allocate(s)
         s.num_computed_tokens = 2
-    packed = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, 0, lambda s: [], pad_to=8)
+    packed = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, 0, pad_to=8)
     step = unpack_step(read_header(packed), packed)
     assert step.header.num_seqs == 8 and step.header.num_samples == 3
     assert step.slot_mapping[3:].tolist() == [-1] * 5
@@ -92,7 +92,7 @@ def test_pack_next_decode_equals_pack_step_after_the_tokens_arrive_but_for_the_i
     for s, token in zip(seqs, [50, 51, 52], strict=True):
         s.token_ids.append(token)
         s.num_computed_tokens += 1
-    after = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, engine_seed=9, banned_token_ids=lambda s: [], pad_to=4)
+    after = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, engine_seed=9, pad_to=4)
     assert read_header(ahead) == read_header(after)
     expected = unpack_step(read_header(after), after.clone())
     expected.input_ids[:3] = 0

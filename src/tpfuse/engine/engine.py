@@ -194,15 +194,15 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
             return []
-        seed, banned = self.config.seed, self.scheduler.banned_token_ids
+        seed = self.config.seed
         if self.spec_decoder is not None and not self._runs_plain(batch):
-            return self._complete_spec(batch, self.spec_decoder.launch(batch, seed, banned), started)
+            return self._complete_spec(batch, self.spec_decoder.launch(batch, seed), started)
         if self.overlap or self.spec_decoder is not None:  # with a spec decoder: a plain k = 0 step
             return self._complete(
-                batch, self.executor.launch(batch, self.executor.pack(batch, seed, banned)), started
+                batch, self.executor.launch(batch, self.executor.pack(batch, seed)), started
             )
         executor = self.executor
-        sampled = executor.wait(executor.launch(batch, executor.pack(batch, seed, banned)))
+        sampled = executor.wait(executor.launch(batch, executor.pack(batch, seed)))
         return self._outputs(
             [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
         )
@@ -261,8 +261,7 @@ class LLMEngine:
         if self.chain_spec and pending.pure_decode and pending.decode_rows:
             following = self.scheduler.schedule_next_spec_decode(batch)
             if following is not None and decoder.chained_num_draft_tokens(following) is not None:
-                seed, banned = self.config.seed, self.scheduler.banned_token_ids
-                self._in_flight = (following, decoder.launch(following, seed, banned, previous=pending))
+                self._in_flight = (following, decoder.launch(following, self.config.seed, previous=pending))
         emitted = decoder.wait(pending)
         outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
         decoder.step_finished(time.perf_counter() - started, chained)
@@ -311,7 +310,7 @@ class LLMEngine:
                 spec_num_draft_tokens_total=d.stats.num_draft_tokens,
                 spec_num_accepted_tokens_total=d.stats.num_accepted_tokens,
                 spec_acceptance_rate_per_position=d.stats.acceptance_rate_per_position(),
-                simulated_acceptance=int(d.simulated_rate is not None),
+                simulated_acceptance=int(d.verifier.simulated),
             )
         return EngineStats(
             num_running=len(self.scheduler.running),

@@ -31,8 +31,9 @@ class Executor(Protocol):
     max_model_len: int
     num_kv_blocks: int
 
-    def pack(self, batch: Batch, engine_seed: int, banned_token_ids) -> torch.Tensor:
-        """The CPU packed step of batch (padded to its CUDA-graph bucket when it is a decode)."""
+    def pack(self, batch: Batch, engine_seed: int) -> torch.Tensor:
+        """The CPU packed step of batch, its bans included (padded to its CUDA-graph bucket when it is
+        a decode)."""
 
     def pack_next_decode(self, batch: Batch, engine_seed: int) -> torch.Tensor:
         """The packed decode step of batch whose input ids launch(..., previous) fills on the device."""

@@ -204,12 +204,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def pack(self, batch: Batch, engine_seed: int, banned_token_ids) -> torch.Tensor:
+    def pack(self, batch: Batch, engine_seed: int) -> torch.Tensor:
         """Rank 0: the CPU packed step of batch, padded to its CUDA-graph bucket when it is a decode."""
         pad_to = None
         if self.graphs is not None and batch.is_decode:
             pad_to = self.graphs.bucket(len(batch.seqs))
-        return pack_step(batch, self.block_size, engine_seed, banned_token_ids, pad_to)
+        return pack_step(batch, self.block_size, engine_seed, pad_to)
 
     def pack_next_decode(self, batch: Batch, engine_seed: int) -> torch.Tensor:
         """Rank 0: the packed decode step that follows batch, its input ids left to the device

@@ -13,18 +13,28 @@ usually come back from the prefix cache).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
+class Ban:
+    """Token ids a row must not emit for its next `count` tokens (min_tokens not reached yet)."""
+
+    token_ids: list[int]
+    count: int
+
+
+@dataclass
 class Batch:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens from its num_computed_tokens."""
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens from its num_computed_tokens.
+    bans: row -> the ids it must not emit yet, decided by the scheduler (the packers only lay them out)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    bans: dict[int, Ban] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +124,13 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return Batch(seqs, counts) if seqs else None
+        if not seqs:
+            return None
+        bans = {}
+        for row, seq in enumerate(seqs):
+            if seq.params.min_tokens and (ids := self.banned_token_ids(seq)):
+                bans[row] = Ban(ids, seq.params.min_tokens - seq.num_output_tokens)
+        return Batch(seqs, counts, bans)
 
     def schedule_next_decode(self, batch: Batch, plain: bool = False) -> Batch | None:
         """Overlap schedule: the batch schedule() will return after batch (not yet postprocessed)

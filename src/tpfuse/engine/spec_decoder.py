@@ -22,11 +22,11 @@ from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
 from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
-from tpfuse.engine.spec_verify import verify_inputs, verify_without_sampling
+from tpfuse.engine.spec_verify import chain_verifier, verify_inputs
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
-from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE, acceptance_rate_for_length
+from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
 from tpfuse.spec.tree_verify import (
     TreeVerifyResult,
     greedy_tree_verify,
@@ -115,9 +115,10 @@ class SpecDecoder:
             )
         adaptive = spec.adaptive and not self.tree
         self.policy = AdaptivePolicy(spec.num_steps, buckets) if adaptive else None
-        self.simulated_rate: float | None = None
-        if spec.simulate_acceptance_length is not None:
-            self.simulated_rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
+        if spec.simulate_acceptance_length is not None and self.tree:
+            raise ValueError("--speculative-simulate-acceptance-length supports chain drafting only")
+        self.verifier = chain_verifier(spec)
+        if self.verifier.simulated:
             print(f"tpfuse: WARNING: {SIMULATED_ACCEPTANCE_NOTICE}", file=sys.stderr, flush=True)
         self.stats = SpecStats(spec.num_steps)
         self.readback = TokenReadback(self.runner.device)
@@ -203,13 +204,11 @@ class SpecDecoder:
         k of 0 (that step runs plain). The chosen k is kept for whichever launch runs batch."""
         if not self.ext_window or self.tree:
             return None
-        if self.simulated_rate is None and any(s.params.temperature > 0.0 for s in batch.seqs):
+        if not self.verifier.simulated and any(s.params.temperature > 0.0 for s in batch.seqs):
             return None
         return self._kept_choice(len(batch.seqs)) or None
 
-    def launch(
-        self, batch: Batch, engine_seed: int, banned_token_ids, previous: SpecPending | None = None
-    ) -> SpecPending:
+    def launch(self, batch: Batch, engine_seed: int, previous: SpecPending | None = None) -> SpecPending:
         """Enqueues one speculative step of batch (drafting, the target's forward, verification) and
         the copy of its results to the host; returns without waiting for them (see wait).
         previous: the step in flight before batch; batch is then packed as a template that the
@@ -230,7 +229,6 @@ class SpecDecoder:
             batch if previous is None else template_batch(batch),
             self.block_size,
             engine_seed,
-            banned_token_ids,
             k,
             self.max_model_len,
             host_drafts=host_drafts,
@@ -330,7 +328,7 @@ class SpecDecoder:
     ) -> tuple[VerifyResult, torch.Tensor]:
         spec, logits = forward.spec, forward.verify_logits
         drafts, counts, probs = verify_inputs(forward, k)
-        result = verify_without_sampling(forward, drafts, counts, self.simulated_rate)
+        result = self.verifier(forward, drafts, counts)
         if result is not None:  # what every rank computes alike (spec_verify.py)
             return result, counts
         sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
@@ -382,13 +380,11 @@ class SpecDecoder:
             n = tree.num_nodes
             rows, nodes = spec.banned_rows // n, spec.banned_rows % n
             remaining = torch.tensor(
-                [batch.seqs[r].params.min_tokens - batch.seqs[r].num_output_tokens for r in decode_rows],
+                [batch.bans[r].count if r in batch.bans else 0 for r in decode_rows],
                 device=logits.device,
             )
             keep = tree.depths[rows, nodes] < remaining[rows]
             logits.view(-1, logits.shape[-1])[spec.banned_rows[keep], spec.banned_ids[keep]] = float("-inf")
-        if self.simulated_rate is not None:
-            raise ValueError("--speculative-simulate-acceptance-length supports chain drafting only")
         if spec.header.all_greedy:
             return greedy_tree_verify(tree, logits, depth_limit, max_depth), depth_limit
         sampling = (spec.temperatures, spec.top_ks, spec.top_ps)

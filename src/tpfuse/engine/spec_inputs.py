@@ -167,7 +167,6 @@ def pack_spec_step(
     batch: Batch,
     block_size: int,
     engine_seed: int,
-    banned_token_ids,
     num_draft_tokens: int,
     max_model_len: int,
     host_drafts: dict[int, list[int]] | None = None,
@@ -252,12 +251,11 @@ def pack_spec_step(
             v_request_seed.append(row_seed(p.seed, engine_seed, seq.seq_id, -1))
             v_index.append(len(tokens) - seq.num_prompt_tokens)
             v_seeded.append(int(p.seed is not None))
-            if p.min_tokens:
-                banned = banned_token_ids(seq)
-                remaining = p.min_tokens - seq.num_output_tokens
-                for i in range(k + 1 if tree_depth is not None and remaining > 0 else min(k + 1, remaining)):
-                    v_brow += [d * (k + 1) + i] * len(banned)
-                    v_bid += banned
+            ban = batch.bans.get(row)
+            if ban is not None:
+                for i in range(k + 1 if tree_depth is not None else min(k + 1, ban.count)):
+                    v_brow += [d * (k + 1) + i] * len(ban.token_ids)
+                    v_bid += ban.token_ids
             continue
         pure_decode = False
         end = begin + n
@@ -274,8 +272,8 @@ def pack_spec_step(
             s_topp.append(p.top_p)
             s_topk.append(p.top_k)
             s_seed.append(row_seed(p.seed, engine_seed, seq.seq_id, end - seq.num_prompt_tokens))
-            if p.min_tokens:
-                for token in banned_token_ids(seq):
+            if row in batch.bans:
+                for token in batch.bans[row].token_ids:
                     s_brow.append(sample_row)
                     s_bid.append(token)
     num_real = len(batch.seqs)

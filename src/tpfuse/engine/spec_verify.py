@@ -1,16 +1,18 @@
 """Verification of a speculative step's chain drafts, in the parts every rank can compute alike.
 
-`verify_inputs` masks the banned ids and names the drafts; `verify_without_sampling` is greedy
-verification, or the benchmark-only simulation (spec/simulate.py): neither draws a random number
-that depends on the rank, so a tensor-parallel worker computes rank 0's result bit for bit from its
-own (identical) logits. A chained step (spec_chain.ChainLink) shifts by that result on every rank.
+`verify_inputs` masks the banned ids and names the drafts; the chain verifier, chosen once at
+construction (`chain_verifier`), is greedy verification or the benchmark-only simulation
+(spec/simulate.py): neither draws a random number that depends on the rank, so a tensor-parallel
+worker computes rank 0's result bit for bit from its own (identical) logits. A chained step
+(spec_chain.ChainLink) shifts by that result on every rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tpfuse.spec.simulate import simulate_acceptance
+from tpfuse.config import SpeculativeConfig
+from tpfuse.spec.simulate import acceptance_rate_for_length, simulate_acceptance
 from tpfuse.spec.verify import VerifyResult, greedy_verify
 
 
@@ -27,27 +29,49 @@ def verify_inputs(forward, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return spec.draft_ids.view(spec.header.num_decode, k), spec.num_drafts, None
 
 
-def verify_without_sampling(
-    forward, drafts: torch.Tensor, counts: torch.Tensor, simulated_rate: float | None
-) -> VerifyResult | None:
-    """The simulated or greedy verification of a chain step's rows; None when rows sample (rank 0's
-    rejection sampling decides then)."""
-    spec, logits = forward.spec, forward.verify_logits
-    if simulated_rate is not None:
-        target = logits.argmax(dim=-1)
+class GreedyChainVerifier:
+    """Production: greedy verification of a step whose rows are all greedy; None when rows sample
+    (rank 0's rejection sampling decides those)."""
+
+    simulated = False
+
+    def __call__(self, forward, drafts: torch.Tensor, counts: torch.Tensor) -> VerifyResult | None:
+        if forward.spec.header.all_greedy:
+            return greedy_verify(drafts, forward.verify_logits, counts)
+        return None
+
+
+class SimulatedChainVerifier:
+    """Benchmark only (--speculative-simulate-acceptance-length): each draft position is accepted with
+    probability acceptance_rate, seeded per request and output index, whatever the target says."""
+
+    simulated = True
+
+    def __init__(self, acceptance_rate: float):
+        self.acceptance_rate = acceptance_rate
+
+    def __call__(self, forward, drafts: torch.Tensor, counts: torch.Tensor) -> VerifyResult:
+        spec, target = forward.spec, forward.verify_logits.argmax(dim=-1)
         return simulate_acceptance(
-            drafts, target, simulated_rate, spec.request_seeds, spec.output_index, counts
+            drafts, target, self.acceptance_rate, spec.request_seeds, spec.output_index, counts
         )
-    if spec.header.all_greedy:
-        return greedy_verify(drafts, logits, counts)
-    return None
 
 
-def worker_chain_result(forward, simulated_rate: float | None) -> VerifyResult | None:
+ChainVerifier = GreedyChainVerifier | SimulatedChainVerifier
+
+
+def chain_verifier(spec: SpeculativeConfig) -> ChainVerifier:
+    """The verifier every rank builds from the same settings, so all compute the same results."""
+    if spec.simulate_acceptance_length is None:
+        return GreedyChainVerifier()
+    return SimulatedChainVerifier(acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps))
+
+
+def worker_chain_result(forward, verifier: ChainVerifier) -> VerifyResult | None:
     """Ranks 1..N-1: the result a chained step after this one shifts by (rank 0 verifies the same
     way), or None when no chained step can follow it (not a pure decode chain step, or rows sample)."""
     h = forward.spec.header
     if not (h.pure_decode and h.num_decode and not h.tree) or forward.verify_logits is None:
         return None
     drafts, counts, _ = verify_inputs(forward, h.num_draft_tokens)
-    return verify_without_sampling(forward, drafts, counts, simulated_rate)
+    return verifier(forward, drafts, counts)

@@ -101,17 +101,17 @@ def pack_step(
     batch: Batch,
     block_size: int,
     engine_seed: int,
-    banned_token_ids,
     pad_to: int | None = None,
 ) -> torch.Tensor:
-    """Packs batch into a CPU int64 tensor. banned_token_ids(seq) -> list[int] (min_tokens rule).
-    pad_to: pad a decode batch to this many rows (a CUDA-graph bucket)."""
+    """Packs batch (its bans included) into a CPU int64 tensor. pad_to: pad a decode batch to this
+    many rows (a CUDA-graph bucket)."""
     input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
     max_blocks = max(len(s.block_table) for s in batch.seqs)
     bs = block_size
     # The hot loop of every step (once per sequence): plain list operations only.
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+    bans = batch.bans
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
         begin = seq.num_computed_tokens
         end = begin + n
         table = seq.block_table
@@ -140,8 +140,8 @@ def pack_step(
                 seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, end - seq.num_prompt_tokens))
             else:
                 seeds.append(0)  # greedy rows draw nothing
-            if p.min_tokens:
-                for token in banned_token_ids(seq):
+            if bans and i in bans:
+                for token in bans[i].token_ids:
                     banned_rows.append(row)
                     banned_ids.append(token)
     num_real = len(batch.seqs)

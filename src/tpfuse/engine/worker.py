@@ -184,13 +184,9 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
     what a step launched after the one before needs of it: its sampled ids (a plain decode) or its
     verify result (a speculative step that a chained template may follow)."""
     from tpfuse.engine.spec_chain import ChainLink
-    from tpfuse.engine.spec_verify import worker_chain_result
-    from tpfuse.spec.simulate import acceptance_rate_for_length
+    from tpfuse.engine.spec_verify import chain_verifier, worker_chain_result
 
-    spec = config.speculative
-    rate = None
-    if spec.enabled and spec.simulate_acceptance_length is not None:
-        rate = acceptance_rate_for_length(spec.simulate_acceptance_length, spec.num_steps)
+    verifier = chain_verifier(config.speculative)
     chains = (
         not config.disable_overlap_schedule
         and runner.spec is not None
@@ -211,7 +207,7 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
                 link = ChainLink(verified, k, packed[2 : 2 + n].tolist() if n >= 0 else None)
                 packed = packed[2 + max(n, 0) :]
             forward = runner.execute_spec(packed, link)
-            verified = worker_chain_result(forward, rate) if chains else None
+            verified = worker_chain_result(forward, verifier) if chains else None
             ids = None
         else:
             if kind == PLAIN_STEP_AFTER_PREVIOUS and ids is None:
@@ -311,8 +307,8 @@ class TensorParallelExecutor:
         self.max_model_len = self.runner.max_model_len
         self.num_kv_blocks = self.runner.num_kv_blocks
 
-    def pack(self, batch, engine_seed: int, banned_token_ids) -> torch.Tensor:
-        return self.runner.pack(batch, engine_seed, banned_token_ids)
+    def pack(self, batch, engine_seed: int) -> torch.Tensor:
+        return self.runner.pack(batch, engine_seed)
 
     def pack_next_decode(self, batch, engine_seed: int) -> torch.Tensor:
         return self.runner.pack_next_decode(batch, engine_seed)
