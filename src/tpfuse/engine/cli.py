@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    parser.add_argument(
+        "--chat", action="store_true", help="each prompt as a user message, through the model's chat template"
+    )
     add_engine_args(parser)
     parser.set_defaults(handler=run_generate)
 
@@ -76,8 +79,11 @@ def _generate(args: argparse.Namespace) -> int:
         f"loaded {config.model} in {loaded - start:.1f} s: {llm.engine.stats().num_kv_blocks} KV blocks, "
         f"max_model_len {llm.engine.max_model_len}"
     )
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     try:
-        outputs = llm.generate(args.prompt, params)
+        outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
     elapsed = time.perf_counter() - loaded
