@@ -76,6 +76,14 @@ def main() -> None:
     w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.02).bfloat16()
     w2 = (torch.randn(e, h, i, device="cuda", generator=g) * 0.02).bfloat16()
     torch_path = torch_grouped_mm if hasattr(torch, "_grouped_mm") else torch_loop
+    if torch_path is torch_grouped_mm:
+        try:  # the grouped GEMM needs a recent GPU (sm_90 CUTLASS); else the per-expert loop
+            ids = torch.randint(0, e, (16, k), device="cuda", dtype=torch.int32)
+            probe = torch.randn(16, h, device="cuda").bfloat16()
+            torch_grouped_mm(probe, w13, w2, torch.rand(16, k, device="cuda"), ids)
+        except RuntimeError as exc:
+            print(f"torch._grouped_mm unavailable here ({exc}); comparing with the per-expert loop")
+            torch_path = torch_loop
     print(f"{args.model} experts {e} x (2*{i} x {h}), top-{k}, on {torch.cuda.get_device_name()}; "
           f"torch path: {torch_path.__name__}")  # fmt: skip
     header = ("tokens", "tile", "tpfuse ms", "default ms", "torch ms", "speedup", "rel err")
