@@ -12,9 +12,9 @@ PROMPTS = [[5, 17, 99, 3, 42], [1, 2]]
 DECODE_TOKENS = [[7, 8]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mixtral"])
 def test_triton_kernels_match_torch_references_inside_the_model(kind, tmp_path, monkeypatch):
-    build_hf_checkpoint(tmp_path, kind, num_hidden_layers=1)
+    build_hf_checkpoint(tmp_path, kind, num_hidden_layers=1)  # mixtral: routing, grouping, finalize
     model, _ = load_for_test(tmp_path)
     monkeypatch.setenv("TPFUSE_KERNELS", "torch")
     knobs.reload()
