@@ -16,7 +16,7 @@ def _weights():
 
 
 def _routes_per_rank(rank, world_size):
-    from tpfuse.engine.worker import rank0_decides
+    from tpfuse.engine.tp_rank import rank0_decides
     from tpfuse.model import linear_choice
     from tpfuse.model.linear_choice import GEMV
 
