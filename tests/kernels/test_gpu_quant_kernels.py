@@ -132,3 +132,45 @@ def test_smollm2_gguf_answers_the_capital_of_france_in_bf16_on_the_gpu():
     [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
     llm.shutdown()
     assert "Paris" in out.text
+
+
+@pytest.mark.parametrize("bits", [4, 0])  # 0: FP8 e4m3
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, tokens):
+    from tpfuse.kernels import quant_moe
+
+    gen = torch.Generator(DEVICE).manual_seed(bits + tokens)
+    experts, hidden, inter, top_k, group = 16, 2048, 768, 8, 128
+
+    def stack(n, k):
+        if bits:
+            values = torch.randint(0, 16, (experts, n, k), generator=gen, device=DEVICE)
+            codes = torch.stack([quant_int.pack_int(v, 4) for v in values])
+        else:
+            codes = torch.randn(experts, n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+        scales = torch.rand(experts, n, k // group, generator=gen, device=DEVICE) * 0.01 + 1e-3
+        return quant_moe.QuantExperts(codes, scales, bits, group, k)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device=DEVICE).int()
+    weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE)
+    expected = quant_moe.slots_ref(
+        x.double(), w13.dequantize().double(), w2.dequantize().double(), weights, ids
+    )
+
+    def run(inp):
+        return quant_moe.quant_slots_triton(inp, w13, w2, weights, ids)
+
+    _close(run(x), expected.double(), tol=3e-2)
+    _close(_in_graph(run, x), expected.double(), tol=3e-2)
+
+
+def test_int4_dummy_qwen3_moe_generates_under_cuda_graphs():
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+
+    llm = LLM("qwen3-30b-a3b", device="cuda", dtype="bfloat16", quantization="int4", num_kv_blocks=256)
+    [out] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    llm.shutdown()
+    assert len(out.token_ids) == 16

@@ -133,3 +133,36 @@ def test_fp8_scale_of_the_wrong_block_count_is_refused():
     weight, scale = _fp8_weights(150, 300, (128, 128), gen)
     with pytest.raises(ValueError, match=r"must be \[2, 3\] float32"):
         quant_fp8.fp8_linear_triton(torch.randn(1, 300), weight, scale[:1], (128, 128))
+
+
+@pytest.mark.parametrize("bits", [4, 0])  # 0: FP8 e4m3
+def test_quantized_expert_slots_match_float64(bits):
+    from tpfuse.kernels import quant_moe
+
+    gen = torch.Generator().manual_seed(bits)
+    experts, hidden, inter, tokens, top_k, group = 5, 96, 64, 3, 2, 32
+
+    def stack(n, k):
+        if bits:
+            codes = torch.stack(
+                [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(experts)]
+            )
+        else:
+            codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
+        scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 1e-3
+        return quant_moe.QuantExperts(codes, scales, bits, group, k)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).int()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    gate_up, down = w13.dequantize().double(), w2.dequantize().double()
+    rows = []
+    for t in range(tokens):
+        for j in range(top_k):
+            h = gate_up[ids[t, j]] @ x[t].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            rows.append(weights[t, j].double() * (down[ids[t, j]] @ act))
+    expected = torch.stack(rows)
+    _close(quant_moe.quant_slots_triton(x, w13, w2, weights, ids), expected, torch.float32)
+    _close(quant_moe.quant_slots_ref(x, w13, w2, weights, ids), expected, torch.float32)

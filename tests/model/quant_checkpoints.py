@@ -91,9 +91,13 @@ def gptq_asymmetric(w: torch.Tensor, bits: int, group: int) -> tuple[dict, torch
 
 
 def write_quantized(directory, kind: str, quantizer, quantization_config: dict, seed: int = 0, **shape):
-    """Saves a random model of architecture kind with its decoder linears in quantizer's layout;
-    returns the transformers model holding the dequantized weights."""
-    hf_model = build_hf_checkpoint(
+    """Saves a random model of architecture kind with its decoder linears (and experts) in quantizer's
+    layout; returns the transformers model of the dequantized weights (loaded from a float copy of
+    the checkpoint, so transformers maps the on-disk names itself, per-expert ones included)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    build_hf_checkpoint(
         directory,
         kind,
         seed=seed,
@@ -104,7 +108,13 @@ def write_quantized(directory, kind: str, quantizer, quantization_config: dict, 
         **shape,
     )
     save_byte_tokenizer(directory)
-    state = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
+    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    state = {}
+    for file in files:
+        state.update(load_file(os.path.join(directory, file)))
+        os.remove(os.path.join(directory, file))
+    if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        os.remove(os.path.join(directory, "model.safetensors.index.json"))
     tensors, dequantized_state = {}, {}
     for name, tensor in state.items():
         prefix, _, last = name.rpartition(".")
@@ -112,21 +122,22 @@ def write_quantized(directory, kind: str, quantizer, quantization_config: dict, 
             stored, dequantized = quantizer(tensor.float())
             tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
             dequantized_state[name] = dequantized
-        elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
+        else:
             tensors[name] = tensor
-    for file in os.listdir(directory):
-        if file.endswith(".safetensors") or file == "model.safetensors.index.json":
-            os.remove(os.path.join(directory, file))
-    save_file(tensors, os.path.join(directory, "model.safetensors"))
+            dequantized_state[name] = tensor
+    reference = os.path.join(directory, "dequantized")
+    os.makedirs(reference, exist_ok=True)
+    save_file(dequantized_state, os.path.join(reference, "model.safetensors"))
     config_path = os.path.join(directory, "config.json")
     with open(config_path) as f:
         config = json.load(f)
+    with open(os.path.join(reference, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
     config["quantization_config"] = quantization_config
     with open(config_path, "w") as f:
         json.dump(config, f)
-    with torch.no_grad():
-        hf_model.load_state_dict({**state, **dequantized_state})
-    return hf_model
+    return AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
 
 
 def compressed_tensors_config(weights: dict, fmt: str, input_activations: dict | None = None) -> dict:

@@ -74,6 +74,15 @@ FORMATS = {
         ),
         GROUP_128_SHAPE,
     ),
+    "int4-group32-qwen3-moe": (  # dense layers and every expert pack-quantized
+        "qwen3_moe",
+        functools.partial(qc.int_pack_quantized, bits=4, group=32),
+        qc.compressed_tensors_config(
+            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+            "pack-quantized",
+        ),
+        {},
+    ),
     "gptq-4bit-group32": (
         "mistral",
         functools.partial(qc.gptq_asymmetric, bits=4, group=32),
@@ -223,6 +232,7 @@ def test_the_start_up_tile_of_a_quantized_shape_is_the_one_its_kernel_runs(int4_
     knobs.reload()
     seen = []
     real = int_group.int_linear_op
+
     def recording(*args, tile=None):
         seen.append(tile)
         return real(*args, tile=tile)

@@ -115,11 +115,15 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 class QuantConfig(Protocol):
     """A checkpoint's quantization (model/quant/): name for the load log; linear_method(role) for
-    each role in ROLES (lm_head usually stays unquantized)."""
+    each role in ROLES (lm_head usually stays unquantized); expert_method() for MoE experts."""
 
     name: str
 
     def linear_method(self, role: str) -> LinearMethod: ...
+
+    def expert_method(self):
+        """The MoE experts' method (model/moe.py's ExpertMethod); raises for formats without one."""
+        ...
 
 
 _ACTIVE: list[QuantConfig | None] = [None]
@@ -156,6 +160,12 @@ def reference_product(
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+def expert_method_for():
+    """The MoE experts' method of the quantization being built (None: unquantized experts)."""
+    config = _ACTIVE[-1]
+    return None if config is None else config.expert_method()
 
 
 def process_all(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_topk
 from tpfuse.model import moe_choice
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
+from tpfuse.model.linear_method import expert_method_for
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class FusedMoE(nn.Module):
         self.intermediate_start = parallel.tp_rank * self.intermediate_local
         self.dtype = dtype
         self.names = names
-        self.method = method or UnquantizedExperts()
+        self.method = method or expert_method_for() or UnquantizedExperts()
         self.method.create_weights(self)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:

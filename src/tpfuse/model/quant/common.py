@@ -3,6 +3,8 @@ the list of supported formats, the check of modules a checkpoint leaves unquanti
 
 from __future__ import annotations
 
+import torch
+
 SUPPORTED_FORMATS = (
     "compressed-tensors (FP8 float-quantized per-tensor/per-channel/block; "
     "INT4/INT8 pack-quantized symmetric)",
@@ -12,6 +14,26 @@ SUPPORTED_FORMATS = (
 )
 # The ignore lists that leave only modules tpfuse never quantizes (lm_head, MoE routers) unquantized.
 _NEVER_QUANTIZED = ("lm_head", "mlp.gate", "router")
+
+
+INT_STORED = ("I32",)  # safetensors dtype of packed integer codes
+
+
+def dummy_codes(dest: torch.Tensor, generator: torch.Generator) -> None:
+    """Uniformly random packed words (every bit pattern is a valid set of codes)."""
+    dest.copy_(
+        torch.randint(-(2**31), 2**31, dest.shape, generator=generator, device=dest.device, dtype=torch.int64)
+    )
+
+
+def dummy_group_scale(bits: int):
+    """Scales giving uniform codes the bf16 dummy weights' spread (0.02)."""
+    value = 0.02 / ((2**bits) / 12**0.5)
+
+    def fill(dest: torch.Tensor, generator: torch.Generator) -> None:
+        dest.fill_(value)
+
+    return fill
 
 
 class QuantizationError(ValueError):
@@ -53,3 +75,14 @@ class UniformConfig:
         from tpfuse.model.linear_method import UNQUANTIZED
 
         return UNQUANTIZED if role == "lm_head" else self.method
+
+    def expert_method(self):
+        """The MoE experts' method (model/quant/experts.py): the linear method's experts().
+        Raises QuantizationError for a format whose experts have none yet."""
+        experts = getattr(self.method, "experts", None)
+        if experts is None:
+            raise QuantizationError(
+                f"MoE experts quantized as {self.name} are not supported yet; quantized experts run "
+                "compressed-tensors pack-quantized INT4/INT8 with a group size (and --quantization int4)"
+            )
+        return experts()

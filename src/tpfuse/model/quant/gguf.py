@@ -106,3 +106,6 @@ class GgufConfig:
 
     def linear_method(self, role: str):
         return UNQUANTIZED if role == "lm_head" else GgufLinearMethod(self.file)
+
+    def expert_method(self):
+        raise ValueError(f"{self.file.path}: GGUF MoE experts are not supported")

@@ -17,7 +17,8 @@ from torch import nn
 
 from tpfuse.kernels.quant_int import unpack_int, values_per_word
 from tpfuse.model.linear_method import LinearShards
-from tpfuse.model.quant.int_group import INT_STORED, IntGroupLinearMethod, dummy_codes, dummy_group_scale
+from tpfuse.model.quant.common import INT_STORED, dummy_codes, dummy_group_scale
+from tpfuse.model.quant.int_group import IntGroupLinearMethod
 from tpfuse.model.shard import ShardSlot
 
 
@@ -101,6 +102,8 @@ class GptqLinearMethod(IntGroupLinearMethod):
             "scales": ShardSlot(layer.scales, (groups, full), 1, start, local, offset, **scale),
             "g_idx": g_idx,
         }
+
+    experts = None  # GPTQ MoE experts: not supported (UniformConfig.expert_method says so)
 
     def process_weights(self, layer: nn.Module) -> None:
         shards: LinearShards = layer.shards

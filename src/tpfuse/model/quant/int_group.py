@@ -19,30 +19,12 @@ from tpfuse.kernels import int_linear_op, use_triton
 from tpfuse.kernels.quant_int import dequantize_int, values_per_word
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
+from tpfuse.model.quant.common import INT_STORED, QuantizationError, dummy_codes, dummy_group_scale
 from tpfuse.model.shard import ShardSlot
-
-INT_STORED = ("I32",)
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def dummy_codes(dest: torch.Tensor, generator: torch.Generator) -> None:
-    """Uniformly random packed words (every bit pattern is a valid set of codes)."""
-    dest.copy_(
-        torch.randint(-(2**31), 2**31, dest.shape, generator=generator, device=dest.device, dtype=torch.int64)
-    )
-
-
-def dummy_group_scale(bits: int):
-    """Scales giving uniform codes the bf16 dummy weights' spread (0.02)."""
-    value = 0.02 / ((2**bits) / 12**0.5)
-
-    def fill(dest: torch.Tensor, generator: torch.Generator) -> None:
-        dest.fill_(value)
-
-    return fill
 
 
 class IntGroupLinearMethod:
@@ -123,6 +105,14 @@ class IntGroupLinearMethod:
 
     def process_weights(self, layer: nn.Module) -> None:
         self.check_shapes(layer)
+
+    def experts(self):
+        """The MoE experts in the same format (model/quant/experts.py)."""
+        from tpfuse.model.quant.experts import IntGroupExperts
+
+        if self.group_size < 1:
+            raise QuantizationError(f"{self.name}: quantized MoE experts need a group size (not per-channel)")
+        return IntGroupExperts(self.bits, self.group_size)
 
     def tile_key(self, layer: nn.Module) -> tuple:
         return (self.name, tuple(layer.weight_packed.shape), layer.weight_offset is not None)

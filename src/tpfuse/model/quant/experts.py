@@ -1,0 +1,131 @@
+"""Quantized MoE experts (model/moe.py's ExpertMethod): every expert's gate/up/down in the checkpoint's
+per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
+
+- IntGroupExperts: compressed-tensors pack-quantized (symmetric, group-wise; Kimi K2's INT4 experts):
+  <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
+FP8 experts (kernels/quant_moe.py runs them: bits 0) have no ExpertMethod yet: an FP8 MoE checkpoint
+fails at load naming the experts.
+Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
+experts do; down's K shard must start on a scale group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpfuse.kernels import moe_combine, use_triton
+from tpfuse.kernels.fused_moe import combine_slots_ref
+from tpfuse.kernels.quant_int import values_per_word
+from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
+from tpfuse.model.quant.common import INT_STORED, dummy_codes, dummy_group_scale
+from tpfuse.model.shard import ShardSlot
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class _QuantizedExperts:
+    """apply / apply_slots through kernels/quant_moe.py (CUDA) or the dequantized reference, kept once."""
+
+    def stacks(self, experts) -> tuple[QuantExperts, QuantExperts]:
+        raise NotImplementedError
+
+    def apply_slots(self, experts, x, topk_weights, topk_ids):
+        w13, w2 = self.stacks(experts)
+        if use_triton(x):
+            return quant_slots_triton(x, w13, w2, topk_weights, topk_ids)
+        cached = experts.__dict__.get("reference_weights")
+        if cached is None:  # the reference path: dequantize once (exact), products in float32
+            cached = (w13.dequantize(), w2.dequantize())
+            experts.__dict__["reference_weights"] = cached
+        return slots_ref(x, *cached, topk_weights, topk_ids)
+
+    def apply(self, experts, x, topk_weights, topk_ids):
+        slots = self.apply_slots(experts, x, topk_weights, topk_ids)
+        k = topk_ids.shape[1]
+        return moe_combine(slots, k) if use_triton(x) else combine_slots_ref(slots, k)
+
+
+class IntGroupExperts(_QuantizedExperts):
+    def __init__(self, bits: int, group_size: int):
+        values_per_word(bits)
+        self.bits, self.group = bits, group_size
+        self.name = f"int{bits} group {group_size} experts"
+
+    def create_weights(self, experts) -> None:
+        e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
+        if experts.intermediate_start % self.group:
+            raise ValueError(
+                f"the experts' intermediate shard starts at {experts.intermediate_start}, "
+                "inside a quantization "
+                f"group of {self.group}; choose a --tp-size that splits it into whole groups"
+            )
+        per_word = values_per_word(self.bits)
+        experts.w13_packed = _parameter(e, 2 * i, -(-h // per_word), dtype=torch.int32)
+        experts.w13_scale = _parameter(e, 2 * i, -(-h // self.group), dtype=experts.dtype)
+        experts.w2_packed = _parameter(e, h, -(-i // per_word), dtype=torch.int32)
+        experts.w2_scale = _parameter(e, h, -(-i // self.group), dtype=experts.dtype)
+        experts.weight_shapes = _parameter(e, 6, dtype=torch.int64)
+
+    def checkpoint_slots(self, experts, prefix: str) -> dict[str, ShardSlot]:
+        names, h, i_full = experts.names, experts.hidden_size, experts.intermediate_size
+        i, start = experts.intermediate_local, experts.intermediate_start
+        per_word, group = values_per_word(self.bits), self.group
+        codes = {"stored_dtypes": INT_STORED, "dummy": dummy_codes}
+        scale = {"dummy": dummy_group_scale(self.bits)}
+        slots = {}
+        for e in range(experts.num_experts):
+            p = f"{prefix}{e}."
+            for name, offset in ((names.gate, 0), (names.up, i)):
+                slots[f"{p}{name}.weight_packed"] = ShardSlot(
+                    experts.w13_packed, (i_full, -(-h // per_word)), 0, start, i, offset, index=e, **codes
+                )
+                slots[f"{p}{name}.weight_scale"] = ShardSlot(
+                    experts.w13_scale, (i_full, -(-h // group)), 0, start, i, offset, index=e, **scale
+                )
+            w2p, w2s = experts.w2_packed, experts.w2_scale
+            slots[f"{p}{names.down}.weight_packed"] = ShardSlot(
+                w2p, (h, -(-i_full // per_word)), 1, start // per_word, w2p.shape[2], index=e, **codes
+            )
+            slots[f"{p}{names.down}.weight_scale"] = ShardSlot(
+                w2s, (h, -(-i_full // group)), 1, start // group, w2s.shape[2], index=e, **scale
+            )
+            for n, (name, shape) in enumerate(
+                ((names.gate, (i_full, h)), (names.up, (i_full, h)), (names.down, (h, i_full)))
+            ):
+
+                def dummy(dest, generator, shape=shape):
+                    dest.copy_(torch.tensor(shape))
+
+                slots[f"{p}{name}.weight_shape"] = ShardSlot(
+                    experts.weight_shapes,
+                    (2,),
+                    0,
+                    0,
+                    2,
+                    2 * n,
+                    index=e,
+                    stored_dtypes=("I32", "I64"),
+                    dummy=dummy,
+                )
+        return slots
+
+    def process_weights(self, experts) -> None:
+        h, i_full = experts.hidden_size, experts.intermediate_size
+        expected = torch.tensor([i_full, h, i_full, h, h, i_full], device=experts.weight_shapes.device)
+        bad = (experts.weight_shapes.data != expected).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"expert {bad[0]}'s weight_shape tensors are {experts.weight_shapes.data[bad[0]].tolist()} "
+                "but the "
+                f"config needs {expected.tolist()} (gate, up, down); check config.json against the checkpoint"
+            )
+
+    def stacks(self, experts):
+        h, i = experts.hidden_size, experts.intermediate_local
+        return (
+            QuantExperts(experts.w13_packed, experts.w13_scale, self.bits, self.group, h),
+            QuantExperts(experts.w2_packed, experts.w2_scale, self.bits, self.group, i),
+        )
