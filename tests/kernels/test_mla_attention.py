@@ -34,18 +34,26 @@ def test_mla_decode_matches_float64_reference_at_odd_sizes(heads, dtype):
     assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.21), dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 70])
 def test_mla_decode_merges_any_number_of_splits(num_splits):
+    # 70: more splits than key tiles and than one merge chunk (64) reads
     q_lat, q_rope, cache, tables, lens = _latent_case([5, 70, 33, 2], 8, 5, 4, torch.float32, seed=num_splits)
-    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.3, num_splits, block_m=16, block_n=16)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.3, num_splits, tile=(16, 16, 4, 2, False))
     assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.3), torch.float32)
+
+
+def test_mla_decode_with_several_head_groups_matches_float64():
+    # 70 heads: two programs of 64 head rows per (sequence, split), the second mostly masked
+    q_lat, q_rope, cache, tables, lens = _latent_case([45, 3], 8, 70, 2, torch.float32, seed=70)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.2, 3, tile=(64, 16, 4, 2, False))
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.2), torch.float32)
 
 
 def test_mla_decode_splits_are_deterministic_and_give_zeros_without_keys():
     q_lat, q_rope, cache, tables, lens = _latent_case([6, 50], 4, 4, 2, torch.float32, seed=11)
     lens[0] = 0  # a padding row of a CUDA-graph batch
-    first = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, block_m=16, block_n=16)
-    again = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, block_m=16, block_n=16)
+    first = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, tile=(16, 16, 4, 2, False))
+    again = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.25, 4, tile=(16, 16, 4, 2, False))
     assert torch.equal(first, again)
     assert torch.equal(first[0], torch.zeros_like(first[0]))
     assert_close_to_float64(
@@ -146,5 +154,5 @@ def test_mla_rope_norm_store_matches_the_reference_on_views_of_one_projection(in
 def test_mla_decode_with_more_heads_than_one_program_holds():
     # 37 heads over 16-row programs: three head tiles per sequence, the last one partial
     q_lat, q_rope, cache, tables, lens = _latent_case([9, 30], 4, 37, 2, torch.float32, seed=8)
-    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.2, 2, block_m=16, block_n=16)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.2, 2, tile=(16, 16, 4, 2, False))
     assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.2), torch.float32)

@@ -1,5 +1,5 @@
 """The MLA kernels on CUDA at DeepSeek-V3 sizes (kv_lora_rank 512, rope 64; 128 heads at TP 1, 16 at
-TP 8), bfloat16, against float64, in and out of CUDA graphs (device machine only)."""
+TP 8; 32 at TP 4), bfloat16, against float64, in and out of CUDA graphs (device machine only)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
 from tpfuse.kernels.grouped_topk import grouped_topk_ref as grouped_topk
 from tpfuse.kernels.grouped_topk import grouped_topk_triton
-from tpfuse.kernels.mla_decode import mla_decode_ref, mla_decode_triton
+from tpfuse.kernels.mla_decode import mla_decode_launch, mla_decode_ref, mla_decode_triton
 from tpfuse.kernels.mla_prefill import mla_prefill_ref, mla_prefill_triton
 from tpfuse.kernels.mla_store import store_latent_ref, store_latent_triton
 
@@ -36,14 +36,29 @@ def _decode_expected(q_lat, q_rope, cache, tables, lens):
     return mla_decode_ref(q_lat.double(), q_rope.double(), cache.double(), tables, lens, SCALE)
 
 
-@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("heads", [128, 32, 16])
 @pytest.mark.parametrize(
-    "contexts", [[1, 33, 1024, 4097], [8192], [300] * 64], ids=["mixed", "long", "batch64"]
+    "contexts", [[1, 33, 1024, 4097], [8192], [300] * 64, [0, 32768]], ids=["mixed", "long", "batch64", "32k"]
 )
 def test_mla_decode_on_cuda_matches_float64(heads, contexts):
     cache, tables, lens = _latent_cache(contexts, seed=len(contexts) + heads)
     q_lat, q_rope = _randn(len(contexts), heads, RANK, seed=1), _randn(len(contexts), heads, ROPE, seed=2)
     out = mla_decode_triton(q_lat, q_rope, cache, tables, lens, SCALE)
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens), DTYPE)
+
+
+@pytest.mark.parametrize(
+    "heads,tile",
+    [(16, (16, 64, 4, 3, True)), (16, (16, 32, 4, 2, False)), (32, (32, 64, 8, 3, True)),
+     (32, (32, 32, 4, 2, False)), (128, (64, 64, 8, 2, False)), (128, (64, 32, 8, 2, False))],
+)  # fmt: skip
+@pytest.mark.parametrize("num_splits", [3, 130])
+def test_mla_decode_tiles_on_cuda_match_float64(heads, tile, num_splits):
+    # every tile benchmarks/mla_decode.py compares, split or not, over a mixed batch with an empty row
+    contexts = [0, 17, 1000, 4099]
+    cache, tables, lens = _latent_cache(contexts, seed=heads + num_splits)
+    q_lat, q_rope = _randn(len(contexts), heads, RANK, seed=20), _randn(len(contexts), heads, ROPE, seed=21)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, SCALE, num_splits, tile)
     assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens), DTYPE)
 
 
