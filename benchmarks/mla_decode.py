@@ -141,7 +141,7 @@ SWEEP_TILES = {
     128: [(64, 64, 8, 2, False), (64, 64, 8, 3, False), (64, 32, 8, 2, False)],
 }
 # The other tile the table times beside the shipped one (mla_decode.mla_decode_tile), per head count.
-ALT_TILES = {16: (16, 32, 4, 2, False), 32: (32, 32, 4, 2, False), 128: (64, 64, 8, 3, False)}
+ALT_TILES = {16: (16, 64, 4, 3, True), 32: (32, 64, 8, 3, True), 128: (64, 64, 8, 3, False)}
 SWEEP_CASES = [
     (128, 64, 4096),
     (16, 1, 32768),

@@ -49,6 +49,14 @@ def test_mla_decode_with_several_head_groups_matches_float64():
     assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_with_keys_on_the_mma_rows_matches_float64(num_splits):
+    # swap_ab: scores as [keys, heads] and the accumulator as [rank, heads]
+    q_lat, q_rope, cache, tables, lens = _latent_case([40, 9, 0], 8, 6, 3, torch.float32, seed=num_splits)
+    out = mla_decode_launch(q_lat, q_rope, cache, tables, lens, 0.3, num_splits, tile=(16, 16, 4, 2, True))
+    assert_close_to_float64(out, _decode_expected(q_lat, q_rope, cache, tables, lens, 0.3), torch.float32)
+
+
 def test_mla_decode_splits_are_deterministic_and_give_zeros_without_keys():
     q_lat, q_rope, cache, tables, lens = _latent_case([6, 50], 4, 4, 2, torch.float32, seed=11)
     lens[0] = 0  # a padding row of a CUDA-graph batch

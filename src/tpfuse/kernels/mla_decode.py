@@ -152,12 +152,12 @@ def mla_decode_ref(q_latent, q_rope, cache, block_tables, seq_lens, scale):
 def mla_decode_tile(heads: int) -> tuple[int, int, int, int, bool]:
     """(block_h, block_n, num_warps, num_stages, swap_ab) for `heads` query heads per rank: every
     head of a sequence in one program up to 64 (the float32 accumulator is block_h x kv_lora_rank).
-    swap_ab puts the keys on the MMA's 64-row side (the Hopper tensor-core instruction needs 64
-    rows; 16 or 32 heads alone would fall back to the older, latency-bound one)."""
+    swap_ab (keys on the MMA's 64-row side, so 16 or 32 heads get Hopper's wgmma) is a tile option
+    the benchmark compares; on the H200 it was slower than these tiles at 16 and 32 heads (PERF.md)."""
     block_h = min(max(triton.next_power_of_2(heads), 16), 64)
     if block_h == 64:
         return 64, 64, 8, 2, False
-    return (16, 64, 4, 3, True) if block_h == 16 else (32, 64, 8, 3, True)
+    return block_h, 32, 4, 2, False
 
 
 def _programs_per_sm(tile) -> int:
