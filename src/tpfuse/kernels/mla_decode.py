@@ -11,7 +11,7 @@ their partials are merged in split order (decode_merge.launch_chunked_merge: det
 split count comes from shapes only (batch, head groups, block-table width, SM count), never from
 seq_lens, so every CUDA-graph replay launches the same grid; each split's key range is derived from
 seq_len on the device. The tile (BLOCK_H, BLOCK_N, warps, stages) depends on the head count only,
-so an engine compiles two variants (split and unsplit) per model.
+so an engine compiles two variants (split and unsplit) per model, and the merge two chunk shapes.
 """
 
 from __future__ import annotations
