@@ -83,6 +83,20 @@ FORMATS = {
         ),
         {},
     ),
+    "fp8-block-qwen3-moe": (  # dense layers and every expert in 128x128-block FP8
+        "qwen3_moe",
+        qc.fp8_block,
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 384},
+    ),
+    "fp8-channel-qwen3-moe": (
+        "qwen3_moe",
+        qc.fp8_channel,
+        qc.compressed_tensors_config(
+            {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}, "float-quantized"
+        ),
+        {},
+    ),
     "gptq-4bit-group32": (
         "mistral",
         functools.partial(qc.gptq_asymmetric, bits=4, group=32),

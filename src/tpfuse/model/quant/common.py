@@ -17,6 +17,16 @@ _NEVER_QUANTIZED = ("lm_head", "mlp.gate", "router")
 
 
 INT_STORED = ("I32",)  # safetensors dtype of packed integer codes
+FP8_STORED = ("F8_E4M3",)
+
+
+def dummy_fp8(dest: torch.Tensor, generator: torch.Generator) -> None:
+    """Standard-normal codes (times the dummy scale 0.02: the bf16 dummy weights' spread)."""
+    dest.copy_(torch.randn(dest.shape, generator=generator, device=dest.device).to(dest.dtype))
+
+
+def dummy_scale(dest: torch.Tensor, generator: torch.Generator) -> None:
+    dest.fill_(0.02)
 
 
 def dummy_codes(dest: torch.Tensor, generator: torch.Generator) -> None:

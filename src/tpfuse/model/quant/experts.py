@@ -3,8 +3,8 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
 
 - IntGroupExperts: compressed-tensors pack-quantized (symmetric, group-wise; Kimi K2's INT4 experts):
   <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
-FP8 experts (kernels/quant_moe.py runs them: bits 0) have no ExpertMethod yet: an FP8 MoE checkpoint
-fails at load naming the experts.
+- Fp8Experts: FP8 e4m3 with per-channel weight_scale (compressed-tensors) or block weight_scale_inv
+  (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
 Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
 experts do; down's K shard must start on a scale group.
 """
@@ -16,9 +16,17 @@ from torch import nn
 
 from tpfuse.kernels import moe_combine, use_triton
 from tpfuse.kernels.fused_moe import combine_slots_ref
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_int import values_per_word
 from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
-from tpfuse.model.quant.common import INT_STORED, dummy_codes, dummy_group_scale
+from tpfuse.model.quant.common import (
+    FP8_STORED,
+    INT_STORED,
+    dummy_codes,
+    dummy_fp8,
+    dummy_group_scale,
+    dummy_scale,
+)
 from tpfuse.model.shard import ShardSlot
 
 
@@ -128,4 +136,94 @@ class IntGroupExperts(_QuantizedExperts):
         return (
             QuantExperts(experts.w13_packed, experts.w13_scale, self.bits, self.group, h),
             QuantExperts(experts.w2_packed, experts.w2_scale, self.bits, self.group, i),
+        )
+
+
+class Fp8Experts(_QuantizedExperts):
+    """FP8 e4m3 experts: per-channel weight_scale (compressed-tensors) or block weight_scale_inv
+    (Qwen3-FP8 MoE, DeepSeek-V3), kept as one float32 scale per (row, K group): [E, N, 1] per-channel,
+    [E, N, ceil(K / block_k)] block (expanded from the block rows at load, exact)."""
+
+    def __init__(self, strategy: str, block: tuple[int, int] | None):
+        if strategy not in ("channel", "block"):
+            raise ValueError(f"FP8 experts with {strategy} scales are not supported (channel or block)")
+        self.strategy, self.block = strategy, block
+        self.name = f"fp8-{strategy} experts"
+
+    def create_weights(self, experts) -> None:
+        e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
+        experts.w13 = _parameter(e, 2 * i, h, dtype=FP8_DTYPE)
+        experts.w2 = _parameter(e, h, i, dtype=FP8_DTYPE)
+        if self.strategy == "channel":
+            experts.w13_scale = _parameter(e, 2 * i, 1, dtype=torch.float32)
+            experts.w2_scale = _parameter(e, h, 1, dtype=torch.float32)
+            return
+        bn, bk = self.block
+        start = experts.intermediate_start
+        if start % bk:
+            raise ValueError(
+                f"the experts' intermediate shard starts at {start}, inside a {bk}-column FP8 scale block; "
+                "choose a --tp-size that splits it into whole blocks"
+            )
+        rows = -(-(start + i) // bn) - start // bn
+        experts.gate_block_scales = _parameter(e, rows, -(-h // bk), dtype=torch.float32)
+        experts.up_block_scales = _parameter(e, rows, -(-h // bk), dtype=torch.float32)
+        experts.down_block_scales = _parameter(e, -(-h // bn), -(-i // bk), dtype=torch.float32)
+
+    def checkpoint_slots(self, experts, prefix: str) -> dict[str, ShardSlot]:
+        names, h, i_full = experts.names, experts.hidden_size, experts.intermediate_size
+        i, start = experts.intermediate_local, experts.intermediate_start
+        codes = {"stored_dtypes": FP8_STORED, "dummy": dummy_fp8}
+        slots = {}
+        for e in range(experts.num_experts):
+            p = f"{prefix}{e}."
+            gate, up, down = (f"{p}{n}" for n in (names.gate, names.up, names.down))
+            slots[f"{gate}.weight"] = ShardSlot(experts.w13, (i_full, h), 0, start, i, 0, index=e, **codes)
+            slots[f"{up}.weight"] = ShardSlot(experts.w13, (i_full, h), 0, start, i, i, index=e, **codes)
+            slots[f"{down}.weight"] = ShardSlot(experts.w2, (h, i_full), 1, start, i, 0, index=e, **codes)
+            if self.strategy == "channel":
+                s13, s2 = experts.w13_scale, experts.w2_scale
+                slots[f"{gate}.weight_scale"] = ShardSlot(
+                    s13, (i_full, 1), 0, start, i, 0, index=e, dummy=dummy_scale
+                )
+                slots[f"{up}.weight_scale"] = ShardSlot(
+                    s13, (i_full, 1), 0, start, i, i, index=e, dummy=dummy_scale
+                )
+                slots[f"{down}.weight_scale"] = ShardSlot(s2, (h, 1), 0, 0, h, 0, index=e, dummy=dummy_scale)
+                continue
+            bn, bk = self.block
+            up_shape = (-(-i_full // bn), -(-h // bk))
+            for name, raw in ((gate, experts.gate_block_scales), (up, experts.up_block_scales)):
+                slots[f"{name}.weight_scale_inv"] = ShardSlot(
+                    raw, up_shape, 0, start // bn, raw.shape[1], index=e, dummy=dummy_scale
+                )
+            raw = experts.down_block_scales
+            slots[f"{down}.weight_scale_inv"] = ShardSlot(
+                raw, (-(-h // bn), -(-i_full // bk)), 1, start // bk, raw.shape[2], index=e, dummy=dummy_scale
+            )
+        return slots
+
+    def process_weights(self, experts) -> None:
+        if self.strategy != "block":
+            return
+        bn = self.block[0]
+        start, i, h = experts.intermediate_start, experts.intermediate_local, experts.hidden_size
+        device = experts.w13.device
+        rows = torch.arange(start, start + i, device=device) // bn - start // bn
+        w13_scale = torch.cat(
+            [experts.gate_block_scales.data[:, rows], experts.up_block_scales.data[:, rows]], 1
+        )
+        w2_scale = experts.down_block_scales.data[:, torch.arange(h, device=device) // bn]
+        for name in ("gate_block_scales", "up_block_scales", "down_block_scales"):
+            delattr(experts, name)
+        experts.w13_scale = nn.Parameter(w13_scale.contiguous(), requires_grad=False)
+        experts.w2_scale = nn.Parameter(w2_scale.contiguous(), requires_grad=False)
+
+    def stacks(self, experts):
+        h, i = experts.hidden_size, experts.intermediate_local
+        k13 = h if self.strategy == "channel" else self.block[1]
+        k2 = i if self.strategy == "channel" else self.block[1]
+        return (
+            QuantExperts(experts.w13, experts.w13_scale, 0, k13, h),
+            QuantExperts(experts.w2, experts.w2_scale, 0, k2, i),
         )

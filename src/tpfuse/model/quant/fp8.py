@@ -23,23 +23,14 @@ from tpfuse.kernels import fp8_linear_op, use_triton
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8, fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
+from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale
 from tpfuse.model.shard import ShardSlot
 
-FP8_STORED = ("F8_E4M3",)
 MAX_DECODE_ROWS = 64
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def dummy_fp8(dest: torch.Tensor, generator: torch.Generator) -> None:
-    """Standard-normal codes (times the dummy scale 0.02: the bf16 dummy weights' spread)."""
-    dest.copy_(torch.randn(dest.shape, generator=generator, device=dest.device).to(dest.dtype))
-
-
-def dummy_scale(dest: torch.Tensor, generator: torch.Generator) -> None:
-    dest.fill_(0.02)
 
 
 class Fp8LinearMethod:
@@ -118,6 +109,12 @@ class Fp8LinearMethod:
         del layer.block_scale_parts
         layer.weight_scale = _parameter(0, dtype=torch.float32)
         layer.weight_scale.data = torch.cat(expanded).contiguous()
+
+    def experts(self):
+        """The MoE experts in the same format (model/quant/experts.py)."""
+        from tpfuse.model.quant.experts import Fp8Experts
+
+        return Fp8Experts(self.strategy, self.checkpoint_block)
 
     def tile_key(self, layer: nn.Module) -> tuple:
         return (self.name, tuple(layer.weight.shape), layer.fp8_block)
