@@ -21,6 +21,12 @@ from tpfuse.model.loader import CheckpointError
 from tpfuse.model.quant import QuantizationError
 
 NEW_TOKENS = 8
+FP8_BLOCK = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 BLOCK_SHAPE = dict(hidden_size=256, intermediate_size=384, head_dim=64)  # several 128-blocks per tensor
 GROUP_128_SHAPE = dict(hidden_size=128, intermediate_size=256)
 
@@ -86,7 +92,7 @@ FORMATS = {
     "fp8-block-qwen3-moe": (  # dense layers and every expert in 128x128-block FP8
         "qwen3_moe",
         qc.fp8_block,
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        FP8_BLOCK,
         {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 384},
     ),
     "fp8-channel-qwen3-moe": (
