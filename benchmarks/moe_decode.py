@@ -51,13 +51,13 @@ def routed_experts(model, step) -> list[int]:
 
 def step_bytes(model, batch_size: int, context: int, experts_touched: list[int]) -> dict[str, int]:
     """Bytes a decode step reads, by part."""
-    expert_params = {id(m.experts.w13) for m in model.modules() if isinstance(m, SparseMoeBlock)}
-    expert_params |= {id(m.experts.w2) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    # every expert parameter (bf16 w13/w2, or quantized codes and scales) is stacked [E, ...]
+    expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
     if not model.config.tie_word_embeddings:
         dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    per_expert = [(b.experts.w13[0].nbytes + b.experts.w2[0].nbytes) for b in blocks]
+    per_expert = [sum(p[0].nbytes for p in b.experts.parameters()) for b in blocks]
     experts = sum(n * size for n, size in zip(experts_touched, per_expert, strict=True))
     attn0 = model.layers[0].self_attn
     kv = 2 * attn0.num_kv_heads * attn0.head_dim * model.config.dtype.itemsize * len(model.layers)
@@ -109,6 +109,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "fp8-block", "int4"])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
@@ -117,7 +118,9 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_decode.json"))
     args = parser.parse_args()
 
-    engine_config = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy")
+    engine_config = EngineConfig(
+        model=args.model, dtype=args.dtype, load_format="dummy", quantization=args.quantization
+    )
     model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     linear_choice.choose(projections(model), max_rows=max(batch_sizes))  # as the engine does at start-up

@@ -166,11 +166,12 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, to
     _close(_in_graph(run, x), expected.double(), tol=3e-2)
 
 
-def test_int4_dummy_qwen3_moe_generates_under_cuda_graphs():
+@pytest.mark.parametrize("quantization", ["int4", "fp8-block"])
+def test_quantized_dummy_qwen3_moe_generates_under_cuda_graphs(quantization):
     from tpfuse.engine.llm import LLM
     from tpfuse.engine.sampling_params import SamplingParams
 
-    llm = LLM("qwen3-30b-a3b", device="cuda", dtype="bfloat16", quantization="int4", num_kv_blocks=256)
+    llm = LLM("qwen3-30b-a3b", device="cuda", dtype="bfloat16", quantization=quantization, num_kv_blocks=256)
     [out] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     llm.shutdown()
     assert len(out.token_ids) == 16
