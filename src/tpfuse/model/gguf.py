@@ -137,7 +137,7 @@ class GgufFile:
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        values = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)))
+        values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)))  # a writable copy
         values = values.float().reshape(self.shape(name))
         order = self._row_order(name, values.shape[0]) if values.dim() == 2 else None
         return values if order is None else values[order]
@@ -148,7 +148,7 @@ class GgufFile:
         tensor = self.tensors[name]
         kind = tensor.tensor_type.name
         n, k = self.shape(name)
-        blocks = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(n, k // GROUP_SIZE, -1)
+        blocks = torch.from_numpy(np.array(tensor.data)).view(n, k // GROUP_SIZE, -1)  # a writable copy
         out = {"weight_scale": blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)}
         if kind == "Q8_0":  # int8 codes + 128, four to a little-endian word
             codes = blocks[..., 2:] ^ 0x80
