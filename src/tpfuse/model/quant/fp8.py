@@ -99,6 +99,8 @@ class Fp8LinearMethod:
         return slots
 
     def process_weights(self, layer: nn.Module) -> None:
+        if layer.weight.is_cuda:  # probe now: apply may first see > 64 rows inside a graph capture
+            fp8_dot_supported(layer.weight.device)
         if self.strategy != "block":
             return
         block_n = self.checkpoint_block[0]
