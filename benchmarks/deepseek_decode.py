@@ -21,11 +21,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_decode_roofline import copy_bandwidth, print_kernel_profile, timed  # noqa: E402
+from roofline import (  # noqa: E402
+    capture_graph,
+    copy_bandwidth,
+    decode_metadata,
+    input_embedding_bytes,
+    print_header,
+    print_kernel_profile,
+    roofline_fields,
+    routed_experts,
+    timed,
+)
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.model import linear_choice, moe_choice  # noqa: E402
-from tpfuse.model.attention import AttentionMetadata  # noqa: E402
 from tpfuse.model.deepseek_v3 import DeepseekV3MoE  # noqa: E402
 from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
 from tpfuse.model.loader import load_model  # noqa: E402
@@ -39,45 +48,17 @@ def latent_decode_inputs(model, batch_size: int, context: int, block_size: int):
     for (cache,) in caches:
         cache.normal_()
     tables = torch.arange(batch_size * blocks_per_seq, dtype=torch.int32, device="cuda").view(batch_size, -1)
-    pos = context - 1
-    attn = AttentionMetadata(
-        slot_mapping=tables[:, pos // block_size].long() * block_size + pos % block_size,
-        block_tables=tables,
-        seq_lens=torch.full((batch_size,), context, dtype=torch.int32, device="cuda"),
-        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device="cuda"),
-        max_query_len=1,
-        max_seq_len=context,
-        is_decode=True,
-    )
+    attn = decode_metadata(tables, block_size, context)
     ids = torch.randint(0, model.config.vocab_size, (batch_size,), device="cuda")
-    return ids, torch.full((batch_size,), pos, dtype=torch.int64, device="cuda"), attn, caches, layout
-
-
-def routed_experts(model, step) -> list[int]:
-    """Runs step once eagerly, recording per MoE layer how many distinct routed experts it chose."""
-    counts, originals = [], []
-    for block in model.modules():
-        if isinstance(block, DeepseekV3MoE):
-            original = block.route
-
-            def recording(x, original=original):
-                weights, ids = original(x)
-                counts.append(int(torch.unique(ids).numel()))
-                return weights, ids
-
-            block.route = recording
-            originals.append((block, original))
-    step()
-    for block, original in originals:
-        block.route = original
-    return counts
+    positions = torch.full((batch_size,), context - 1, dtype=torch.int64, device="cuda")
+    return ids, positions, attn, caches, layout
 
 
 def step_bytes(model, batch_size: int, context: int, experts_touched: list[int], layout) -> dict[str, int]:
     blocks = [m for m in model.modules() if isinstance(m, DeepseekV3MoE)]
     expert_params = {id(b.experts.w13) for b in blocks} | {id(b.experts.w2) for b in blocks}
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
-    dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    dense -= input_embedding_bytes(model)
     per_expert = [b.experts.w13[0].nbytes + b.experts.w2[0].nbytes for b in blocks]
     experts = sum(n * size for n, size in zip(experts_touched, per_expert, strict=True))
     latent = layout.bytes_per_block(1) * batch_size * context
@@ -94,23 +75,12 @@ def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
         return model.compute_logits(hidden)
 
     with torch.no_grad():
-        touched = routed_experts(model, step)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for _ in range(5):
-            graph.replay()
+        touched = routed_experts(model, step, DeepseekV3MoE)
+        graph = capture_graph(step)
         seconds = timed(graph.replay, "cuda", args.iters)
         if args.profile:
             print_kernel_profile(graph.replay, batch_size)
     parts = step_bytes(model, batch_size, args.context, touched, layout)
-    roof_s = sum(parts.values()) / bandwidth
     return {
         "batch_size": batch_size,
         "context": args.context,
@@ -118,10 +88,7 @@ def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
         "ms_per_layer": seconds * 1e3 / len(model.layers),
         "tok_per_s": batch_size / seconds,
         "mean_experts_touched_per_moe_layer": sum(touched) / max(len(touched), 1),
-        "bytes": parts,
-        "step_bytes": sum(parts.values()),
-        "roofline_ms": roof_s * 1e3,
-        "fraction_of_roofline": roof_s / seconds,
+        **roofline_fields(parts, seconds, bandwidth),
     }
 
 
@@ -151,7 +118,7 @@ def main() -> None:
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
     )
     header = ("batch", "graph ms", "ms/layer", "tok/s", "experts/layer", "GB/step", "roofline ms", "% roof")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 9, 9, 9, 13, 8, 11, 7), strict=True)))
+    print_header(header, (5, 9, 9, 9, 13, 8, 11, 7))
     rows = []
     for batch_size in batch_sizes:
         row = bench_batch(model, batch_size, args, bandwidth)

@@ -25,8 +25,10 @@ import time
 import torch
 import triton
 
-from tpfuse import gpu_timing
-from tpfuse.kernels import gemv
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import copy_tbps  # noqa: E402
+from tpfuse import gpu_timing  # noqa: E402
+from tpfuse.kernels import gemv  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "qkv": (6144, 4096),
@@ -45,29 +47,12 @@ TILES = [  # (block_n, block_k, num_warps)
 ]
 SWEEP_BUDGET_S = 120.0
 L2_DEFEAT_BYTES = 192 << 20
-COPY_BYTES = 1 << 30
 DEVICE = "cuda"  # tests/kernels/test_gemv.py runs this file on CPU at tiny shapes
 DTYPE = torch.bfloat16
 ROWS: list[dict] = []
 
 
 graph_us = functools.partial(gpu_timing.graph_us, replays=5, samples=3)
-
-
-def copy_tbps(iters: int = 20) -> float:
-    """Bytes read + written per second by an eager device-to-device copy (benchmarks/decode.py's
-    reference; a copy captured in a CUDA graph ran at 2.77 TB/s on the H200, the eager one 4.26-4.29)."""
-    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device=DEVICE)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * src.element_size() * iters / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 def record(name: str, impl: str, us: float, weight_bytes: int, copy_bw: float, **extra) -> dict:

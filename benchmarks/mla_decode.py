@@ -25,35 +25,22 @@ import argparse
 import functools
 import json
 import os
+import sys
 
 import torch
 import triton
 
-from tpfuse import gpu_timing
-from tpfuse.kernels import mla_decode
-from tpfuse.kernels.decode_attention import choose_num_splits
-from tpfuse.kernels.mla_attention import mla_attention_launch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import copy_tbps  # noqa: E402
+from tpfuse import gpu_timing  # noqa: E402
+from tpfuse.kernels import mla_decode  # noqa: E402
+from tpfuse.kernels.decode_attention import choose_num_splits  # noqa: E402
+from tpfuse.kernels.mla_attention import mla_attention_launch  # noqa: E402
 
 RANK, ROPE, BLOCK = 512, 64, 16
 ROW_BYTES = (RANK + ROPE) * 2
 L2_DEFEAT_BYTES = 192 << 20
-COPY_BYTES = 1 << 30
 graph_us = functools.partial(gpu_timing.graph_us, min_launches=16, replays=3, samples=3)
-
-
-def copy_tbps(iters: int = 20) -> float:
-    """Bytes read + written per second by an eager 1 GiB device copy (as benchmarks/gemv.py measures it)."""
-    src = torch.randn(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * src.element_size() * iters / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 def matmul_tflops(n: int = 8192, iters: int = 10) -> float:

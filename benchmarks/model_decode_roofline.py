@@ -14,100 +14,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 
 import torch
 
-from tpfuse.comm.communicator import SingleRankCommunicator
-from tpfuse.config import EngineConfig
-from tpfuse.model import linear_choice
-from tpfuse.model.attention import AttentionMetadata
-from tpfuse.model.layers import ParallelContext, projections
-from tpfuse.model.loader import load_model
-
-
-def copy_bandwidth(device: str, num_bytes: int = 2 << 30, iters: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy of num_bytes."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    seconds = timed(lambda: dst.copy_(src), device, iters)
-    return 2 * num_bytes / seconds
-
-
-def timed(fn, device: str, iters: int) -> float:
-    """Mean seconds per call of fn."""
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
-
-
-def decode_inputs(model, batch_size: int, context: int, block_size: int, device: str):
-    """Static decode inputs: each sequence owns consecutive blocks; its new token sits at context - 1."""
-    attn0 = model.layers[0].self_attn
-    blocks_per_seq = -(-context // block_size)
-    shape = (batch_size * blocks_per_seq, block_size, attn0.num_kv_heads, attn0.head_dim)
-    dtype = model.config.dtype
-    caches = [
-        (torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
-        for _ in model.layers
-    ]
-    tables = torch.arange(batch_size * blocks_per_seq, dtype=torch.int32, device=device).view(batch_size, -1)
-    pos = context - 1
-    slots = tables[:, pos // block_size].long() * block_size + pos % block_size
-    attn = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=tables,
-        seq_lens=torch.full((batch_size,), context, dtype=torch.int32, device=device),
-        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device=device),
-        max_query_len=1,
-        max_seq_len=context,
-        is_decode=True,
-    )
-    ids = torch.randint(0, model.config.vocab_size, (batch_size,), device=device)
-    positions = torch.full((batch_size,), pos, dtype=torch.int64, device=device)
-    return ids, positions, attn, caches
-
-
-def step_bytes(model, batch_size: int, context: int) -> int:
-    """Bytes one decode step must read: weights (not the input embedding unless tied) + KV of the context."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    attn0 = model.layers[0].self_attn
-    kv_per_token = 2 * attn0.num_kv_heads * attn0.head_dim * model.config.dtype.itemsize * len(model.layers)
-    return weights + batch_size * context * kv_per_token
-
-
-def print_kernel_profile(replay, batch_size: int, steps: int = 20) -> None:
-    """Per-kernel GPU time of one replayed decode step (mean over steps), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:70], [0.0, 0])
-            entry[0] += getattr(event, "device_time_total", 0.0)
-            entry[1] += 1
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    step_us = sum(us for us, _ in totals.values()) / steps
-    print(f"kernel profile, batch {batch_size}: {step_us:.1f} us of kernels per step")
-    for name, (us, count) in rows[:25]:
-        print(f"  {us / steps:8.1f} us  x{count // steps:<4d} {name}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import (  # noqa: E402
+    capture_graph,
+    copy_bandwidth,
+    decode_inputs,
+    print_header,
+    print_kernel_profile,
+    step_bytes,
+    timed,
+)
+from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
+from tpfuse.config import EngineConfig  # noqa: E402
+from tpfuse.model import linear_choice  # noqa: E402
+from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
+from tpfuse.model.loader import load_model  # noqa: E402
 
 
 def bench_batch(model, batch_size: int, args) -> dict:
@@ -123,17 +48,7 @@ def bench_batch(model, batch_size: int, args) -> dict:
         eager_s = timed(step, args.device, max(1, args.iters // 10))
         graph_s = None
         if args.device == "cuda" and not args.eager:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            for _ in range(5):
-                graph.replay()
+            graph = capture_graph(step)
             graph_s = timed(graph.replay, args.device, args.iters)
             if args.profile:
                 print_kernel_profile(graph.replay, batch_size)
@@ -177,7 +92,7 @@ def main() -> None:
     tbps = bandwidth / 1e12 if bandwidth else 0.0
     print(f"{args.model} {config.dtype} on {name}; copy bandwidth {tbps:.2f} TB/s")
     header = ("batch", "eager ms", "graph ms", "tok/s", "GB/step", "roofline ms", "% roof")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 9, 9, 9, 8, 11, 7), strict=True)))
+    print_header(header, (5, 9, 9, 9, 8, 11, 7))
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         row = bench_batch(model, batch_size, args)

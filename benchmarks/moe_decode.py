@@ -20,7 +20,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_decode_roofline import copy_bandwidth, decode_inputs, print_kernel_profile, timed  # noqa: E402
+from roofline import (  # noqa: E402
+    capture_graph,
+    copy_bandwidth,
+    decode_inputs,
+    input_embedding_bytes,
+    kv_bytes_per_token,
+    print_header,
+    print_kernel_profile,
+    roofline_fields,
+    routed_experts,
+    timed,
+)
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.model import linear_choice, moe_choice  # noqa: E402
@@ -29,39 +40,16 @@ from tpfuse.model.loader import load_model  # noqa: E402
 from tpfuse.model.moe import SparseMoeBlock  # noqa: E402
 
 
-def routed_experts(model, step) -> list[int]:
-    """Runs step once eagerly, recording per MoE layer how many distinct experts its routing chose."""
-    counts, originals = [], []
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            original = block.route
-
-            def recording(x, original=original):
-                weights, ids = original(x)
-                counts.append(int(torch.unique(ids).numel()))
-                return weights, ids
-
-            block.route = recording
-            originals.append((block, original))
-    step()
-    for block, original in originals:
-        block.route = original
-    return counts
-
-
 def step_bytes(model, batch_size: int, context: int, experts_touched: list[int]) -> dict[str, int]:
     """Bytes a decode step reads, by part."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     # every expert parameter (bf16 w13/w2, or quantized codes and scales) is stacked [E, ...]
     expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
-    if not model.config.tie_word_embeddings:
-        dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    dense -= input_embedding_bytes(model)
     per_expert = [sum(p[0].nbytes for p in b.experts.parameters()) for b in blocks]
     experts = sum(n * size for n, size in zip(experts_touched, per_expert, strict=True))
-    attn0 = model.layers[0].self_attn
-    kv = 2 * attn0.num_kv_heads * attn0.head_dim * model.config.dtype.itemsize * len(model.layers)
-    return {"dense": dense, "experts": experts, "kv": batch_size * context * kv}
+    return {"dense": dense, "experts": experts, "kv": batch_size * context * kv_bytes_per_token(model)}
 
 
 def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
@@ -72,34 +60,19 @@ def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
         return model.compute_logits(hidden)
 
     with torch.no_grad():
-        touched = routed_experts(model, step)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for _ in range(5):
-            graph.replay()
+        touched = routed_experts(model, step, SparseMoeBlock)
+        graph = capture_graph(step)
         seconds = timed(graph.replay, "cuda", args.iters)
         if args.profile:
             print_kernel_profile(graph.replay, batch_size)
     parts = step_bytes(model, batch_size, args.context, touched)
-    total = sum(parts.values())
-    roof_s = total / bandwidth
     return {
         "batch_size": batch_size,
         "context": args.context,
         "graph_ms": seconds * 1e3,
         "tok_per_s": batch_size / seconds,
         "mean_experts_touched_per_layer": sum(touched) / len(touched),
-        "bytes": parts,
-        "step_bytes": total,
-        "roofline_ms": roof_s * 1e3,
-        "fraction_of_roofline": roof_s / seconds,
+        **roofline_fields(parts, seconds, bandwidth),
     }
 
 
@@ -130,7 +103,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"{args.model} {config.dtype} on {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     header = ("batch", "graph ms", "tok/s", "experts/layer", "GB/step", "roofline ms", "% roof")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 9, 9, 13, 8, 11, 7), strict=True)))
+    print_header(header, (5, 9, 9, 13, 8, 11, 7))
     rows = []
     for batch_size in batch_sizes:
         row = bench_batch(model, batch_size, args, bandwidth)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_decode_roofline import copy_bandwidth, decode_inputs, step_bytes, timed  # noqa: E402
+from roofline import capture_graph, copy_bandwidth, decode_inputs, print_header, step_bytes, timed  # noqa: E402
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.kernels.quant_fp8 import fp8_dot_supported  # noqa: E402
@@ -41,18 +41,7 @@ def graph_step_s(model, batch_size: int, context: int, iters: int) -> float:
         hidden, _ = model(ids, positions, attn, caches)
         return model.compute_logits(hidden)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(5):
-        graph.replay()
-    return timed(graph.replay, "cuda", iters)
+    return timed(capture_graph(step).replay, "cuda", iters)
 
 
 def prefill_tok_s(model, tokens: int, iters: int) -> float:
@@ -127,7 +116,7 @@ def main() -> None:
     )
     header = ("method", "GB", "b1 ms", "tok/s", "% roof", "b64 ms", "% roof", "b64/b1", "prefill tok/s")
     widths = (10, 6, 7, 7, 7, 7, 7, 7, 13)
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    print_header(header, widths)
     rows = []
     for name in args.methods.split(","):
         row = bench_method(name, args, bandwidth)

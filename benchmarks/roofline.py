@@ -1,0 +1,171 @@
+"""What the decode benchmarks share: the roofline's denominator (measured device copy bandwidth), mean
+time per call, a decode step captured in a CUDA graph, its per-kernel profile, static decode inputs over
+random paged KV caches, and the bytes a step reads.
+
+Imported by deepseek_decode.py, moe_decode.py, quant_decode.py, model_decode_roofline.py, mla_decode.py
+and gemv.py (each puts benchmarks/ on sys.path first).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tpfuse.model.attention import AttentionMetadata
+
+
+def timed(fn, device: str, iters: int) -> float:
+    """Mean seconds per call of fn (CUDA events on cuda, wall clock elsewhere)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def copy_bandwidth(device: str, num_bytes: int = 2 << 30, iters: int = 20) -> float:
+    """Bytes read + written per second by an eager device-to-device copy of num_bytes (eager: a copy
+    captured in a CUDA graph measures lower)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = timed(lambda: dst.copy_(src), device, iters)
+    return 2 * num_bytes / seconds
+
+
+def copy_tbps(num_bytes: int = 1 << 30, iters: int = 20) -> float:
+    """copy_bandwidth of a 1 GiB cuda copy, in TB/s."""
+    return copy_bandwidth("cuda", num_bytes, iters) / 1e12
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """step captured in a CUDA graph after three eager warm-up calls on a side stream, replayed 5 times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    return graph
+
+
+def print_kernel_profile(replay, batch_size: int, steps: int = 20) -> None:
+    """Per-kernel GPU time of one replayed decode step (mean over steps), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:70], [0.0, 0])
+            entry[0] += getattr(event, "device_time_total", 0.0)
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    step_us = sum(us for us, _ in totals.values()) / steps
+    print(f"kernel profile, batch {batch_size}: {step_us:.1f} us of kernels per step")
+    for name, (us, count) in rows[:25]:
+        print(f"  {us / steps:8.1f} us  x{count // steps:<4d} {name}")
+
+
+def decode_metadata(tables: torch.Tensor, block_size: int, context: int) -> AttentionMetadata:
+    """One decode token per row of tables [batch, blocks_per_seq], at position context - 1."""
+    batch_size, device = tables.shape[0], tables.device
+    pos = context - 1
+    return AttentionMetadata(
+        slot_mapping=tables[:, pos // block_size].long() * block_size + pos % block_size,
+        block_tables=tables,
+        seq_lens=torch.full((batch_size,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=context,
+        is_decode=True,
+    )
+
+
+def decode_inputs(model, batch_size: int, context: int, block_size: int, device: str):
+    """Static decode inputs: each sequence owns consecutive blocks; its new token sits at context - 1."""
+    attn0 = model.layers[0].self_attn
+    blocks_per_seq = -(-context // block_size)
+    shape = (batch_size * blocks_per_seq, block_size, attn0.num_kv_heads, attn0.head_dim)
+    dtype = model.config.dtype
+    caches = [
+        (torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
+        for _ in model.layers
+    ]
+    tables = torch.arange(batch_size * blocks_per_seq, dtype=torch.int32, device=device).view(batch_size, -1)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size,), device=device)
+    positions = torch.full((batch_size,), context - 1, dtype=torch.int64, device=device)
+    return ids, positions, decode_metadata(tables, block_size, context), caches
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes of one token over all layers (the first layer's attention shape)."""
+    attn0 = model.layers[0].self_attn
+    return 2 * attn0.num_kv_heads * attn0.head_dim * model.config.dtype.itemsize * len(model.layers)
+
+
+def input_embedding_bytes(model) -> int:
+    """Bytes of the input embedding a decode step does not stream (0 when tied to lm_head)."""
+    if model.config.tie_word_embeddings:
+        return 0
+    return model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+
+
+def step_bytes(model, batch_size: int, context: int) -> int:
+    """Bytes one decode step must read: weights (not the input embedding unless tied) + KV of the context."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - input_embedding_bytes(model)
+    return weights + batch_size * context * kv_bytes_per_token(model)
+
+
+def routed_experts(model, step, block_type) -> list[int]:
+    """Runs step once eagerly, recording per block_type layer how many distinct experts its routing chose
+    (block.route(x) -> (weights, ids) is wrapped for the call, then restored)."""
+    counts, originals = [], []
+    for block in model.modules():
+        if isinstance(block, block_type):
+            original = block.route
+
+            def recording(x, original=original):
+                weights, ids = original(x)
+                counts.append(int(torch.unique(ids).numel()))
+                return weights, ids
+
+            block.route = recording
+            originals.append((block, original))
+    step()
+    for block, original in originals:
+        block.route = original
+    return counts
+
+
+def roofline_fields(parts: dict[str, int], seconds: float, bandwidth: float) -> dict:
+    """The JSON fields of a step that read sum(parts) bytes in `seconds`, at `bandwidth` bytes/s."""
+    total = sum(parts.values())
+    roof_s = total / bandwidth
+    return {
+        "bytes": parts,
+        "step_bytes": total,
+        "roofline_ms": roof_s * 1e3,
+        "fraction_of_roofline": roof_s / seconds,
+    }
+
+
+def print_header(header: tuple[str, ...], widths: tuple[int, ...]) -> None:
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
