@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import capture_graph, copy_bandwidth, decode_inputs, print_header, step_bytes, timed  # noqa: E402
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
-from tpfuse.kernels.quant_fp8 import fp8_dot_supported  # noqa: E402
+from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported  # noqa: E402
 from tpfuse.model import linear_choice  # noqa: E402
 from tpfuse.model.attention import AttentionMetadata  # noqa: E402
 from tpfuse.model.layers import ParallelContext, projections  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpfuse.kernels import quant_fp8, quant_int
+from tpfuse.kernels import quant_fp8, quant_fp8_w8a8, quant_int
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -80,26 +80,26 @@ def test_fp8_linear_matches_float64_in_and_out_of_cuda_graphs(rows, n, k, block)
 def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
     x = torch.randn(77, 1000, device=DEVICE).bfloat16() * 3
     for group in (128, 1000):
-        xq, xs = quant_fp8.quantize_fp8_rows_triton(x, group)
-        xq_ref, xs_ref = quant_fp8.quantize_fp8_rows_ref(x, group)
+        xq, xs = quant_fp8_w8a8.quantize_fp8_rows_triton(x, group)
+        xq_ref, xs_ref = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
         assert torch.equal(xs, xs_ref)
         assert torch.equal(xq.float(), xq_ref.float())
 
 
 @pytest.mark.parametrize("n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128))])
 def test_fp8_tensor_core_product_matches_float64_of_the_quantized_activations(n, k, block):
-    if not quant_fp8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
+    if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
         pytest.skip("this GPU failed the FP8-dot probe (no FP8 tensor cores): the W8A16 form runs instead")
     gen = torch.Generator(DEVICE).manual_seed(n)
     weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
     scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
     x = torch.randn(300, k, generator=gen, device=DEVICE).bfloat16()
-    group = quant_fp8.activation_group(block, k)
-    xq, xs = quant_fp8.quantize_fp8_rows_ref(x, group)
+    group = quant_fp8_w8a8.activation_group(block, k)
+    xq, xs = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
     x_dequantized = xq.double() * xs.double().repeat_interleave(group, 1)[:, :k]
     expected = x_dequantized @ quant_fp8.dequantize_fp8(weight, scale, block).double().T
-    _close(quant_fp8.fp8_w8a8_triton(x, weight, scale, block), expected)
-    _close(_in_graph(lambda inp: quant_fp8.fp8_w8a8_triton(inp, weight, scale, block), x), expected)
+    _close(quant_fp8_w8a8.fp8_w8a8_triton(x, weight, scale, block), expected)
+    _close(_in_graph(lambda inp: quant_fp8_w8a8.fp8_w8a8_triton(inp, weight, scale, block), x), expected)
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block", "int4"])

@@ -1,10 +1,10 @@
-"""Quantized linear kernels (kernels/quant_int.py, kernels/quant_fp8.py) under the interpreter
+"""Quantized linear kernels (kernels/quant_int.py, quant_fp8.py, quant_fp8_w8a8.py) under the interpreter
 against float64 products of the dequantized weights, at odd shapes and group sizes."""
 
 import pytest
 import torch
 
-from tpfuse.kernels import quant_fp8, quant_int
+from tpfuse.kernels import quant_fp8, quant_fp8_w8a8, quant_int
 from tpfuse.kernels.quant_int import IntTile
 
 
@@ -112,17 +112,17 @@ def test_fp8_w8a8_matches_float64_of_quantized_activations(n, k, block):
     gen = torch.Generator().manual_seed(n)
     weight, scale = _fp8_weights(n, k, block, gen)
     x = torch.randn(67, k, generator=gen)
-    group = quant_fp8.activation_group(block, k)
-    xq, xs = quant_fp8.quantize_fp8_rows_triton(x, group)
-    xq_ref, xs_ref = quant_fp8.quantize_fp8_rows_ref(x, group)
+    group = quant_fp8_w8a8.activation_group(block, k)
+    xq, xs = quant_fp8_w8a8.quantize_fp8_rows_triton(x, group)
+    xq_ref, xs_ref = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
     assert torch.equal(xs, xs_ref)
     # The interpreter's float -> e4m3 cast mis-rounds where rounding carries into the next binade
     # (124.7 -> 64), so xq itself is checked on the GPU (tests/kernels/test_gpu_quant_kernels.py);
     # here the product is checked against float64 of the activations the kernel quantized.
     dequantized = quant_fp8.dequantize_fp8(weight, scale, block)
     for quantized, out in (
-        (xq, quant_fp8.fp8_w8a8_triton(x, weight, scale, block)),
-        (xq_ref, quant_fp8.fp8_w8a8_ref(x, weight, scale, block)),
+        (xq, quant_fp8_w8a8.fp8_w8a8_triton(x, weight, scale, block)),
+        (xq_ref, quant_fp8_w8a8.fp8_w8a8_ref(x, weight, scale, block)),
     ):
         x_dequantized = quantized.double() * xs.double().repeat_interleave(group, 1)[:, :k]
         _close(out, _float64_product(x_dequantized, dequantized, None), torch.float32)

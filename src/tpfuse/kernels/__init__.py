@@ -28,6 +28,7 @@ from tpfuse.kernels import (
     moe_routing,
     prefill_attention,
     quant_fp8,
+    quant_fp8_w8a8,
     quant_int,
     rmsnorm,
     rope,
@@ -175,14 +176,14 @@ def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=
 
 def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):
     """x [M, K] @ (weight [N, K] e4m3 * scale [N/block[0], K/block[1]] fp32).T (+ bias) -> [M, N]
-    (kernels/quant_fp8.py). w8a8: x quantized to FP8 too, FP8 tensor cores (prefill on GPUs where
-    quant_fp8.fp8_dot_supported)."""
+    (kernels/quant_fp8.py). w8a8: x quantized to FP8 too, FP8 tensor cores (kernels/quant_fp8_w8a8.py:
+    prefill on GPUs where fp8_dot_supported)."""
     if use_triton(x):
         if w8a8:
-            return quant_fp8.fp8_w8a8_triton(x, weight, scale, block, bias, tile=tile)
+            return quant_fp8_w8a8.fp8_w8a8_triton(x, weight, scale, block, bias, tile=tile)
         return quant_fp8.fp8_linear_triton(x, weight, scale, block, bias, tile=tile)
     if w8a8:
-        return quant_fp8.fp8_w8a8_ref(x, weight, scale, block, bias)
+        return quant_fp8_w8a8.fp8_w8a8_ref(x, weight, scale, block, bias)
     return quant_fp8.fp8_linear_ref(x, weight, scale, block, bias)
 
 

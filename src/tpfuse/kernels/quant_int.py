@@ -50,6 +50,19 @@ def default_tile(rows: int) -> IntTile:
     return IntTile(64, 128, 64, 3, 8)
 
 
+def launch_tile(tile: IntTile | None, rows: int) -> IntTile:
+    """tile, or default_tile(rows) when None. Raises ValueError for a GEMV tile given several rows."""
+    tile = tile or default_tile(rows)
+    if tile.block_m == 1 and rows != 1:
+        raise ValueError(f"the GEMV tile takes one row; got {rows}")
+    return tile
+
+
+def launch_block_k(tile: IntTile, hidden: int) -> int:
+    """The K step a weight-only kernel runs: tile.block_k, capped at next_power_of_2(K), at least 16."""
+    return max(16, min(tile.block_k, triton.next_power_of_2(hidden)))
+
+
 def values_per_word(bits: int) -> int:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"integer weights of {bits} bits are not supported; supported: {SUPPORTED_BITS}")
@@ -211,9 +224,7 @@ def int_linear_triton(
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_cols == 0:
         return out
-    tile = tile or default_tile(num_rows)
-    if tile.block_m == 1 and num_rows != 1:
-        raise ValueError(f"the GEMV tile takes one row; got {num_rows}")
+    tile = launch_tile(tile, num_rows)
     scales = scales.contiguous()
     offsets = offsets.contiguous() if offsets is not None else None
     grid = (triton.cdiv(num_cols, tile.block_n), triton.cdiv(num_rows, tile.block_m))
@@ -237,7 +248,7 @@ def int_linear_triton(
         HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
-        BLOCK_K=max(16, min(tile.block_k, triton.next_power_of_2(hidden))),
+        BLOCK_K=launch_block_k(tile, hidden),
         IEEE=x.dtype == torch.float32,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
-from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8, fp8_dot_supported
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8
+from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale

@@ -1,0 +1,210 @@
+"""FP8 W8A8 linear layer (prefill, where the GPU has FP8 tensor cores): out = quant(x) @ (weight * scale).T.
+
+Weights and scales are kernels/quant_fp8.py's layout. fp8_dot_supported probes the tensor cores by
+compiling and running a tiny FP8 tl.dot, never by architecture. x is quantized per row (per-channel
+weights) or per row and 128-column group (block weights) by quantize_fp8_rows, the product runs
+FP8 x FP8 -> fp32 on the tensor cores and the scales are applied per K block (block weights) or once
+at the end (per-channel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, check_fp8_weights, dequantize_fp8
+from tpfuse.kernels.quant_int import IntTile as Fp8Tile
+
+
+def quantize_fp8_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, scales [M, ceil(K / group)] float32) with x ~= xq * scale per
+    (row, group of `group` columns); scale = amax / 448 (1 where a group is all zero)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    amax = padded.view(m, groups, group).abs().amax(-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    xq = (padded.view(m, groups, group) / scales[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return xq.view(m, -1)[:, :k].to(FP8_DTYPE), scales
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, stride_xm, stride_sm, HIDDEN: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    ks = group * GROUP + tl.arange(0, BLOCK)
+    mask = (ks < HIDDEN) & (tl.arange(0, BLOCK) < GROUP)
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * HIDDEN + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+def quantize_fp8_rows_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton quantize_fp8_rows_ref (one program per row and group)."""
+    m, k = x.shape
+    group = min(group, k)
+    groups = -(-k // group)
+    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m, groups)](
+            x,
+            xq,
+            scales,
+            x.stride(0),
+            scales.stride(0),
+            HIDDEN=k,
+            GROUP=group,
+            BLOCK=triton.next_power_of_2(group),
+        )
+    return xq, scales
+
+
+@triton.jit
+def _fp8_w8a8_kernel(
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    num_cols,
+    stride_xsm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HIDDEN: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    col_mask = cols < num_cols
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < HIDDEN
+        xt = tl.load(
+            xq_ptr + rows.to(tl.int64)[:, None] * HIDDEN + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        wt = tl.load(
+            w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if PER_BLOCK:
+            kb = k0 // BLOCK_K
+            xs = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_mask, other=0.0)
+            ws = tl.load(s_ptr + (cols // SCALE_N) * stride_sn + kb, mask=col_mask, other=0.0)
+            acc += tl.dot(xt, tl.trans(wt)) * xs[:, None] * ws[None, :]
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if not PER_BLOCK:
+        xs = tl.load(xs_ptr + rows * stride_xsm, mask=row_mask, other=0.0)
+        ws = tl.load(s_ptr + (cols // SCALE_N) * stride_sn, mask=col_mask, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def activation_group(block: tuple[int, int], hidden: int) -> int:
+    """Columns per activation scale in the W8A8 form: the weight's K block (whole rows for per-channel)."""
+    return hidden if block[1] >= hidden else block[1]
+
+
+def fp8_w8a8_ref(x, weight, scale, block, bias=None):
+    """What fp8_w8a8_triton computes: x quantized per (row, activation_group) to e4m3, times the
+    dequantized weight, in float32; rounded once to x.dtype."""
+    group = activation_group(block, x.shape[1])
+    xq, xs = quantize_fp8_rows_ref(x, group)
+    xd = xq.float() * xs.repeat_interleave(group, 1)[:, : x.shape[1]]
+    out = xd @ dequantize_fp8(weight, scale, block).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_w8a8_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None = None):
+    """FP8 x FP8 tensor-core product (prefill). Block scales need block[1] == tile.block_k (128)."""
+    num_rows, hidden = x.shape
+    check_fp8_weights(weight, scale, block, hidden)
+    group = activation_group(block, hidden)
+    per_block = group < hidden
+    tile = tile or Fp8Tile(64, 128, 128 if per_block else 64, 3, 8)
+    if per_block and tile.block_k != block[1]:
+        raise ValueError(f"block scales {block} need tile.block_k == {block[1]}")
+    xq, xs = quantize_fp8_rows_triton(x, group)
+    num_cols = weight.shape[0]
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or num_cols == 0:
+        return out
+    grid = (triton.cdiv(num_cols, tile.block_n), triton.cdiv(num_rows, tile.block_m))
+    _fp8_w8a8_kernel[grid](
+        xq,
+        xs,
+        weight,
+        scale,
+        bias if bias is not None else x,
+        out,
+        num_rows,
+        num_cols,
+        xs.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        HIDDEN=hidden,
+        SCALE_N=block[0],
+        PER_BLOCK=per_block,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _fp8_dot_probe_kernel(a_ptr, b_ptr, out_ptr):
+    r = tl.arange(0, 16)
+    ks = tl.arange(0, 32)
+    a = tl.load(a_ptr + r[:, None] * 32 + ks[None, :])
+    b = tl.load(b_ptr + r[:, None] * 32 + ks[None, :])
+    tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, tl.trans(b)))
+
+
+@functools.cache
+def fp8_dot_supported(device: torch.device) -> bool:
+    """Whether this CUDA device compiles and correctly runs an FP8 x FP8 tl.dot (asked once per device)."""
+    if device.type != "cuda":
+        return False
+    try:
+        generator = torch.Generator(device).manual_seed(0)
+        a = torch.randn(16, 32, device=device, generator=generator).to(FP8_DTYPE)
+        b = torch.randn(16, 32, device=device, generator=generator).to(FP8_DTYPE)
+        out = torch.empty(16, 16, device=device)
+        _fp8_dot_probe_kernel[(1,)](a, b, out)
+        torch.cuda.synchronize(device)
+        return bool(torch.allclose(out, a.float() @ b.float().T, rtol=1e-3, atol=1e-3))
+    except Exception:  # noqa: BLE001 - any failure to compile or run means no FP8 tensor cores here
+        return False
