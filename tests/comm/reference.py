@@ -1,13 +1,16 @@
-"""Float64 references and the sequential phase runner for interpreted (CPU) kernel tests."""
+"""Float64 references, the sequential phase runner for interpreted (CPU) kernel tests, and the fused /
+all-reduce calls over virtual ranks it drives."""
 
 from __future__ import annotations
 
 import torch
 
+from tpfuse.comm import launch
 from tpfuse.comm.sync import PHASE_FINISH, PHASE_PUSH, PHASE_REDUCE
 
 PHASES_IN_ORDER = (PHASE_PUSH.value, PHASE_REDUCE.value, PHASE_FINISH.value)
 FP8_MAX = 448.0
+EPS = 1e-5
 
 
 def sum64(inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -45,6 +48,32 @@ def run_ranks_in_phases(call, world_size: int, phases=PHASES_IN_ORDER, ranks=Non
     for phase in phases:
         for rank in ranks:
             call(rank, phase)
+
+
+def fused_in_phases(wss, xs, residual, weight, algorithm, fp8_scale=None, phases=PHASES_IN_ORDER):
+    """launch.fused_add_rmsnorm (eps EPS) of every virtual rank, run phase by phase, into poisoned
+    (normed, new_residual) outputs (normed e4m3 when fp8_scale is given); returns them in rank order."""
+    dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
+    outs = [(poisoned(xs[0].shape, dtype), poisoned(xs[0].shape, xs[0].dtype)) for _ in wss]
+    run_ranks_in_phases(
+        lambda r, ph: launch.fused_add_rmsnorm(
+            wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph
+        ),
+        len(wss),
+        phases=phases,
+    )
+    return outs
+
+
+def all_reduce_in_phases(wss, xs, algorithm, phases=PHASES_IN_ORDER):
+    """launch.all_reduce of every virtual rank, run phase by phase, into poisoned outputs (rank order)."""
+    outs = [poisoned(xs[0].shape, xs[0].dtype) for _ in wss]
+    run_ranks_in_phases(
+        lambda r, ph: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r], phases=ph),
+        len(wss),
+        phases=phases,
+    )
+    return outs
 
 
 def repeat_and_replay_mismatches(comm, x, residual, weight, eps, calls=10_000, replays=1000):

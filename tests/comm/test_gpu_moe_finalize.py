@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.comm.reference import assert_close_to, poisoned
-from tests.comm.test_gpu_virtual_ranks import _workspaces, on_streams
+from tests.comm.test_gpu_virtual_ranks import _workspaces
+from tests.comm.virtual_ranks import on_streams
 from tpfuse.comm import launch
 from tpfuse.comm.moe_finalize import moe_finalize_all_reduce
 from tpfuse.kernels.fused_moe import combine_slots_triton

@@ -9,13 +9,19 @@ at 1, 5 and 31 rows (31: the most whose float32 partials fit), 1,000 calls and 1
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from tests.comm.reference import assert_close_to, fused64, poisoned, sum64
-from tests.comm.test_gpu_virtual_ranks import _check_fused, _randn, on_streams
+from tests.comm.virtual_ranks import (
+    assert_a_missing_peer_is_named,
+    calls_on_streams,
+    check_fused,
+    count_mismatches,
+    cuda_randn,
+    on_streams,
+    replays_on_streams,
+)
 from tests.helpers.dist import run_distributed
 from tpfuse.comm import launch
 from tpfuse.comm.hybrid import create_virtual_communicators, programs_per_rank
@@ -64,11 +70,11 @@ def _fused(wss, xs, residual, weight, algorithm):
 def test_every_schedule_matches_float64_and_is_bit_identical(world_size, algorithm):
     hidden = 6144 if world_size == 8 else 4097
     wss = _workspaces(world_size, 64, hidden)
-    weight = _randn(hidden, dtype=torch.bfloat16)
+    weight = cuda_randn(hidden, dtype=torch.bfloat16)
     for tokens in (1, 3, 17, 64):
-        xs = [_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
-        residual = _randn(tokens, hidden, dtype=torch.bfloat16)
-        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+        xs = [cuda_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
+        residual = cuda_randn(tokens, hidden, dtype=torch.bfloat16)
+        check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
         outs = [poisoned(xs[0].shape, torch.bfloat16).cuda() for _ in wss]
         on_streams(world_size, lambda r: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r]))  # noqa: B023
         for out in outs:
@@ -78,10 +84,6 @@ def test_every_schedule_matches_float64_and_is_bit_identical(world_size, algorit
         ws.check()
 
 
-def _mismatches(outs, expected):
-    return (outs[0] != expected[0]).sum() + (outs[1] != expected[1]).sum()
-
-
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_ten_thousand_calls_and_a_thousand_graph_replays_stay_exact(algorithm):
     world_size, tokens, hidden = 4, 4, 4096
@@ -89,27 +91,25 @@ def test_ten_thousand_calls_and_a_thousand_graph_replays_stay_exact(algorithm):
     for comm in comms:
         comm.workspace.set_islands(ISLANDS[world_size])
         comm.plan = forced_plan(algorithm, hidden * 2, 64)
-    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
-    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    sets = [[cuda_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = (
+        cuda_randn(tokens, hidden, dtype=torch.bfloat16),
+        cuda_randn(hidden, dtype=torch.bfloat16),
+    )
     expected = []
     for xs in sets:
         outs = on_streams(
             world_size, lambda r, xs=xs: comms[r].fused_add_rmsnorm_all_reduce(xs[r], residual, weight, EPS)
         )
-        _check_fused(outs, xs, residual, weight)
+        check_fused(outs, xs, residual, weight)
         expected.append(outs[0])
     mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
-    mismatches[0:1] += _mismatches(expected[0], expected[0])  # load the loop's kernels first
+    mismatches[0:1] += count_mismatches(expected[0], expected[0])  # load the loop's kernels first
     main = torch.cuda.current_stream()
     streams = [torch.cuda.Stream() for _ in range(world_size)]
     for s in streams:
         s.wait_stream(main)
-    for i in range(10_000):
-        for r in range(world_size):
-            with torch.cuda.stream(streams[r]):
-                outs = comms[r].fused_add_rmsnorm_all_reduce(sets[i % 4][r], residual, weight, EPS)
-                mismatches[r : r + 1] += _mismatches(outs, expected[i % 4])
-    torch.cuda.synchronize()
+    calls_on_streams(comms, streams, sets, residual, weight, expected, mismatches)
     assert mismatches.tolist() == [0] * world_size, "back-to-back calls"
     static_x = [sets[0][r].clone() for r in range(world_size)]
     graphs, graph_outs = [], []
@@ -121,13 +121,7 @@ def test_ten_thousand_calls_and_a_thousand_graph_replays_stay_exact(algorithm):
     epoch_before = [int(c.workspace.words[0]) for c in comms]
     mismatches.zero_()
     torch.cuda.synchronize()
-    for i in range(1000):
-        for r in range(world_size):
-            with torch.cuda.stream(streams[r]):
-                static_x[r].copy_(sets[i % 4][r])
-                graphs[r].replay()
-                mismatches[r : r + 1] += _mismatches(graph_outs[r], expected[i % 4])
-    torch.cuda.synchronize()
+    replays_on_streams(graphs, streams, static_x, graph_outs, sets, expected, mismatches)
     for comm in comms:
         comm.check()
     assert mismatches.tolist() == [0] * world_size, "graph replays"
@@ -138,17 +132,7 @@ def test_ten_thousand_calls_and_a_thousand_graph_replays_stay_exact(algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_peer_that_never_arrives_times_out_and_is_named(algorithm):
-    wss = _workspaces(3, 4, 256, timeout_s=0.5)
-    x = torch.randn(4, 256, device=DEVICE)
-    started = time.monotonic()
-    for rank in (0, 1):  # rank 2 has crashed
-        with torch.cuda.stream(torch.cuda.Stream()):
-            launch.all_reduce(wss[rank], x, algorithm)
-    torch.cuda.synchronize()
-    assert time.monotonic() - started < 20, "the spin must be bounded"
-    for ws in wss[:2]:
-        with pytest.raises(RuntimeError, match="rank 2 never arrived"):
-            ws.check()
+    assert_a_missing_peer_is_named(_workspaces(3, 4, 256, timeout_s=0.5), algorithm)
 
 
 def _shared_rank(rank, world_size):

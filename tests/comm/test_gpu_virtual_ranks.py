@@ -6,12 +6,19 @@ Against float64 references on fresh random inputs with poisoned outputs; bit-ide
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from tests.comm.reference import FP8_MAX, assert_close_to, fused64, poisoned, sum64
+from tests.comm.virtual_ranks import (
+    assert_a_missing_peer_is_named,
+    calls_on_streams,
+    check_fused,
+    count_mismatches,
+    cuda_randn,
+    on_streams,
+    replays_on_streams,
+)
 from tpfuse.comm import launch
 from tpfuse.comm.hybrid import create_virtual_communicators, programs_per_rank
 from tpfuse.comm.workspace import create_virtual_workspaces
@@ -27,21 +34,6 @@ def _workspaces(world_size, max_tokens, hidden, timeout_s=10.0):
     return create_virtual_workspaces(world_size, DEVICE, max_tokens * hidden * 4, programs, timeout_s)
 
 
-def on_streams(world_size, fn):
-    """fn(rank) on rank's own stream, all ranks in flight together; returns the results in rank order."""
-    main = torch.cuda.current_stream()
-    streams = [torch.cuda.Stream() for _ in range(world_size)]
-    results = []
-    for rank, stream in enumerate(streams):
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            results.append(fn(rank))
-    for stream in streams:
-        main.wait_stream(stream)
-    torch.cuda.synchronize()
-    return results
-
-
 def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
     dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
     outputs = [(poisoned(xs[0].shape, dtype).cuda(), poisoned(xs[0].shape, xs[0].dtype).cuda()) for _ in wss]
@@ -53,29 +45,17 @@ def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
     )
 
 
-def _randn(*shape, dtype):
-    return torch.randn(*shape, device=DEVICE).to(dtype)
-
-
-def _check_fused(outs, xs, residual, weight):
-    normed64, residual64 = fused64(xs, residual, weight, EPS)
-    for normed, new_residual in outs:
-        assert_close_to(new_residual, residual64)
-        assert_close_to(normed, normed64, ulps=3)
-        assert torch.equal(normed, outs[0][0]) and torch.equal(new_residual, outs[0][1]), "ranks disagree"
-
-
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_matches_float64_and_is_bit_identical_for_1_to_max_tokens(world_size, dtype, algorithm):
     hidden, max_tokens = 4096, 256
     wss = _workspaces(world_size, max_tokens, hidden)
-    weight = _randn(hidden, dtype=dtype)
+    weight = cuda_randn(hidden, dtype=dtype)
     for tokens in (1, 2, 3, 8, 31, 64, 255, 256):
-        xs = [_randn(tokens, hidden, dtype=dtype) for _ in range(world_size)]
-        residual = _randn(tokens, hidden, dtype=dtype)
-        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+        xs = [cuda_randn(tokens, hidden, dtype=dtype) for _ in range(world_size)]
+        residual = cuda_randn(tokens, hidden, dtype=dtype)
+        check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
     for ws in wss:
         ws.check()
 
@@ -85,11 +65,11 @@ def test_fused_matches_float64_and_is_bit_identical_for_1_to_max_tokens(world_si
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_is_correct_at_odd_and_model_hidden_sizes(world_size, hidden, algorithm):
     wss = _workspaces(world_size, 64, hidden)
-    weight = _randn(hidden, dtype=torch.bfloat16)
+    weight = cuda_randn(hidden, dtype=torch.bfloat16)
     for tokens in (1, 5, 64):
-        xs = [_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
-        residual = _randn(tokens, hidden, dtype=torch.bfloat16)
-        _check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
+        xs = [cuda_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)]
+        residual = cuda_randn(tokens, hidden, dtype=torch.bfloat16)
+        check_fused(_fused(wss, xs, residual, weight, algorithm), xs, residual, weight)
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
@@ -97,7 +77,7 @@ def test_fused_is_correct_at_odd_and_model_hidden_sizes(world_size, hidden, algo
 def test_all_reduce_matches_float64_reference(world_size, algorithm):
     wss = _workspaces(world_size, 128, 4096)
     for tokens in (1, 7, 128):
-        xs = [_randn(tokens, 4096, dtype=torch.bfloat16) for _ in range(world_size)]
+        xs = [cuda_randn(tokens, 4096, dtype=torch.bfloat16) for _ in range(world_size)]
         outs = [poisoned(xs[0].shape, torch.bfloat16).cuda() for _ in wss]
         on_streams(world_size, lambda r: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r]))  # noqa: B023
         for out in outs:
@@ -108,8 +88,8 @@ def test_all_reduce_matches_float64_reference(world_size, algorithm):
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
     wss = _workspaces(2, 16, 4096)
-    xs = [_randn(16, 4096, dtype=torch.bfloat16) for _ in range(2)]
-    residual, weight = _randn(16, 4096, dtype=torch.bfloat16), _randn(4096, dtype=torch.bfloat16)
+    xs = [cuda_randn(16, 4096, dtype=torch.bfloat16) for _ in range(2)]
+    residual, weight = cuda_randn(16, 4096, dtype=torch.bfloat16), cuda_randn(4096, dtype=torch.bfloat16)
     scale = torch.tensor([0.02], device=DEVICE)
     normed64, residual64 = fused64(xs, residual, weight, EPS)
     expected = (normed64 / 0.02).clamp(-FP8_MAX, FP8_MAX)
@@ -131,17 +111,12 @@ def test_all_gather_through_the_communicator_concatenates_in_rank_order():
 def test_all_gather_along_dim_0_at_odd_sizes_is_in_rank_order(world_size):
     comms = create_virtual_communicators(world_size, DEVICE, 8, 1001, torch.bfloat16)
     for rows in (1, 5):
-        xs = [_randn(rows, 1001, dtype=torch.bfloat16) for _ in range(world_size)]
+        xs = [cuda_randn(rows, 1001, dtype=torch.bfloat16) for _ in range(world_size)]
         outs = on_streams(world_size, lambda r: comms[r].all_gather(xs[r], dim=0))  # noqa: B023
         for out in outs:
             assert torch.equal(out, torch.cat(xs, dim=0))
     for comm in comms:
         comm.check()
-
-
-def _mismatches(outs, expected):
-    """Number of elements (a device tensor) where (normed, new_residual) differ from expected."""
-    return (outs[0] != expected[0]).sum() + (outs[1] != expected[1]).sum()
 
 
 def _expected_sets(comms, sets, residual, weight):
@@ -151,7 +126,7 @@ def _expected_sets(comms, sets, residual, weight):
         outs = on_streams(
             len(comms), lambda r, xs=xs: comms[r].fused_add_rmsnorm_all_reduce(xs[r], residual, weight, EPS)
         )
-        _check_fused(outs, xs, residual, weight)
+        check_fused(outs, xs, residual, weight)
         expected.append(outs[0])
     return expected
 
@@ -160,23 +135,20 @@ def _expected_sets(comms, sets, residual, weight):
 def test_ten_thousand_back_to_back_calls_stay_exact(world_size):
     tokens, hidden = 4, 4096
     comms = create_virtual_communicators(world_size, DEVICE, 64, hidden, torch.bfloat16)
-    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
-    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    sets = [[cuda_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = (
+        cuda_randn(tokens, hidden, dtype=torch.bfloat16),
+        cuda_randn(hidden, dtype=torch.bfloat16),
+    )
     expected = _expected_sets(comms, sets, residual, weight)
     mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
     # load the loop's kernels now: lazy module loading blocks the host while a peer's kernel spins
-    mismatches[0:1] += _mismatches(expected[0], expected[0])
-    # all ranks' launches interleave call by call so that no rank's queue runs far ahead
+    mismatches[0:1] += count_mismatches(expected[0], expected[0])
     main = torch.cuda.current_stream()
     streams = [torch.cuda.Stream() for _ in range(world_size)]
     for s in streams:
         s.wait_stream(main)
-    for i in range(10_000):
-        for r in range(world_size):
-            with torch.cuda.stream(streams[r]):
-                outs = comms[r].fused_add_rmsnorm_all_reduce(sets[i % 4][r], residual, weight, EPS)
-                mismatches[r : r + 1] += _mismatches(outs, expected[i % 4])
-    torch.cuda.synchronize()
+    calls_on_streams(comms, streams, sets, residual, weight, expected, mismatches)
     for comm in comms:
         comm.check()
     assert mismatches.tolist() == [0] * world_size
@@ -187,12 +159,15 @@ def test_ten_thousand_back_to_back_calls_stay_exact(world_size):
 def test_a_captured_graph_replayed_a_thousand_times_stays_exact(world_size, algorithm):
     tokens, hidden = 8, 4096
     wss = _workspaces(world_size, 64, hidden)
-    sets = [[_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
-    residual, weight = _randn(tokens, hidden, dtype=torch.bfloat16), _randn(hidden, dtype=torch.bfloat16)
+    sets = [[cuda_randn(tokens, hidden, dtype=torch.bfloat16) for _ in range(world_size)] for _ in range(4)]
+    residual, weight = (
+        cuda_randn(tokens, hidden, dtype=torch.bfloat16),
+        cuda_randn(hidden, dtype=torch.bfloat16),
+    )
     expected = []
     for xs in sets:
         outs = _fused(wss, xs, residual, weight, algorithm)
-        _check_fused(outs, xs, residual, weight)
+        check_fused(outs, xs, residual, weight)
         expected.append(outs[0])
     static_x = [sets[0][r].clone() for r in range(world_size)]
     streams = [torch.cuda.Stream() for _ in range(world_size)]
@@ -207,15 +182,9 @@ def test_a_captured_graph_replayed_a_thousand_times_stays_exact(world_size, algo
     mismatches = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
     # load the loop's kernels now: lazy module loading blocks the host while a peer's kernel spins
     static_x[0].copy_(sets[0][0])
-    mismatches[0:1] += _mismatches(expected[0], expected[0])
+    mismatches[0:1] += count_mismatches(expected[0], expected[0])
     torch.cuda.synchronize()  # the rank streams below do not wait for the current stream
-    for i in range(1000):
-        for r in range(world_size):
-            with torch.cuda.stream(streams[r]):
-                static_x[r].copy_(sets[i % 4][r])
-                graphs[r].replay()
-                mismatches[r : r + 1] += _mismatches(graph_outs[r], expected[i % 4])
-    torch.cuda.synchronize()
+    replays_on_streams(graphs, streams, static_x, graph_outs, sets, expected, mismatches)
     for ws in wss:
         ws.check()
     assert mismatches.tolist() == [0] * world_size
@@ -226,14 +195,4 @@ def test_a_captured_graph_replayed_a_thousand_times_stays_exact(world_size, algo
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 def test_a_peer_that_never_arrives_times_out_and_is_named(algorithm):
-    wss = _workspaces(3, 4, 256, timeout_s=0.5)
-    x = torch.randn(4, 256, device=DEVICE)
-    started = time.monotonic()
-    for rank in (0, 1):  # rank 2 has crashed
-        with torch.cuda.stream(torch.cuda.Stream()):
-            launch.all_reduce(wss[rank], x, algorithm)
-    torch.cuda.synchronize()
-    assert time.monotonic() - started < 20, "the spin must be bounded"
-    for ws in wss[:2]:
-        with pytest.raises(RuntimeError, match="rank 2 never arrived"):
-            ws.check()
+    assert_a_missing_peer_is_named(_workspaces(3, 4, 256, timeout_s=0.5), algorithm)

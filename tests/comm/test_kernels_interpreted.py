@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from tests.comm.reference import (
+    EPS,
     FP8_MAX,
+    all_reduce_in_phases,
     assert_close_to,
     fused64,
+    fused_in_phases,
     poisoned,
     run_ranks_in_phases,
     sum64,
@@ -24,8 +27,6 @@ from tpfuse.comm.plan import unmeasured_plan
 from tpfuse.comm.sync import PHASE_FINISH, PHASE_PUSH
 from tpfuse.comm.workspace import create_virtual_workspaces
 
-EPS = 1e-5
-
 
 def _workspaces(world_size, rows, hidden, dtype=torch.float32, max_programs=4):
     return create_virtual_workspaces(
@@ -34,23 +35,11 @@ def _workspaces(world_size, rows, hidden, dtype=torch.float32, max_programs=4):
 
 
 def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
-    dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
-    outs = [(poisoned(xs[0].shape, dtype), poisoned(xs[0].shape, xs[0].dtype)) for _ in wss]
-    run_ranks_in_phases(
-        lambda r, ph: launch.fused_add_rmsnorm(
-            wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph
-        ),
-        len(wss),
-    )
-    return outs
+    return fused_in_phases(wss, xs, residual, weight, algorithm, fp8_scale)
 
 
 def _all_reduce(wss, xs, algorithm):
-    outs = [poisoned(xs[0].shape, xs[0].dtype) for _ in wss]
-    run_ranks_in_phases(
-        lambda r, ph: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r], phases=ph), len(wss)
-    )
-    return outs
+    return all_reduce_in_phases(wss, xs, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])

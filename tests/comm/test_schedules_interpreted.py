@@ -9,12 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm.reference import FP8_MAX, assert_close_to, fused64, poisoned, run_ranks_in_phases, sum64
+from tests.comm.reference import (
+    EPS,
+    FP8_MAX,
+    all_reduce_in_phases,
+    assert_close_to,
+    fused64,
+    fused_in_phases,
+    sum64,
+)
 from tpfuse.comm import launch, schedules
 from tpfuse.comm.sync import ALL_PHASES
 from tpfuse.comm.workspace import create_virtual_workspaces
 
-EPS = 1e-5
 NEW = ("staged", "ordered_push", "hierarchical", "pull")
 
 
@@ -32,14 +39,8 @@ def _steps(algorithm, world_size):
 
 
 def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
-    dtype = torch.float8_e4m3fn if fp8_scale is not None else xs[0].dtype
-    outs = [(poisoned(xs[0].shape, dtype), poisoned(xs[0].shape, xs[0].dtype)) for _ in wss]
-    run_ranks_in_phases(
-        lambda r, ph: launch.fused_add_rmsnorm(
-            wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph
-        ),
-        len(wss),
-        phases=_steps(algorithm, len(wss)),
+    outs = fused_in_phases(
+        wss, xs, residual, weight, algorithm, fp8_scale, phases=_steps(algorithm, len(wss))
     )
     for ws in wss:
         ws.check()
@@ -47,12 +48,7 @@ def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None):
 
 
 def _all_reduce(wss, xs, algorithm):
-    outs = [poisoned(xs[0].shape, xs[0].dtype) for _ in wss]
-    run_ranks_in_phases(
-        lambda r, ph: launch.all_reduce(wss[r], xs[r], algorithm, out=outs[r], phases=ph),
-        len(wss),
-        phases=_steps(algorithm, len(wss)),
-    )
+    outs = all_reduce_in_phases(wss, xs, algorithm, phases=_steps(algorithm, len(wss)))
     for ws in wss:
         ws.check()
     return outs
