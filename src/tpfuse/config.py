@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-SPECULATIVE_ALGORITHMS = ("eagle3", "ngram", "draft")
+SPECULATIVE_ALGORITHMS = ("eagle3", "ngram", "draft", "mtp")
 
 
 @dataclass(slots=True)

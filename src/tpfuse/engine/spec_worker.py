@@ -1,13 +1,13 @@
-"""One rank's speculative machinery: the drafter's weights and paged KV, and the EAGLE-3 feature store.
+"""One rank's speculative machinery: the drafter's weights and paged KV, and the feature store.
 
 Every rank runs the same drafter passes on the same packed inputs, so drafts agree across ranks
-without being sent (the EAGLE-3 head is replicated and reads all-reduced embeddings; a draft model is
-sharded like the target). The n-gram drafter runs on rank 0's host only.
+without being sent (the EAGLE-3 head is replicated and reads all-reduced embeddings; a draft model and
+the MTP layer are sharded like the target). The n-gram drafter runs on rank 0's host only.
 
-The feature store ([num_blocks * block_size + 1, H_head], EAGLE-3 only) holds fc(target features)
-at every KV slot the target computed, written by every target forward (eager or graph); the drafter
-reads the positions it has not consumed yet through their slots on a later step. The extra last
-row takes the writes of padding tokens (slot -1).
+The feature store ([num_blocks * block_size + 1, H_head], EAGLE-3 and MTP) holds fc(target features)
+(MTP: the target's final hidden states as they are) at every KV slot the target computed, written by
+every target forward (eager or graph); the drafter reads the positions it has not consumed yet
+through their slots on a later step. The extra last row takes the writes of padding tokens (slot -1).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class SpecWorker:
             )
         if self.algorithm == "eagle3":
             self._load_eagle3(spec.draft_model_path, model, model_config)
+        elif self.algorithm == "mtp":
+            self._load_mtp(config, model, model_config, parallel)
         elif self.algorithm == "draft":
             self._load_draft_model(config, model_config, parallel)
 
@@ -79,6 +81,20 @@ class SpecWorker:
                 "eagle_config.eagle_aux_hidden_state_layer_ids in its config.json"
             )
         model.aux_hidden_state_layers = tuple(layers)
+        self.target_model = model
+
+    def _load_mtp(self, config: EngineConfig, model, model_config: ModelConfig, parallel) -> None:
+        from tpfuse.model.deepseek_v3_mtp import load_mtp_module
+        from tpfuse.spec.mtp import MtpHead
+
+        if config.speculative.draft_model_path:
+            raise ValueError(
+                "--speculative-algorithm mtp reads the MTP layer from --model's checkpoint; leave "
+                "--speculative-draft-model-path out"
+            )
+        module = load_mtp_module(config, model, model_config, parallel, self.device)
+        self.head = MtpHead(module, model.cos_sin_cache, model_config.vocab_size)
+        model.aux_final_hidden = True
         self.target_model = model
 
     def _load_draft_model(self, config: EngineConfig, target: ModelConfig, parallel) -> None:
@@ -121,6 +137,10 @@ class SpecWorker:
 
     def bytes_per_block(self, tp_size: int, block_size: int) -> int:
         """Drafter KV plus feature store for one KV block on this rank."""
+        if self.algorithm == "mtp":
+            elem = torch.empty((), dtype=self.head.dtype).element_size()
+            row = self.head.kv_cache_shape(1, 1)[-1]
+            return block_size * elem * (row + self.head.feature_size)
         if self.head is not None:
             c = self.head.config
             elem = torch.empty((), dtype=c.dtype).element_size()
@@ -135,7 +155,16 @@ class SpecWorker:
         """Allocates the drafter's KV (indexed by the target's block tables) and builds the drafter.
         max_rows, max_seq_len: the most rows of a window step and a bound of any position + 1 (the
         EAGLE-3 window drafter's static buffers and launch sizes)."""
-        if self.head is not None:
+        if self.algorithm == "mtp":
+            from tpfuse.spec.eagle3_drafter import Eagle3Drafter
+
+            shape = self.head.kv_cache_shape(num_blocks, block_size)
+            kv = (torch.zeros(shape, dtype=self.head.dtype, device=self.device),)
+            rows = num_blocks * block_size + 1
+            width, dtype = self.head.feature_size, self.head.dtype
+            self.features = torch.zeros(rows, width, dtype=dtype, device=self.device)
+            self.drafter = Eagle3Drafter(self.head, self.head.module.embed, kv, self.target_vocab_size)
+        elif self.head is not None:
             from tpfuse.spec.eagle3_drafter import Eagle3Drafter, target_embedding
             from tpfuse.spec.eagle3_window import Eagle3WindowDrafter
 

@@ -28,7 +28,8 @@ class DecoderForCausalLM(nn.Module):
     compute_logits(hidden) -> full-vocabulary float32 logits on every rank.
 
     aux_hidden_state_layers: layer ids whose inputs (the residual stream) forward also returns,
-    concatenated along the last dim (EAGLE-3 features); empty by default.
+    concatenated along the last dim (EAGLE-3 features); empty by default. aux_final_hidden: aux also
+    ends with the hidden state after the final norm (the MTP drafter's feature).
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext):
@@ -37,6 +38,7 @@ class DecoderForCausalLM(nn.Module):
         self.comm = parallel.comm
         self.eps = config.rms_norm_eps
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_final_hidden = False
         dtype = config.dtype
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype)
         self.layers = nn.ModuleList(self.make_layer(config, parallel, i) for i in range(config.num_layers))
@@ -60,7 +62,8 @@ class DecoderForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache), each
         [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
-        Returns hidden [T, H] after the final norm, and aux [T, len(aux_hidden_state_layers) * H] or None.
+        Returns hidden [T, H] after the final norm, and aux [T, n * H] or None (n: the
+        aux_hidden_state_layers, plus one with aux_final_hidden).
         """
         comm, eps, layers = self.comm, self.eps, self.layers
         partial = self.embed_tokens(input_ids)
@@ -78,6 +81,8 @@ class DecoderForCausalLM(nn.Module):
             )
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
             h, residual = layer.mlp.forward_add_rmsnorm(h, residual, next_norm.weight, eps, comm)
+        if self.aux_final_hidden:
+            aux.append(h)
         return h, (torch.cat(aux, dim=-1) if aux else None)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -186,8 +186,6 @@ def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], direct
     """Copies this rank's shard of every checkpoint tensor into the model. Raises CheckpointError
     for a missing tensor (named with the file it should be in), a shape or dtype that does not match,
     or tensors the model has no place for."""
-    from safetensors import safe_open
-
     files = checkpoint_files(directory)
     missing = [name for name in slots if name not in files]
     if missing:
@@ -205,6 +203,14 @@ def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], direct
             f"{_listing(unexpected)} (in {os.path.basename(files[unexpected[0]])}). "
             "Check num_hidden_layers, the architecture and tie_word_embeddings in config.json."
         )
+    copy_tensors(slots, files)
+
+
+def copy_tensors(slots: dict[str, ShardSlot], files: dict[str, str]) -> None:
+    """Copies this rank's shard of every tensor named in slots from its file (files: name -> path,
+    as checkpoint_files returns; every name must be there). Raises CheckpointError."""
+    from safetensors import safe_open
+
     by_file: dict[str, list[str]] = {}
     for name in slots:
         by_file.setdefault(files[name], []).append(name)
