@@ -12,7 +12,9 @@ import json
 import logging
 import math
 import os
+import re
 import zlib
+from collections import Counter
 
 import torch
 
@@ -265,8 +267,18 @@ def load_gguf(model: torch.nn.Module, slots: dict[str, ShardSlot], file: GgufFil
             slot.destination().copy_(source[slot.source_index()])
     log.info(
         "GGUF %s: %d linears run by the group-quantized kernels (%s); %d tensors dequantized at load (%s)",
-        os.path.basename(file.path), len(kept), _listing(kept), len(dequantized), _listing(dequantized),
+        os.path.basename(file.path), len(kept), _per_layer(kept), len(dequantized), _per_layer(dequantized),
     )  # fmt: skip
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
+
+
+def _per_layer(entries: list[str]) -> str:
+    """'name TYPE' entries with the layer index folded and counted, in first-seen order:
+    'model.layers.*.mlp.up_proj Q4_1 x30', so every tensor of any model size is accounted for."""
+    counts = Counter(_LAYER_INDEX.sub(".layers.*.", entry) for entry in entries)
+    return ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.items())
 
 
 _GGUF_CODES = ("weight_packed", "weight_scale", "weight_offset")
