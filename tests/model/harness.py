@@ -46,12 +46,23 @@ ARCHITECTURE_VARIANTS = {
 # the dense suites do not grow. Expert counts are odd or equal to top-k (every token takes every expert).
 MOE_VARIANTS = {
     "qwen3_moe": dict(  # layers 0 and 2 sparse, 1 dense (mlp_only_layers), renormalised top-2 of 5
-        head_dim=32, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        head_dim=32,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=5,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
     ),
     "qwen3_moe_step": dict(  # decoder_sparse_step 2: layer 1 sparse, and top-4 of 4 experts
-        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
     ),
     "mixtral": dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2),
 }
@@ -179,3 +190,44 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float64."""
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def greedy(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Prefill, then greedy decode steps; returns (tokens per prompt, the prefill logits)."""
+    seqs = PagedSequences(model, len(prompts))
+    logits, _ = seqs.step(prompts)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    prefill = logits
+    tokens = [[t] for t in logits[ends].argmax(-1).tolist()]
+    for _ in range(new_tokens - 1):
+        logits, _ = seqs.step([[t[-1]] for t in tokens], is_decode=True)
+        for row, t in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+            row.append(t)
+    return tokens, prefill
+
+
+def hf_greedy_tokens(hf_model, prompts, new_tokens):
+    """transformers' greedy continuation of each prompt, one at a time, without a KV cache."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(new_tokens):
+                ids = torch.cat([ids, hf_model(ids).logits[:, -1:].argmax(-1)], dim=1)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def greedy_on_rank(rank: int, world_size: int, directories: dict[str, str], prompts, new_tokens: int) -> dict:
+    """run_distributed target: each checkpoint loaded on this rank over torch.distributed, then greedy;
+    returns kind -> (tokens, prefill logits as numpy)."""
+    from tpfuse.comm.communicator import TorchDistributedCommunicator
+
+    torch.set_num_threads(1)
+    comm = TorchDistributedCommunicator()
+    results = {}
+    for kind, directory in directories.items():
+        model, _ = load_for_test(directory, tp_rank=rank, tp_size=world_size, comm=comm)
+        tokens, prefill = greedy(model, prompts, new_tokens)
+        results[kind] = (tokens, prefill.numpy())
+    return results

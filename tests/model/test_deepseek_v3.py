@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.model.harness import PagedSequences, hf_logits, load_for_test, relative_error
-from tests.model.test_moe_models import greedy, hf_greedy_tokens
+from tests.model.harness import (
+    PagedSequences,
+    greedy,
+    greedy_on_rank,
+    hf_greedy_tokens,
+    hf_logits,
+    load_for_test,
+    relative_error,
+)
 from tpfuse.model.kv_layout import LatentCacheLayout
 
 TOLERANCE = 1e-4
@@ -105,22 +112,9 @@ def test_the_model_declares_a_latent_cache_replicated_over_ranks(checkpoints):
     assert layout.bytes_per_block(16) == 3 * 16 * (24 + 8) * 4
 
 
-def _greedy_on_rank(rank: int, world_size: int, directories: dict[str, str]) -> dict[str, list]:
-    from tpfuse.comm.communicator import TorchDistributedCommunicator
-
-    torch.set_num_threads(1)
-    comm = TorchDistributedCommunicator()
-    results = {}
-    for kind, directory in directories.items():
-        model, _ = load_for_test(directory, tp_rank=rank, tp_size=world_size, comm=comm)
-        tokens, prefill = greedy(model, PROMPTS, NEW_TOKENS)
-        results[kind] = (tokens, prefill.numpy())
-    return results
-
-
 def test_two_ranks_split_heads_and_experts_and_give_transformers_greedy_tokens(checkpoints):
     directories = {kind: entry[0] for kind, entry in checkpoints.items()}
-    ranks = run_distributed(_greedy_on_rank, 2, directories, timeout=300)
+    ranks = run_distributed(greedy_on_rank, 2, directories, PROMPTS, NEW_TOKENS, timeout=300)
     for kind, (_, want_tokens, want_logits) in checkpoints.items():
         for rank in ranks:
             tokens, prefill = rank[kind]

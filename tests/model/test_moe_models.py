@@ -16,8 +16,10 @@ import torch
 from tests.helpers.dist import run_distributed
 from tests.model.harness import (
     MOE_VARIANTS,
-    PagedSequences,
     build_hf_checkpoint,
+    greedy,
+    greedy_on_rank,
+    hf_greedy_tokens,
     hf_logits,
     load_for_test,
     relative_error,
@@ -37,31 +39,6 @@ def tie_two_experts(hf_model) -> None:
         weight = hf_model.get_parameter(TIED_ROUTER)
         weight[1] = weight[1] * 6
         weight[3] = weight[1]
-
-
-def greedy(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Prefill, then greedy decode steps; returns (tokens per prompt, the prefill logits)."""
-    seqs = PagedSequences(model, len(prompts))
-    logits, _ = seqs.step(prompts)
-    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    prefill = logits
-    tokens = [[t] for t in logits[ends].argmax(-1).tolist()]
-    for _ in range(new_tokens - 1):
-        logits, _ = seqs.step([[t[-1]] for t in tokens], is_decode=True)
-        for row, t in zip(tokens, logits.argmax(-1).tolist(), strict=True):
-            row.append(t)
-    return tokens, prefill
-
-
-def hf_greedy_tokens(hf_model, prompts, new_tokens):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(new_tokens):
-                ids = torch.cat([ids, hf_model(ids).logits[:, -1:].argmax(-1)], dim=1)
-            out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +102,10 @@ def test_tied_router_rows_score_the_two_experts_equally(checkpoints):
     assert torch.equal(weight[1], weight[3])
 
 
-def _greedy_on_rank(rank: int, world_size: int, directories: dict[str, str]) -> dict[str, list]:
-    from tpfuse.comm.communicator import TorchDistributedCommunicator
-
-    torch.set_num_threads(1)
-    comm = TorchDistributedCommunicator()
-    results = {}
-    for kind, directory in directories.items():
-        model, _ = load_for_test(directory, tp_rank=rank, tp_size=world_size, comm=comm)
-        tokens, prefill = greedy(model, PROMPTS, NEW_TOKENS)
-        results[kind] = (tokens, prefill.numpy())
-    return results
-
-
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_experts_give_transformers_greedy_tokens(checkpoints, tp_size):
     directories = {kind: entry[0] for kind, entry in checkpoints.items()}
-    ranks = run_distributed(_greedy_on_rank, tp_size, directories, timeout=300)
+    ranks = run_distributed(greedy_on_rank, tp_size, directories, PROMPTS, NEW_TOKENS, timeout=300)
     for kind, (_, want_tokens, want_logits) in checkpoints.items():
         for rank in ranks:
             tokens, prefill = rank[kind]
