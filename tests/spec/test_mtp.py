@@ -73,26 +73,21 @@ def checkpoints(tmp_path_factory) -> tuple[str, str, object]:
     return with_mtp, plain, hf_model
 
 
-def _reference_logits(directory: str, hf_target, tokens: list[int], scratch: str) -> torch.Tensor:
-    """float64 (h: the target's final hidden states after its norm at positions 0..T-2, from float32):
-    the MTP entry at t reads h_t and token t + 1: x = eh_proj([enorm(E[tok]); hnorm(h)]), then
-    transformers' decoder layer (in a 1-layer model whose norm and lm_head are shared_head's) gives the
-    logits for token t + 2."""
-    import transformers
-    from safetensors.torch import load_file, save_file
+class MtpReference:
+    """float64 MTP of the formula (h: the target's final hidden states after its norm, from float32, an
+    input as served): the entry at t reads h_t and token t + 1, x = eh_proj([enorm(E[tok]); hnorm(h)]),
+    then transformers' decoder layer (in a 1-layer model whose norm and lm_head are shared_head's) gives
+    the logits for token t + 2; a chained entry reads the previous entry's normed output."""
 
-    w = {k: v.double() for k, v in load_file(os.path.join(directory, "model-mtp.safetensors")).items()}
-    prefix = f"model.layers.{hf_target.config.num_hidden_layers}."
-    w = {k[len(prefix) :]: v for k, v in w.items()}
-    target = hf_target
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        h = target.model(input_ids=ids).last_hidden_state[0, :-1].double()  # an input: float32 as served
-        eps = target.config.rms_norm_eps
-        rms = lambda x, g: g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
-        e = w["embed_tokens.weight"][ids[0, 1:]]
-        x = torch.cat([rms(e, w["enorm.weight"]), rms(h, w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T
-        config = transformers.DeepseekV3Config(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    def __init__(self, directory: str, hf_target, scratch: str):
+        import transformers
+        from safetensors.torch import load_file, save_file
+
+        w = {k: v.double() for k, v in load_file(os.path.join(directory, "model-mtp.safetensors")).items()}
+        prefix = f"model.layers.{hf_target.config.num_hidden_layers}."
+        self.w = w = {k[len(prefix) :]: v for k, v in w.items()}
+        self.target, self.eps = hf_target, hf_target.config.rms_norm_eps
+        config = transformers.DeepseekV3Config(**{**hf_target.config.to_dict(), "num_hidden_layers": 1})
         config.first_k_dense_replace = 0  # the MTP layer is a MoE layer
         own = ("enorm.", "hnorm.", "eh_proj.")
         renamed = {
@@ -103,11 +98,34 @@ def _reference_logits(directory: str, hf_target, tokens: list[int], scratch: str
         state = {renamed.get(k, "model.layers.0." + k): v for k, v in w.items() if not k.startswith(own)}
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(scratch, "model.safetensors"))
         config.save_pretrained(scratch)
-        one = transformers.AutoModelForCausalLM.from_pretrained(
+        self.one = transformers.AutoModelForCausalLM.from_pretrained(
             scratch, dtype=torch.float64, experts_implementation="eager"
         ).eval()
-        out = one(inputs_embeds=x[None], position_ids=torch.arange(1, len(tokens))[None]).logits[0]
-    return out
+
+    def _entry(self, token_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        rms = lambda x, g: g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # noqa: E731
+        e = self.w["embed_tokens.weight"][token_ids]
+        return torch.cat([rms(e, self.w["enorm.weight"]), rms(h, self.w["hnorm.weight"])], -1) @ (
+            self.w["eh_proj.weight"].T
+        )
+
+    @torch.no_grad()
+    def run(self, tokens: list[int], num_chained: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """Logits [T - 1, V] of the entries 0..T-2 over tokens, and num_chained + 1 argmax drafts for the
+        position after tokens (draft i + 1 from the entry after draft i)."""
+        ids = torch.tensor([tokens])
+        h = self.target.model(input_ids=ids).last_hidden_state[0, :-1].double()
+        x = self._entry(ids[0, 1:], h)
+        drafts = []
+        for _ in range(num_chained + 1):
+            out = self.one.model(inputs_embeds=x[None], position_ids=torch.arange(1, len(x) + 1)[None])
+            normed = out.last_hidden_state[0]
+            logits = self.one.lm_head(normed)
+            drafts.append(int(logits[-1].argmax()))
+            if len(drafts) == 1:
+                first = logits
+            x = torch.cat([x, self._entry(torch.tensor(drafts[-1:]), normed[-1:])])
+        return first, drafts
 
 
 def test_mtp_module_matches_a_float64_reference(checkpoints, tmp_path):
@@ -120,7 +138,7 @@ def test_mtp_module_matches_a_float64_reference(checkpoints, tmp_path):
     target, config = load_model(engine_config, parallel, "cpu")
     head = MtpHead(load_mtp_module(engine_config, target, config, parallel, "cpu"), target.cos_sin_cache, 253)
     tokens = PROMPTS[0]
-    want = _reference_logits(directory, hf_target, tokens, str(tmp_path))
+    want, _ = MtpReference(directory, hf_target, str(tmp_path)).run(tokens)
     with torch.no_grad():
         target_h = hf_target.model(input_ids=torch.tensor([tokens])).last_hidden_state[0, :-1]
         num = len(tokens) - 1
@@ -159,3 +177,36 @@ def test_checkpoint_without_mtp_layer_is_refused_by_name(checkpoints):
     plain = checkpoints[1]
     with pytest.raises(CheckpointError, match="has no MTP \\(NextN\\) layer"):
         LLM(plain, **ENGINE, speculative=SpeculativeConfig(algorithm="mtp"))
+
+
+def test_every_draft_chain_equals_the_reference_chain(checkpoints, tmp_path, monkeypatch):
+    """Each proposal the engine's drafter makes (after prefill chunks, catch-up over accepted or rejected
+    positions) equals the float64 chain over the sequence's tokens so far: the features, the MTP cache
+    and the chained feedback are the formula's."""
+    from tpfuse.spec.eagle3_drafter import Eagle3Drafter
+
+    directory, _, hf_target = checkpoints
+    records = []
+    propose = Eagle3Drafter.propose
+
+    def recording(self, inputs, num_draft_tokens):
+        proposal = propose(self, inputs, num_draft_tokens)
+        if num_draft_tokens:
+            last = inputs.last_index()
+            records.append((inputs.positions[last].tolist(), inputs.next_token_ids[last].tolist(),
+                            proposal.token_ids.tolist()))  # fmt: skip
+        return proposal
+
+    monkeypatch.setattr(Eagle3Drafter, "propose", recording)
+    outputs, _ = _generate(directory, SpeculativeConfig(algorithm="mtp", num_steps=2, adaptive=False))
+    sequences = [prompt + out for prompt, out in zip(PROMPTS, outputs, strict=True)]
+    reference = MtpReference(directory, hf_target, str(tmp_path))
+    checked = 0
+    for positions, next_ids, drafts in records:
+        for p, nxt, row in zip(positions, next_ids, drafts, strict=True):
+            matches = [seq for seq in sequences if len(seq) > p + 1 and seq[p + 1] == nxt]
+            if len(matches) != 1:
+                continue  # this row's sequence is ambiguous from (position, token)
+            assert reference.run(matches[0][: p + 2], num_chained=len(row) - 1)[1] == row
+            checked += 1
+    assert checked >= 6

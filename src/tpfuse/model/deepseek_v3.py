@@ -7,7 +7,7 @@ Tensor parallelism: attention heads split over ranks, the latent cache replicate
 (FusedMoE) and a slice of the shared experts; the shared output is one more slot of each token in
 the MoE finalize (routed combine + shared + all-reduce + residual + RMSNorm in the layer's last
 sync). Checkpoint tensors of the MTP (NextN) layers, model.layers.{num_hidden_layers + i}.*, are
-skipped.
+skipped here; model/deepseek_v3_mtp.py loads the first one as the MTP drafter.
 """
 
 from __future__ import annotations
