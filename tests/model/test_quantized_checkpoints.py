@@ -30,6 +30,14 @@ FP8_BLOCK = {
 BLOCK_SHAPE = dict(hidden_size=256, intermediate_size=384, head_dim=64)  # several 128-blocks per tensor
 GROUP_128_SHAPE = dict(hidden_size=128, intermediate_size=256)
 
+
+def _int4_group(kind: str, group: int, shape: dict) -> tuple:
+    """A FORMATS entry: compressed-tensors INT4 pack-quantized, symmetric, `group` columns per scale."""
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": True}
+    quantizer = functools.partial(qc.int_pack_quantized, bits=4, group=group)
+    return kind, quantizer, qc.compressed_tensors_config(weights, "pack-quantized"), shape
+
+
 FORMATS = {
     "fp8-channel": (
         "llama",
@@ -51,44 +59,11 @@ FORMATS = {
         ),
         {},
     ),
-    "fp8-block": (
-        "qwen3",
-        qc.fp8_block,
-        {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        },
-        BLOCK_SHAPE,
-    ),
-    "int4-group32": (
-        "llama",
-        functools.partial(qc.int_pack_quantized, bits=4, group=32),
-        qc.compressed_tensors_config(
-            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
-            "pack-quantized",
-        ),
-        {},
-    ),
-    "int4-group128": (
-        "qwen3",
-        functools.partial(qc.int_pack_quantized, bits=4, group=128),
-        qc.compressed_tensors_config(
-            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
-            "pack-quantized",
-        ),
-        GROUP_128_SHAPE,
-    ),
-    "int4-group32-qwen3-moe": (  # dense layers and every expert pack-quantized
-        "qwen3_moe",
-        functools.partial(qc.int_pack_quantized, bits=4, group=32),
-        qc.compressed_tensors_config(
-            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
-            "pack-quantized",
-        ),
-        {},
-    ),
+    "fp8-block": ("qwen3", qc.fp8_block, FP8_BLOCK, BLOCK_SHAPE),
+    "int4-group32": _int4_group("llama", 32, {}),
+    "int4-group128": _int4_group("qwen3", 128, GROUP_128_SHAPE),
+    # dense layers and every expert pack-quantized
+    "int4-group32-qwen3-moe": _int4_group("qwen3_moe", 32, {}),
     "fp8-block-qwen3-moe": (  # dense layers and every expert in 128x128-block FP8
         "qwen3_moe",
         qc.fp8_block,
