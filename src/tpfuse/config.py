@@ -255,13 +255,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        cors_allow_origins=args.cors_allow_origins,
-        restart_engine=args.restart_engine,
-        engine_step_timeout=args.engine_step_timeout,
-        shutdown_drain_timeout=args.shutdown_drain_timeout,
-    )
+    """Every ServerConfig field from the add_server_args flag of the same name."""
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
