@@ -38,7 +38,6 @@ from tpfuse.comm.workspace import (
 )
 
 MODES = ("auto", "fused", "nccl")
-PEER_MEMORY_ENV = knobs.PEER_MEMORY  # "symm_mem" or "cuda_ipc": try only that backend
 DEFAULT_MAX_WORKSPACE_BYTES = 32 << 20  # per slot; the custom kernels are for decode-sized messages
 
 

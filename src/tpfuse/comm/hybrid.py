@@ -14,8 +14,6 @@ from tpfuse.comm.communicator import Communicator
 from tpfuse.comm.plan import FALLBACK, Plan, unmeasured_plan
 from tpfuse.comm.workspace import RankWorkspace, create_virtual_workspaces
 
-CHECK_ENV = knobs.COMM_CHECK  # "1": synchronise and check the error word after every call
-
 
 class CustomCommunicator(Communicator):
     """One rank of a group whose small messages go through tpfuse's kernels over `workspace`.

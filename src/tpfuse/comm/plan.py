@@ -91,11 +91,6 @@ def unmeasured_plan(
     return plan
 
 
-def fallback_plan(fallback_name: str, reason: str, notes=()) -> Plan:
-    """Every message on the fallback."""
-    return Plan(fallback_name, [], [reason, *notes])
-
-
 def decide(timings_us: dict[str, float]) -> tuple[str, str]:
     """Pick from measured times (already agreed by all ranks). The rule: the fastest custom algorithm,
     unless the fallback is at least as fast. Returns (algorithm, reason)."""
