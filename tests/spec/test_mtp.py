@@ -165,27 +165,29 @@ def plain_tokens(checkpoints) -> list[list[int]]:
     return _generate(checkpoints[0], None)[0]
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
-def test_mtp_speculative_greedy_equals_plain_greedy(checkpoints, plain_tokens, adaptive):
-    directory, want = checkpoints[0], plain_tokens
-    got, stats = _generate(directory, SpeculativeConfig(algorithm="mtp", num_steps=2, adaptive=adaptive))
-    assert got == want
-    assert stats.spec_num_draft_tokens_total > 0
-
-
 def test_checkpoint_without_mtp_layer_is_refused_by_name(checkpoints):
     plain = checkpoints[1]
     with pytest.raises(CheckpointError, match="has no MTP \\(NextN\\) layer"):
         LLM(plain, **ENGINE, speculative=SpeculativeConfig(algorithm="mtp"))
 
 
-def test_every_draft_chain_equals_the_reference_chain(checkpoints, tmp_path, monkeypatch):
-    """Each proposal the engine's drafter makes (after prefill chunks, catch-up over accepted or rejected
-    positions) equals the float64 chain over the sequence's tokens so far: the features, the MTP cache
-    and the chained feedback are the formula's."""
+def _check_chains(records, sequences, reference: MtpReference) -> int:
+    """Asserts every recorded proposal row equals the reference chain; returns how many were checked."""
+    checked = 0
+    for positions, next_ids, drafts in records:
+        for p, nxt, row in zip(positions, next_ids, drafts, strict=True):
+            matches = [seq for seq in sequences if len(seq) > p + 1 and seq[p + 1] == nxt]
+            if len(matches) != 1:
+                continue  # this row's sequence is ambiguous from (position, token)
+            assert reference.run(matches[0][: p + 2], num_chained=len(row) - 1)[1] == row
+            checked += 1
+    return checked
+
+
+def _record_proposals(monkeypatch) -> list:
+    """Records (newest positions, newest tokens, drafts) of every drafting propose in this process."""
     from tpfuse.spec.eagle3_drafter import Eagle3Drafter
 
-    directory, _, hf_target = checkpoints
     records = []
     propose = Eagle3Drafter.propose
 
@@ -198,15 +200,41 @@ def test_every_draft_chain_equals_the_reference_chain(checkpoints, tmp_path, mon
         return proposal
 
     monkeypatch.setattr(Eagle3Drafter, "propose", recording)
-    outputs, _ = _generate(directory, SpeculativeConfig(algorithm="mtp", num_steps=2, adaptive=False))
+    return records
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_mtp_is_lossless_and_every_draft_chain_equals_the_reference_chain(
+    checkpoints, plain_tokens, tmp_path, monkeypatch, adaptive
+):
+    """Speculative greedy equals plain greedy, and each proposal the engine's drafter makes (after
+    prefill chunks, plain k = 0 steps, catch-up over accepted or rejected positions) equals the float64
+    chain over the sequence's tokens so far: the features, the MTP cache and the chained feedback are
+    the formula's."""
+    directory, _, hf_target = checkpoints
+    records = _record_proposals(monkeypatch)
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=2, adaptive=adaptive)
+    outputs, stats = _generate(directory, spec)
+    assert outputs == plain_tokens
+    assert stats.spec_num_draft_tokens_total > 0
     sequences = [prompt + out for prompt, out in zip(PROMPTS, outputs, strict=True)]
-    reference = MtpReference(directory, hf_target, str(tmp_path))
-    checked = 0
-    for positions, next_ids, drafts in records:
-        for p, nxt, row in zip(positions, next_ids, drafts, strict=True):
-            matches = [seq for seq in sequences if len(seq) > p + 1 and seq[p + 1] == nxt]
-            if len(matches) != 1:
-                continue  # this row's sequence is ambiguous from (position, token)
-            assert reference.run(matches[0][: p + 2], num_chained=len(row) - 1)[1] == row
-            checked += 1
-    assert checked >= 6
+    assert _check_chains(records, sequences, MtpReference(directory, hf_target, str(tmp_path))) >= 6
+
+
+def test_tp2_mtp_is_lossless_and_rank0_chains_equal_the_reference(
+    checkpoints, plain_tokens, tmp_path, monkeypatch
+):
+    """TP 2 over gloo: the MTP layer sharded like the target (heads, experts' intermediate dim, the
+    vocabulary of its embedding and head; eh_proj replicated) drafts the reference's chains on rank 0,
+    and the tokens equal TP 1 plain greedy."""
+    directory, _, hf_target = checkpoints
+    records = _record_proposals(monkeypatch)
+    llm = LLM(directory, **ENGINE, tp_size=2, speculative=SpeculativeConfig(algorithm="mtp", num_steps=2))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        outputs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.engine.shutdown()
+    assert outputs == plain_tokens
+    sequences = [prompt + out for prompt, out in zip(PROMPTS, outputs, strict=True)]
+    assert _check_chains(records, sequences, MtpReference(directory, hf_target, str(tmp_path))) >= 4

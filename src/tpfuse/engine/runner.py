@@ -287,7 +287,9 @@ class ModelRunner:
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
         step = unpack_step(header, self._to_device(packed))
         _patch_input_ids(step, input_ids)
-        hidden, _ = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
+        hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
+        if self.spec is not None:  # features of plain steps too: the drafter catches up on them later
+            self.spec.write_features(aux, step.slot_mapping)
         if not header.num_samples:
             return step, None, False
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
