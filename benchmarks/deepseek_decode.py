@@ -14,7 +14,6 @@ quantization seam's FP8 experts, not wired for this family yet).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,15 +21,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (  # noqa: E402
-    capture_graph,
     copy_bandwidth,
     decode_metadata,
     input_embedding_bytes,
+    logits_step,
     print_header,
-    print_kernel_profile,
     roofline_fields,
-    routed_experts,
-    timed,
+    routed_graph_seconds,
+    write_json,
 )
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
@@ -69,17 +67,9 @@ def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
     ids, positions, attn, caches, layout = latent_decode_inputs(
         model, batch_size, args.context, args.block_size
     )
-
-    def step():
-        hidden, _ = model(ids, positions, attn, caches)
-        return model.compute_logits(hidden)
-
-    with torch.no_grad():
-        touched = routed_experts(model, step, DeepseekV3MoE)
-        graph = capture_graph(step)
-        seconds = timed(graph.replay, "cuda", args.iters)
-        if args.profile:
-            print_kernel_profile(graph.replay, batch_size)
+    step = logits_step(model, ids, positions, attn, caches)
+    profile = batch_size if args.profile else None
+    touched, seconds = routed_graph_seconds(model, step, DeepseekV3MoE, args.iters, profile)
     parts = step_bytes(model, batch_size, args.context, touched, layout)
     return {
         "batch_size": batch_size,
@@ -130,9 +120,7 @@ def main() -> None:
             f"{row['roofline_ms']:11.3f} {100 * row['fraction_of_roofline']:6.1f}%"
         )
     result = {"model": args.model, "dtype": "bfloat16", "device": name, "copy_bandwidth": bandwidth}
-    with open(args.json, "w") as f:
-        json.dump({**result, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, result, rows)
 
 
 if __name__ == "__main__":

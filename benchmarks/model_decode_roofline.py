@@ -12,7 +12,6 @@ measured copy bandwidth. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,10 +22,12 @@ from roofline import (  # noqa: E402
     capture_graph,
     copy_bandwidth,
     decode_inputs,
+    logits_step,
     print_header,
     print_kernel_profile,
     step_bytes,
     timed,
+    write_json,
 )
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
@@ -39,10 +40,7 @@ def bench_batch(model, batch_size: int, args) -> dict:
     ids, positions, attn, caches = decode_inputs(
         model, batch_size, args.context, args.block_size, args.device
     )
-
-    def step():
-        hidden, _ = model(ids, positions, attn, caches)
-        return model.compute_logits(hidden)
+    step = logits_step(model, ids, positions, attn, caches)
 
     with torch.no_grad():
         eager_s = timed(step, args.device, max(1, args.iters // 10))
@@ -108,9 +106,7 @@ def main() -> None:
             f"{row['step_bytes'] / 1e9:8.2f} {roof_text}"
         )
     result = {"model": args.model, "dtype": str(config.dtype), "device": name, "copy_bandwidth": bandwidth}
-    with open(args.json, "w") as f:
-        json.dump({**result, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, result, rows)
 
 
 if __name__ == "__main__":

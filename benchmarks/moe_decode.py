@@ -13,7 +13,6 @@ the context. Prints tok/s and the fraction of that roofline per batch, and write
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,16 +20,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (  # noqa: E402
-    capture_graph,
     copy_bandwidth,
     decode_inputs,
     input_embedding_bytes,
     kv_bytes_per_token,
+    logits_step,
     print_header,
-    print_kernel_profile,
     roofline_fields,
-    routed_experts,
-    timed,
+    routed_graph_seconds,
+    write_json,
 )
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
@@ -54,17 +52,9 @@ def step_bytes(model, batch_size: int, context: int, experts_touched: list[int])
 
 def bench_batch(model, batch_size: int, args, bandwidth: float) -> dict:
     ids, positions, attn, caches = decode_inputs(model, batch_size, args.context, args.block_size, "cuda")
-
-    def step():
-        hidden, _ = model(ids, positions, attn, caches)
-        return model.compute_logits(hidden)
-
-    with torch.no_grad():
-        touched = routed_experts(model, step, SparseMoeBlock)
-        graph = capture_graph(step)
-        seconds = timed(graph.replay, "cuda", args.iters)
-        if args.profile:
-            print_kernel_profile(graph.replay, batch_size)
+    step = logits_step(model, ids, positions, attn, caches)
+    profile = batch_size if args.profile else None
+    touched, seconds = routed_graph_seconds(model, step, SparseMoeBlock, args.iters, profile)
     parts = step_bytes(model, batch_size, args.context, touched)
     return {
         "batch_size": batch_size,
@@ -114,9 +104,7 @@ def main() -> None:
             f"{row['roofline_ms']:11.3f} {100 * row['fraction_of_roofline']:6.1f}%"
         )
     result = {"model": args.model, "dtype": str(config.dtype), "device": name, "copy_bandwidth": bandwidth}
-    with open(args.json, "w") as f:
-        json.dump({**result, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, result, rows)
 
 
 if __name__ == "__main__":

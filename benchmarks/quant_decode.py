@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import capture_graph, copy_bandwidth, decode_inputs, print_header, step_bytes, timed  # noqa: E402
+from roofline import (  # noqa: E402
+    capture_graph,
+    copy_bandwidth,
+    decode_inputs,
+    logits_step,
+    print_header,
+    step_bytes,
+    timed,
+    write_json,
+)
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported  # noqa: E402
@@ -36,12 +44,7 @@ METHODS = {"bf16": None, "fp8": "fp8", "fp8-block": "fp8-block", "int4": "int4"}
 
 def graph_step_s(model, batch_size: int, context: int, iters: int) -> float:
     ids, positions, attn, caches = decode_inputs(model, batch_size, context, 16, "cuda")
-
-    def step():
-        hidden, _ = model(ids, positions, attn, caches)
-        return model.compute_logits(hidden)
-
-    return timed(capture_graph(step).replay, "cuda", iters)
+    return timed(capture_graph(logits_step(model, ids, positions, attn, caches)).replay, "cuda", iters)
 
 
 def prefill_tok_s(model, tokens: int, iters: int) -> float:
@@ -126,16 +129,8 @@ def main() -> None:
             f"{100 * row['b1_fraction']:6.1f}% {row['b64_ms']:7.3f} {100 * row['b64_fraction']:6.1f}% "
             f"{row['b64_over_b1']:7.2f} {row['prefill_tok_s']:13.0f}"
         )
-    result = {
-        "model": args.model,
-        "device": device,
-        "copy_bandwidth": bandwidth,
-        "fp8_dot": fp8_dot,
-        "rows": rows,
-    }
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    result = {"model": args.model, "device": device, "copy_bandwidth": bandwidth, "fp8_dot": fp8_dot}
+    write_json(args.json, result, rows)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and gemv.py (each puts benchmarks/ on sys.path first).
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -134,6 +135,16 @@ def step_bytes(model, batch_size: int, context: int) -> int:
     return weights + batch_size * context * kv_bytes_per_token(model)
 
 
+def logits_step(model, ids, positions, attn, caches):
+    """The decode step the benchmarks time: model forward + compute_logits on static inputs."""
+
+    def step():
+        hidden, _ = model(ids, positions, attn, caches)
+        return model.compute_logits(hidden)
+
+    return step
+
+
 def routed_experts(model, step, block_type) -> list[int]:
     """Runs step once eagerly, recording per block_type layer how many distinct experts its routing chose
     (block.route(x) -> (weights, ids) is wrapped for the call, then restored)."""
@@ -155,6 +166,18 @@ def routed_experts(model, step, block_type) -> list[int]:
     return counts
 
 
+def routed_graph_seconds(model, step, block_type, iters: int, profile_batch: int | None):
+    """(routed_experts of one eager step, mean seconds of a CUDA-graph replay of step over iters), under
+    no_grad; prints the kernel profile (labelled batch profile_batch) unless that is None."""
+    with torch.no_grad():
+        touched = routed_experts(model, step, block_type)
+        graph = capture_graph(step)
+        seconds = timed(graph.replay, "cuda", iters)
+        if profile_batch is not None:
+            print_kernel_profile(graph.replay, profile_batch)
+    return touched, seconds
+
+
 def roofline_fields(parts: dict[str, int], seconds: float, bandwidth: float) -> dict:
     """The JSON fields of a step that read sum(parts) bytes in `seconds`, at `bandwidth` bytes/s."""
     total = sum(parts.values())
@@ -169,3 +192,10 @@ def roofline_fields(parts: dict[str, int], seconds: float, bandwidth: float) -> 
 
 def print_header(header: tuple[str, ...], widths: tuple[int, ...]) -> None:
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+
+
+def write_json(path: str, result: dict, rows: list[dict]) -> None:
+    """{**result, "rows": rows} to path, indented, and a line saying so."""
+    with open(path, "w") as f:
+        json.dump({**result, "rows": rows}, f, indent=2)
+    print(f"wrote {path}")
