@@ -72,3 +72,25 @@ def test_eagle3_on_moe_chained_steps_accept_what_synchronous_steps_accept(moe_wi
     assert counts[False]["chained"] == 0 and counts[True]["chained"] > 2, counts
     assert outputs[True] == outputs[False]
     assert [len(t) for t in outputs[True]] == [NEW_TOKENS] * len(PROMPTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_eagle3_on_moe_with_cuda_verify_graphs_gives_plain_greedy_tokens(moe_with_head, adaptive):
+    """Device machine: the fused-MoE kernels inside per-(bucket, k) verify graphs, float32."""
+    target, head = moe_with_head
+    cuda = dict(device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=1024, cuda_graph_max_bs=8)
+    kw = {**engine_kw(target), **cuda}
+    plain = [o.token_ids for o in LLM(**kw).generate(PROMPTS, greedy(32))]
+    llm = LLM(config=EngineConfig(**kw, speculative=spec_config("eagle3", head, adaptive=adaptive)))
+    graphs, replayed = llm.engine.executor.graphs, []
+    run = graphs.run
+
+    def recording_run(step, num_draft_tokens=0):
+        replayed.append(num_draft_tokens)
+        return run(step, num_draft_tokens)
+
+    graphs.run = recording_run
+    counts = _count_chained(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(32))] == plain
+    assert any(k > 0 for k in replayed) and counts["chained"] > 0, (replayed, counts)

@@ -34,3 +34,24 @@ def test_served_gguf_answers_the_capital_of_france_through_the_openai_api(gguf_s
     assert message.role == "assistant" and "Paris" in message.content, message.content
     assert 0 < result.usage.completion_tokens <= MAX_TOKENS
     assert result.usage.prompt_tokens > 7  # the file's chat template wrapped the question
+
+
+@pytest.mark.gpu
+def test_served_gguf_answers_in_bfloat16_on_the_gpu_streamed():
+    """Device machine: the Q4_1 linears on the group-quantized Triton kernels, CUDA graphs, bf16."""
+    args = ["serve", "--model", smollm2_gguf(), "--served-model-name", "smollm2", "--device", "cuda"]
+    server = start_server("tpfuse", [*args, "--dtype", "bfloat16", "--mem-fraction-static", "0.3"], 600)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert "Paris" in text, text
+    finally:
+        server.stop()
+        server.remove_log()
