@@ -128,32 +128,13 @@ def format_table(result: dict) -> str:
 
 def bench_processes(cfg: BenchConfig, timeout_s: float = 3600.0) -> dict:
     """One process per rank (cfg.nproc, default one per GPU); rank 0's result."""
-    import socket
-
     import torch
-    import torch.multiprocessing as mp
 
     from tpfuse.comm.bench_ranks import rank_main
+    from tpfuse.comm.spawn_ranks import run_spawned_ranks
 
     world_size = cfg.nproc or torch.cuda.device_count()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, world_size, port, asdict(cfg), queue))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = queue.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    status, payload = run_spawned_ranks(rank_main, world_size, asdict(cfg), timeout_s)
     if status != "ok":
         raise RuntimeError(f"comm-bench rank failed: {payload}")
     return payload

@@ -6,7 +6,6 @@ does) run the gate, the islands, the link probe and the start-up race, and rank 
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 
@@ -54,24 +53,10 @@ def plan_report(tp_size: int, hidden: int, max_tokens: int, dtype: str = "bfloat
     """Rank 0's view of the communicator N ranks build here: plan buckets with timings and reasons,
     islands, candidates and the schedules removed (with why), probe measurements and findings.
     Raises RuntimeError with the failing rank's traceback."""
-    import torch.multiprocessing as mp
+    from tpfuse.comm.spawn_ranks import run_spawned_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = {"hidden": hidden, "max_tokens": max_tokens, "dtype": dtype, "islands": islands}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, tp_size, port, cfg, queue)) for r in range(tp_size)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = queue.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    status, payload = run_spawned_ranks(_rank, tp_size, cfg, timeout_s)
     if status != "ok":
         raise RuntimeError(f"doctor --tp-size {tp_size}: {payload}")
     return payload
