@@ -19,7 +19,7 @@ from torch import nn
 from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import rmsnorm_op
 from tpfuse.model.linear_method import UNQUANTIZED, LinearMethod, LinearShards, linear, method_for
-from tpfuse.model.shard import ShardSlot
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 
 class Linear(nn.Linear):
@@ -56,10 +56,6 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x @ W.T (+ b) with W's output rows split over ranks; several checkpoint tensors ("parts",
     e.g. gate and up) may be merged into one weight, each sharded separately. The weights and
@@ -92,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
         self.shards = LinearShards(tuple(part_ranges), input_size)
         self.method = method or method_for("column")
         self.method.create_weights(self, self.shards, dtype)
-        self.bias = _parameter(sum(self.local_sizes), dtype=dtype) if bias else None
+        self.bias = empty_parameter(sum(self.local_sizes), dtype=dtype) if bias else None
 
     def slot(self, part: int = 0, bias: bool = False) -> ShardSlot:
         """The slot of one part's weight (or bias); checkpoint_slots names every tensor of a method."""
@@ -202,7 +198,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // parallel.tp_size)
         self.start = parallel.tp_rank * self.rows_per_rank
         self.num_valid_rows = max(0, min(self.rows_per_rank, vocab_size - self.start))
-        self.weight = _parameter(self.rows_per_rank, hidden_size, dtype=dtype)
+        self.weight = empty_parameter(self.rows_per_rank, hidden_size, dtype=dtype)
         self.weight.data[self.num_valid_rows :].zero_()
 
     def slot(self) -> ShardSlot:
@@ -258,7 +254,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
-        self.weight = _parameter(hidden_size, dtype=dtype)
+        self.weight = empty_parameter(hidden_size, dtype=dtype)
 
     def slot(self) -> ShardSlot:
         return ShardSlot(self.weight, tuple(self.weight.shape), 0, 0, self.weight.shape[0])

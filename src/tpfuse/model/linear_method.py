@@ -21,7 +21,7 @@ from torch import nn
 
 from tpfuse.kernels import gemv_op, skinny_linear_op
 from tpfuse.model import linear_choice
-from tpfuse.model.shard import ShardSlot
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 ROLES = ("column", "row", "lm_head")
 
@@ -82,17 +82,13 @@ class LinearMethod(Protocol):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 class UnquantizedLinearMethod:
     """weight [N_local, K_local] of the run dtype, loaded from `weight` (float32/bf16/fp16 on disk)."""
 
     name = "unquantized"
 
     def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
-        layer.weight = _parameter(shards.n_local, shards.k_local, dtype=dtype)
+        layer.weight = empty_parameter(shards.n_local, shards.k_local, dtype=dtype)
 
     def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:
         shards: LinearShards = layer.shards

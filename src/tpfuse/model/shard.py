@@ -11,6 +11,11 @@ from torch import nn
 FLOAT_STORED = ("F32", "BF16", "F16")  # safetensors dtypes converted to the parameter's dtype on copy
 
 
+def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised frozen parameter (no grad) for the loader to fill through its ShardSlots."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
 @dataclass(frozen=True)
 class ShardSlot:
     """Range [start, start + length) along dim of a checkpoint tensor of shape full_shape, copied

@@ -27,11 +27,7 @@ from tpfuse.model.quant.common import (
     dummy_group_scale,
     dummy_scale,
 )
-from tpfuse.model.shard import ShardSlot
-
-
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 
 class _QuantizedExperts:
@@ -71,11 +67,11 @@ class IntGroupExperts(_QuantizedExperts):
                 f"group of {self.group}; choose a --tp-size that splits it into whole groups"
             )
         per_word = values_per_word(self.bits)
-        experts.w13_packed = _parameter(e, 2 * i, -(-h // per_word), dtype=torch.int32)
-        experts.w13_scale = _parameter(e, 2 * i, -(-h // self.group), dtype=experts.dtype)
-        experts.w2_packed = _parameter(e, h, -(-i // per_word), dtype=torch.int32)
-        experts.w2_scale = _parameter(e, h, -(-i // self.group), dtype=experts.dtype)
-        experts.weight_shapes = _parameter(e, 6, dtype=torch.int64)
+        experts.w13_packed = empty_parameter(e, 2 * i, -(-h // per_word), dtype=torch.int32)
+        experts.w13_scale = empty_parameter(e, 2 * i, -(-h // self.group), dtype=experts.dtype)
+        experts.w2_packed = empty_parameter(e, h, -(-i // per_word), dtype=torch.int32)
+        experts.w2_scale = empty_parameter(e, h, -(-i // self.group), dtype=experts.dtype)
+        experts.weight_shapes = empty_parameter(e, 6, dtype=torch.int64)
 
     def checkpoint_slots(self, experts, prefix: str) -> dict[str, ShardSlot]:
         names, h, i_full = experts.names, experts.hidden_size, experts.intermediate_size
@@ -152,11 +148,11 @@ class Fp8Experts(_QuantizedExperts):
 
     def create_weights(self, experts) -> None:
         e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
-        experts.w13 = _parameter(e, 2 * i, h, dtype=FP8_DTYPE)
-        experts.w2 = _parameter(e, h, i, dtype=FP8_DTYPE)
+        experts.w13 = empty_parameter(e, 2 * i, h, dtype=FP8_DTYPE)
+        experts.w2 = empty_parameter(e, h, i, dtype=FP8_DTYPE)
         if self.strategy == "channel":
-            experts.w13_scale = _parameter(e, 2 * i, 1, dtype=torch.float32)
-            experts.w2_scale = _parameter(e, h, 1, dtype=torch.float32)
+            experts.w13_scale = empty_parameter(e, 2 * i, 1, dtype=torch.float32)
+            experts.w2_scale = empty_parameter(e, h, 1, dtype=torch.float32)
             return
         bn, bk = self.block
         start = experts.intermediate_start
@@ -166,9 +162,9 @@ class Fp8Experts(_QuantizedExperts):
                 "choose a --tp-size that splits it into whole blocks"
             )
         rows = -(-(start + i) // bn) - start // bn
-        experts.gate_block_scales = _parameter(e, rows, -(-h // bk), dtype=torch.float32)
-        experts.up_block_scales = _parameter(e, rows, -(-h // bk), dtype=torch.float32)
-        experts.down_block_scales = _parameter(e, -(-h // bn), -(-i // bk), dtype=torch.float32)
+        experts.gate_block_scales = empty_parameter(e, rows, -(-h // bk), dtype=torch.float32)
+        experts.up_block_scales = empty_parameter(e, rows, -(-h // bk), dtype=torch.float32)
+        experts.down_block_scales = empty_parameter(e, -(-h // bn), -(-i // bk), dtype=torch.float32)
 
     def checkpoint_slots(self, experts, prefix: str) -> dict[str, ShardSlot]:
         names, h, i_full = experts.names, experts.hidden_size, experts.intermediate_size

@@ -25,13 +25,9 @@ from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale
-from tpfuse.model.shard import ShardSlot
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 MAX_DECODE_ROWS = 64
-
-
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class Fp8LinearMethod:
@@ -46,11 +42,11 @@ class Fp8LinearMethod:
         self.name = f"fp8-{strategy}" + (f" {block[0]}x{block[1]}" if block else "")
 
     def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
-        layer.weight = _parameter(shards.n_local, shards.k_local, dtype=FP8_DTYPE)
+        layer.weight = empty_parameter(shards.n_local, shards.k_local, dtype=FP8_DTYPE)
         if self.input_scales:
-            layer.input_scale = _parameter(len(shards.parts), dtype=torch.float32)
+            layer.input_scale = empty_parameter(len(shards.parts), dtype=torch.float32)
         if self.strategy != "block":
-            layer.weight_scale = _parameter(shards.n_local, 1, dtype=torch.float32)
+            layer.weight_scale = empty_parameter(shards.n_local, 1, dtype=torch.float32)
             layer.fp8_block = (1, shards.k_local)
             return
         block_n, block_k = self.checkpoint_block
@@ -64,7 +60,7 @@ class Fp8LinearMethod:
         layer.block_scale_parts = nn.ParameterList()
         for _, start, local in shards.parts:
             rows = -(-(start + local) // block_n) - start // block_n
-            layer.block_scale_parts.append(_parameter(rows, k_blocks, dtype=torch.float32))
+            layer.block_scale_parts.append(empty_parameter(rows, k_blocks, dtype=torch.float32))
         layer.fp8_block = (1, block_k)
 
     def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:
@@ -110,7 +106,7 @@ class Fp8LinearMethod:
             rows = torch.arange(start, start + local, device=raw.device) // block_n - start // block_n
             expanded.append(raw.data[rows])
         del layer.block_scale_parts
-        layer.weight_scale = _parameter(0, dtype=torch.float32)
+        layer.weight_scale = empty_parameter(0, dtype=torch.float32)
         layer.weight_scale.data = torch.cat(expanded).contiguous()
 
     def experts(self):

@@ -19,11 +19,7 @@ from tpfuse.kernels.quant_int import unpack_int, values_per_word
 from tpfuse.model.linear_method import LinearShards
 from tpfuse.model.quant.common import INT_STORED, dummy_codes, dummy_group_scale
 from tpfuse.model.quant.int_group import IntGroupLinearMethod
-from tpfuse.model.shard import ShardSlot
-
-
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 
 class GptqLinearMethod(IntGroupLinearMethod):
@@ -43,10 +39,10 @@ class GptqLinearMethod(IntGroupLinearMethod):
                     "choose a --tp-size that splits them into whole words"
                 )
         groups, k_words = -(-shards.k_local // group), -(-shards.k_local // per_word)
-        layer.qweight = _parameter(k_words, shards.n_local, dtype=torch.int32)
-        layer.qzeros = _parameter(groups, shards.n_local // per_word, dtype=torch.int32)
-        layer.scales = _parameter(groups, shards.n_local, dtype=torch.float16)
-        layer.g_idx = _parameter(len(shards.parts) * shards.k_local, dtype=torch.int32)
+        layer.qweight = empty_parameter(k_words, shards.n_local, dtype=torch.int32)
+        layer.qzeros = empty_parameter(groups, shards.n_local // per_word, dtype=torch.int32)
+        layer.scales = empty_parameter(groups, shards.n_local, dtype=torch.float16)
+        layer.g_idx = empty_parameter(len(shards.parts) * shards.k_local, dtype=torch.int32)
         layer.int_group = group
 
     def checkpoint_slots(self, layer: nn.Module, part: int) -> dict[str, ShardSlot]:

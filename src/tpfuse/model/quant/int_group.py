@@ -20,11 +20,7 @@ from tpfuse.kernels.quant_int import dequantize_int, values_per_word
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import INT_STORED, QuantizationError, dummy_codes, dummy_group_scale
-from tpfuse.model.shard import ShardSlot
-
-
-def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from tpfuse.model.shard import ShardSlot, empty_parameter
 
 
 class IntGroupLinearMethod:
@@ -53,11 +49,13 @@ class IntGroupLinearMethod:
         group = self.group_of(shards)
         self._check_row_split(shards, group)
         per_word = values_per_word(self.bits)
-        layer.weight_packed = _parameter(shards.n_local, -(-shards.k_local // per_word), dtype=torch.int32)
-        layer.weight_scale = _parameter(
+        layer.weight_packed = empty_parameter(
+            shards.n_local, -(-shards.k_local // per_word), dtype=torch.int32
+        )
+        layer.weight_scale = empty_parameter(
             shards.n_local, -(-shards.k_local // group), dtype=self.scale_dtype or dtype
         )
-        layer.weight_shape = _parameter(2 * len(shards.parts), dtype=torch.int64)
+        layer.weight_shape = empty_parameter(2 * len(shards.parts), dtype=torch.int64)
         layer.weight_offset = None
         layer.int_group = group
 
