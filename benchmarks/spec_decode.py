@@ -17,6 +17,8 @@ adaptive, every step cost the policy was told and its beliefs at the round's end
 
     python benchmarks/spec_decode.py                          # the issue's sweep (~9 min on one H200)
     python benchmarks/spec_decode.py --smoke                  # tiny model on CPU: does the script run
+    python benchmarks/spec_decode.py --model deepseek-v3-4l --drafter mtp --concurrency 1,4,16
+                                        # DeepSeek-V3's MTP layer as the drafter (dummy weights)
 """
 
 from __future__ import annotations
@@ -299,6 +301,10 @@ def main() -> int:
     )
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument(
+        "--drafter", choices=["eagle3", "mtp"], default="eagle3",
+        help="eagle3: a random EAGLE-3 head; mtp: the MTP layer of a DeepSeek-V3 preset (dummy weights)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tokens", type=int, default=512,
         help="per request; the prefill and the first verify are one-offs (~5 %% of a 256-token round at C=1)",
     )  # fmt: skip
@@ -342,12 +348,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as head_dir:
         t0 = time.perf_counter()
         aux = (0, 1, 2) if target.num_layers < 8 else None
-        save_random_eagle3_head(
-            head_dir, target, draft_vocab_size=min(32000, target.vocab_size), aux_layer_ids=aux
-        )
+        if args.drafter == "eagle3":
+            save_random_eagle3_head(
+                head_dir, target, draft_vocab_size=min(32000, target.vocab_size), aux_layer_ids=aux
+            )
         spec = SpeculativeConfig(
-            algorithm="eagle3",
-            draft_model_path=head_dir,
+            algorithm=args.drafter,
+            draft_model_path=head_dir if args.drafter == "eagle3" else None,
             num_steps=args.num_steps,
             simulate_acceptance_length=args.lengths[0],
         )
@@ -364,6 +371,7 @@ def main() -> int:
         "model": args.model,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "num_steps": args.num_steps,
+        "drafter": args.drafter,
         "tokens_per_request": args.tokens,
         "simulated_acceptance": True,
         "results": {mode: {str(c): p for c, p in points.items()} for mode, points in results.items()},

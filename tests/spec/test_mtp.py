@@ -246,3 +246,16 @@ def test_tp2_mtp_is_lossless_and_rank0_chains_equal_the_reference(
     assert outputs == plain_tokens
     sequences = [prompt + out for prompt, out in zip(PROMPTS, outputs, strict=True)]
     assert _check_chains(records, sequences, MtpReference(directory, hf_target, str(tmp_path))) >= 4
+
+
+def test_dummy_weights_build_an_mtp_layer_for_benchmarks(checkpoints):
+    """--load-format dummy (and presets) get a seeded random MTP layer with its own embedding and head."""
+    from tpfuse.model.deepseek_v3_mtp import load_mtp_module
+
+    engine_config = EngineConfig(model=checkpoints[1], dtype="float32", load_format="dummy")
+    parallel = ParallelContext(0, 1, SingleRankCommunicator())
+    target, config = load_model(engine_config, parallel, "cpu")
+    module = load_mtp_module(engine_config, target, config, parallel, "cpu")
+    assert module.own_embedding and module.own_head and module.layer_index == config.num_layers
+    assert type(module.layer.mlp).__name__ == "DeepseekV3MoE"
+    assert all(bool(torch.isfinite(p).all()) and p.abs().sum() > 0 for p in module.parameters())

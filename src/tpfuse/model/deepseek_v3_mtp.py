@@ -7,7 +7,9 @@ hnorm(h_t)]), runs one DeepSeek-V3 decoder layer (MLA over its own latent cache,
 the layer index says) and shared_head.norm; the normed state gives the logits of token t + 2 through
 shared_head.head and is also the h fed to the next chained step. The embedding and head are the
 module's own when the checkpoint carries them (embed_tokens, shared_head.head), else the target's.
-Under TP the layer is sharded like the target's; eh_proj's output is replicated on every rank.
+Under TP the layer is sharded like the target's; eh_proj's output is replicated on every rank. In a
+quantized checkpoint eh_proj takes the checkpoint's quantization only when scale tensors sit beside
+its weight.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tpfuse.model.layers import (
     ShardSlot,
     VocabParallelEmbedding,
 )
+from tpfuse.model.linear_method import UNQUANTIZED
 
 
 class DeepseekV3MTP(nn.Module):
@@ -42,6 +45,7 @@ class DeepseekV3MTP(nn.Module):
         target: nn.Module,
         own_embedding: bool,
         own_head: bool,
+        quantized_eh_proj: bool = True,
     ):
         super().__init__()
         h, eps, dtype = config.hidden_size, config.rms_norm_eps, config.dtype
@@ -54,7 +58,10 @@ class DeepseekV3MTP(nn.Module):
             self.__dict__["embed_tokens"] = target.embed_tokens  # shared, not a submodule
         self.enorm = RMSNorm(h, eps, dtype)
         self.hnorm = RMSNorm(h, eps, dtype)
-        self.eh_proj = ColumnParallelLinear(2 * h, [], parallel, dtype, part_ranges=[(h, 0, h)])
+        method = None if quantized_eh_proj else UNQUANTIZED  # None: the checkpoint's quantization
+        self.eh_proj = ColumnParallelLinear(
+            2 * h, [], parallel, dtype, part_ranges=[(h, 0, h)], method=method
+        )
         self.layer = DeepseekV3DecoderLayer(config, parallel, self.layer_index)
         self.shared_head_norm = RMSNorm(h, eps, dtype)
         if own_head:
@@ -157,8 +164,11 @@ def load_mtp_module(
         )
     own_embedding = dummy or prefix + "embed_tokens.weight" in files
     own_head = dummy or prefix + "shared_head.head.weight" in files
+    # some exports keep eh_proj unquantized (no scale tensors beside its weight): load it as stored
+    eh_proj = prefix + "eh_proj."
+    eh_scaled = dummy or any(n.startswith(eh_proj) and n != eh_proj + "weight" for n in files)
     with torch.device(device), linear_methods(load_quant_config(engine_config)):
-        module = DeepseekV3MTP(config, parallel, prefix, target, own_embedding, own_head)
+        module = DeepseekV3MTP(config, parallel, prefix, target, own_embedding, own_head, eh_scaled)
     slots = module.checkpoint_slots()
     if dummy:
         fill_dummy_weights(slots, engine_config.seed)
