@@ -4,16 +4,11 @@ NCCL with one GPU per rank (multigpu tests on the device machine)."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tpfuse.comm.spawn_ranks import free_port
 
 
 def _entry(rank, world_size, port, fn, args, queue, backend):

@@ -188,6 +188,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def device_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached per index); 8 stands in on CPU, so split rules run there."""
+    if device.type != "cuda":
+        return 8
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_splits_for(
     batch: int,
     num_kv_heads: int,
@@ -213,11 +220,7 @@ def choose_num_splits(
     programs_per_sm: int = DECODE_PROGRAMS_PER_SM,
 ) -> int:
     """num_splits_for on this device's SM count (8 SMs stand in on CPU)."""
-    sms = (
-        _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        if (device.type == "cuda")
-        else 8
-    )
+    sms = device_sms(device)
     return num_splits_for(batch, num_kv_heads, max_blocks, block_size, sms, programs_per_sm)
 
 

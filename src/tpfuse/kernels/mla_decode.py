@@ -16,12 +16,11 @@ so an engine compiles two variants (split and unsplit) per model, and the merge 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.decode_attention import device_sms
 from tpfuse.kernels.decode_merge import launch_chunked_merge
 from tpfuse.kernels.mla_attention import check_mla_inputs
 
@@ -174,11 +173,6 @@ MLA_DECODE_MIN_TILES_PER_SPLIT = 4
 MLA_DECODE_MAX_SPLITS = 256
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def mla_decode_splits_for(batch, heads, max_blocks, block_size, num_sms, per_sm=None, tile=None) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe): per_sm (None: _programs_per_sm) programs per SM
     counting every (sequence, head group, split), rounded down, no split shorter than
@@ -195,10 +189,7 @@ def mla_decode_splits_for(batch, heads, max_blocks, block_size, num_sms, per_sm=
 
 def mla_decode_num_splits(batch: int, heads: int, max_blocks: int, block_size: int, device) -> int:
     """mla_decode_splits_for on this device's SM count (8 SMs stand in on CPU)."""
-    sms = 8
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return mla_decode_splits_for(batch, heads, max_blocks, block_size, sms)
+    return mla_decode_splits_for(batch, heads, max_blocks, block_size, device_sms(device))
 
 
 def mla_decode_launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, num_splits, tile=None):
