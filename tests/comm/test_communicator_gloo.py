@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 from tests.comm.reference import FP8_MAX, assert_close_to, fused64, sum64
-from tests.helpers.dist import free_port, run_distributed
+from tests.helpers.dist import free_port, from_bytes, run_distributed, to_bytes
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_ref
 
 ROWS, HIDDEN, EPS = 3, 37, 1e-5
@@ -20,14 +18,6 @@ def _inputs(world_size, dtype):
     residual = torch.randn(ROWS, HIDDEN, generator=g).to(dtype)
     weight = torch.randn(HIDDEN, generator=g).to(dtype)
     return xs, residual, weight
-
-
-def _packed(obj) -> bytes:
-    # tensors returned through a multiprocessing queue are shared by file descriptor, which breaks once
-    # the rank process has exited; plain bytes do not
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _run_collectives(rank, world_size):
@@ -52,13 +42,13 @@ def _run_collectives(rank, world_size):
         out["fused_refusal"] = None
     except ValueError as exc:
         out["fused_refusal"] = str(exc)
-    return _packed(out)
+    return to_bytes(out)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def gloo_run(request):
     world_size = request.param
-    return world_size, [torch.load(io.BytesIO(b)) for b in run_distributed(_run_collectives, world_size)]
+    return world_size, from_bytes(run_distributed(_run_collectives, world_size))
 
 
 def test_create_communicator_on_cpu_gives_the_gloo_communicator(gloo_run):

@@ -7,7 +7,6 @@ worked is written to $OUT/comm_backends.json when OUT is set.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
@@ -15,23 +14,13 @@ import pytest
 import torch
 
 from tests.comm.reference import assert_close_to, fused64, repeat_and_replay_mismatches
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import from_bytes, run_distributed, to_bytes
 
 # Processes time-slice the GPU (about 2.3 ms per call at 2 ranks, 6.8 ms at 4), so the module fixture's
 # 10,000 calls take over a minute at 4 ranks: a longer per-test limit than the suite's default.
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400)]
 EPS = 1e-5
 HIDDEN = 4096
-
-
-def _packed(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _unpacked(blobs):
-    return [torch.load(io.BytesIO(b)) for b in blobs]
 
 
 def _record(key, value):
@@ -83,13 +72,13 @@ def _communicator_rank(rank, world_size):
     )
     comm.check()
     dist.barrier()  # peers' memory stays mapped until every rank is done with it
-    return _packed(result)
+    return to_bytes(result)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
 def shared_gpu_run(request):
     world_size = request.param
-    results = _unpacked(run_distributed(_communicator_rank, world_size, timeout=540))
+    results = from_bytes(run_distributed(_communicator_rank, world_size, timeout=540))
     _record(
         f"shared_gpu_{world_size}proc", {"backend": results[0]["backend"], "describe": results[0]["describe"]}
     )

@@ -3,12 +3,27 @@ NCCL with one GPU per rank (multigpu tests on the device machine)."""
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from tpfuse.comm.spawn_ranks import free_port
+
+
+def to_bytes(obj) -> bytes:
+    """torch.save of obj as bytes: tensors returned through a multiprocessing queue are shared by file
+    descriptor, which breaks once the rank process has exited; plain bytes do not."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(blobs: list[bytes]) -> list:
+    """to_bytes undone for each rank's result."""
+    return [torch.load(io.BytesIO(b)) for b in blobs]
 
 
 def _entry(rank, world_size, port, fn, args, queue, backend):
