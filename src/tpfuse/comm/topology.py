@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.comm import launch
+from tpfuse.comm.host_topology import LEVEL_NAMES
 from tpfuse.comm.workspace import RankWorkspace
 
 
@@ -162,16 +163,6 @@ def gate_process_workspace(ws: RankWorkspace, group) -> list[tuple[int, str]]:
     return vote_failures("; ".join(problems) or None, group)
 
 
-NVML_ANCESTOR_NAMES = {
-    0: "same board",
-    10: "one PCIe switch",
-    20: "several PCIe switches",
-    30: "one PCIe host bridge",
-    40: "host bridges of one NUMA node",
-    50: "across NUMA nodes",
-}
-
-
 def link_types(device_count: int) -> dict[tuple[int, int], str]:
     """NVLink or PCIe (with the PCIe path) for every pair of CUDA devices, from NVML. Empty when NVML is
     not available (the reason goes to doctor through nvml_error())."""
@@ -193,7 +184,7 @@ def link_types(device_count: int) -> dict[tuple[int, int], str]:
                     links[(i, j)] = "NVLink"
                 else:
                     level = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
-                    links[(i, j)] = f"PCIe ({NVML_ANCESTOR_NAMES.get(level, f'level {level}')})"
+                    links[(i, j)] = f"PCIe ({LEVEL_NAMES.get(level, f'level {level}')})"
         return links
     finally:
         pynvml.nvmlShutdown()
