@@ -21,21 +21,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (  # noqa: E402
+    add_decode_args,
     copy_bandwidth,
     decode_metadata,
     input_embedding_bytes,
+    load_moe_model,
     logits_step,
     print_header,
     roofline_fields,
     routed_graph_seconds,
     write_json,
 )
-from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
-from tpfuse.model import linear_choice, moe_choice  # noqa: E402
 from tpfuse.model.deepseek_v3 import DeepseekV3MoE  # noqa: E402
-from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
-from tpfuse.model.loader import load_model  # noqa: E402
 
 
 def latent_decode_inputs(model, batch_size: int, context: int, block_size: int):
@@ -86,21 +84,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="deepseek-v3-4l")
-    parser.add_argument("--batch-sizes", default="1,8,32,64")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "deepseek_decode.json"))
+    add_decode_args(
+        parser, model="deepseek-v3-4l", batch_sizes="1,8,32,64", context=1024, iters=50,
+        json_name="deepseek_decode.json",
+    )  # fmt: skip
     args = parser.parse_args()
 
     engine_config = EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy")
-    model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    linear_choice.choose(projections(model), max_rows=max(batch_sizes))  # as the engine does at start-up
-    for choice in moe_choice.choose(model, max(batch_sizes), 0):
-        print(choice.describe())
+    model, config = load_moe_model(engine_config, max(batch_sizes))
     bandwidth = copy_bandwidth("cuda")
     name = torch.cuda.get_device_name()
     print(

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import (  # noqa: E402
+    add_decode_args,
     capture_graph,
     copy_bandwidth,
     decode_inputs,
@@ -65,18 +66,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama-3.1-8b")
+    add_decode_args(
+        parser, model="llama-3.1-8b", batch_sizes="1,8,32", context=512, iters=200,
+        json_name="model_decode_roofline.json",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--eager", action="store_true", help="no CUDA graph")
-    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
-    parser.add_argument(
-        "--json", default=os.path.join(os.environ.get("OUT", "."), "model_decode_roofline.json")
-    )
     args = parser.parse_args()
 
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy")

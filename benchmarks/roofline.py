@@ -9,11 +9,40 @@ and gemv.py (each puts benchmarks/ on sys.path first).
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
 
+from tpfuse.comm.communicator import SingleRankCommunicator
+from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.attention import AttentionMetadata
+from tpfuse.model.layers import ParallelContext, projections
+from tpfuse.model.loader import load_model
+
+
+def add_decode_args(
+    parser, *, model: str, batch_sizes: str, context: int, iters: int, json_name: str
+) -> None:
+    """The flags every decode-step benchmark takes, with this script's defaults: --model, --batch-sizes,
+    --context, --block-size (16), --iters, --profile and --json ($OUT/json_name)."""
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--batch-sizes", default=batch_sizes)
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of a step")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), json_name))
+
+
+def load_moe_model(engine_config, max_rows: int):
+    """(model, config) of engine_config on one GPU, with the projection and MoE routes chosen up to
+    max_rows rows as the engine does at start-up (the MoE choices are printed)."""
+    model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
+    linear_choice.choose(projections(model), max_rows=max_rows)
+    for choice in moe_choice.choose(model, max_rows, 0):
+        print(choice.describe())
+    return model, config
 
 
 def timed(fn, device: str, iters: int) -> float:
