@@ -16,7 +16,6 @@ import time
 
 QUICK = "--quick" in sys.argv
 FULL_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
-FEW_CALLS = ["--iters", "5", "--repeats", "3"]
 RUNS = [
     ("virtual_tp2", ["--virtual-ranks", "2", "--tokens", "1,2,4,8,16,32" if QUICK else FULL_TOKENS]),
     ("virtual_tp4", ["--virtual-ranks", "4", "--tokens", "1,2,4,8,16,32" if QUICK else FULL_TOKENS]),
