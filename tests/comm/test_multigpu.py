@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.comm.reference import assert_close_to, fused64, repeat_and_replay_mismatches, sum64
-from tests.comm.test_gpu_shared_processes import _inputs, _packed, _unpacked
-from tests.helpers.dist import run_distributed
+from tests.comm.test_gpu_shared_processes import _inputs
+from tests.helpers.dist import from_bytes, run_distributed, to_bytes
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.timeout(600)]
 EPS = 1e-5
@@ -45,14 +45,14 @@ def _rank(rank, world_size, mode):
     if hasattr(comm, "check"):
         comm.check()
     torch.distributed.barrier()  # peers' memory stays mapped until every rank is done with it
-    return _packed(result)
+    return to_bytes(result)
 
 
 @pytest.fixture(scope="module", params=[(n, m) for n in WORLD_SIZES for m in ("fused", "auto")],
                 ids=lambda p: f"tp{p[0]}-{p[1]}")  # fmt: skip
 def run(request):
     world_size, mode = request.param
-    return world_size, mode, _unpacked(run_distributed(_rank, world_size, mode, timeout=540, backend="nccl"))
+    return world_size, mode, from_bytes(run_distributed(_rank, world_size, mode, timeout=540, backend="nccl"))
 
 
 def test_every_rank_gets_the_communicator_the_mode_asks_for_and_the_same_plan(run):

@@ -8,8 +8,8 @@ import torch
 
 from tests.comm.reference import assert_close_to, fused64
 from tests.comm.test_gpu_schedules import forced_plan
-from tests.comm.test_gpu_shared_processes import _inputs, _packed, _unpacked
-from tests.helpers.dist import run_distributed
+from tests.comm.test_gpu_shared_processes import _inputs
+from tests.helpers.dist import from_bytes, run_distributed, to_bytes
 from tpfuse.comm.schedules import ALGORITHMS
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.timeout(600)]
@@ -39,12 +39,12 @@ def _rank(rank, world_size):
             result["fused"][(algorithm, tokens)] = (normed.cpu(), new_residual.cpu())
         comm.check()
     torch.distributed.barrier()
-    return _packed(result)
+    return to_bytes(result)
 
 
 @pytest.fixture(scope="module")
 def run():
-    return _unpacked(run_distributed(_rank, WORLD, timeout=540, backend="nccl"))
+    return from_bytes(run_distributed(_rank, WORLD, timeout=540, backend="nccl"))
 
 
 def test_every_schedule_over_real_links_matches_float64_and_ranks_agree(run):
