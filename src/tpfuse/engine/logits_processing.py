@@ -20,7 +20,6 @@ the token of step n. Per-sequence state lives in a WeakKeyDictionary: it goes wi
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -228,8 +227,3 @@ def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """xgrammar's packed bitmask [R, ceil(V/32)] int32 (bit b of word w: token 32 w + b) -> bool [R, V]."""
     bits = torch.arange(32, device=words.device, dtype=torch.int32)
     return ((words[:, :, None] >> bits) & 1).bool().reshape(words.shape[0], -1)[:, :vocab]
-
-
-def json_object_grammar() -> Grammar:
-    """Any JSON object (response_format json_object)."""
-    return Grammar("json_schema", json.dumps({"type": "object"}))
