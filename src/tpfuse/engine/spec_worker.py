@@ -56,6 +56,11 @@ class SpecWorker:
                     f"--speculative-eagle-topk {spec.eagle_topk}: tree drafting needs "
                     f"--speculative-algorithm eagle3 (got {self.algorithm}); use --speculative-eagle-topk 1"
                 )
+            if model_config.mla is not None:
+                raise ValueError(
+                    f"--speculative-eagle-topk {spec.eagle_topk}: tree drafting is not implemented for "
+                    f"latent attention ({model_config.architecture}); use --speculative-eagle-topk 1"
+                )
             check_tree_settings(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
         if self.algorithm in ("eagle3", "draft") and not spec.draft_model_path:
             raise ValueError(

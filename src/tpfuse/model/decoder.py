@@ -51,7 +51,8 @@ class DecoderForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def make_layer(self, config: ModelConfig, parallel: ParallelContext, index: int) -> DecoderLayer:
-        raise NotImplementedError
+        """Layer index of the family; every family file overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_layer (one decoder layer)")
 
     def forward(
         self,

@@ -11,6 +11,8 @@ experts do; down's K shard must start on a scale group.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -30,11 +32,12 @@ from tpfuse.model.quant.common import (
 from tpfuse.model.shard import ShardSlot, empty_parameter
 
 
-class _QuantizedExperts:
+class _QuantizedExperts(ABC):
     """apply / apply_slots through kernels/quant_moe.py (CUDA) or the dequantized reference, kept once."""
 
+    @abstractmethod
     def stacks(self, experts) -> tuple[QuantExperts, QuantExperts]:
-        raise NotImplementedError
+        """The (w13, w2) quantized stacks of experts' parameters."""
 
     def apply_slots(self, experts, x, topk_weights, topk_ids):
         w13, w2 = self.stacks(experts)
