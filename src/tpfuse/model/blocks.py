@@ -19,12 +19,14 @@ from tpfuse.kernels import silu_and_mul
 from tpfuse.model.attention import Attention
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, ShardSlot
+from tpfuse.model.linear_method import method_for
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up merged and split over ranks by rows, down by columns.
 
-    names: the checkpoint's (gate, up, down) projection names, e.g. ("gate_proj", "up_proj", "down_proj").
+    names: the checkpoint's (gate, up, down) projection names, e.g. ("gate_proj", "up_proj", "down_proj"),
+    also what the linears' methods are chosen by under a module_prefix (model/linear_method.py).
     """
 
     def __init__(
@@ -36,10 +38,12 @@ class GatedMLP(nn.Module):
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ):
         super().__init__()
-        i = intermediate_size
+        i, (gate, up, down) = intermediate_size, names
         self.names = names
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [i, i], parallel, dtype)
-        self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [i, i], parallel, dtype, method=method_for("column", [gate, up])
+        )
+        self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype, method=method_for("row", [down]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H], this rank's partial sum."""

@@ -6,8 +6,11 @@ Tensor parallelism: attention heads split over ranks, the latent cache replicate
 (LatentCacheLayout); every rank holds every routed expert's slice of the intermediate dim
 (FusedMoE) and a slice of the shared experts; the shared output is one more slot of each token in
 the MoE finalize (routed combine + shared + all-reduce + residual + RMSNorm in the layer's last
-sync). Checkpoint tensors of the MTP (NextN) layers, model.layers.{num_hidden_layers + i}.*, are
-skipped here; model/deepseek_v3_mtp.py loads the first one as the MTP drafter.
+sync). Every layer is built under its checkpoint prefix (module_prefix("model.layers.{i}.")), so a
+format's per-module choices apply: Kimi K2's INT4 routed experts beside its bf16 attention, shared
+experts and dense MLPs. Checkpoint tensors of the MTP (NextN) layers,
+model.layers.{num_hidden_layers + i}.*, are skipped here; model/deepseek_v3_mtp.py loads the first
+one as the MTP drafter.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
 from tpfuse.model.kv_layout import LatentCacheLayout
 from tpfuse.model.layers import ParallelContext, RMSNorm, ShardSlot
+from tpfuse.model.linear_method import expert_method_for, module_prefix
 from tpfuse.model.mla import MLAAttention
-from tpfuse.model.moe import FusedMoE
+from tpfuse.model.moe import ExpertNames, FusedMoE, UnquantizedExperts
 
 
 def _replicated(param: nn.Parameter) -> ShardSlot:
@@ -46,11 +50,16 @@ class DeepseekV3MoE(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate_weight = nn.Parameter(torch.empty(e, h, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
-        self.experts = FusedMoE(e, h, config.moe_intermediate_size, parallel, config.dtype)
+        names = ExpertNames()
+        method = expert_method_for([f"experts.0.{n}" for n in (names.gate, names.up, names.down)])
+        self.experts = FusedMoE(
+            e, h, config.moe_intermediate_size, parallel, config.dtype, names, method or UnquantizedExperts()
+        )
         self.shared_experts = None
         if routing.n_shared_experts:
             shared = config.moe_intermediate_size * routing.n_shared_experts
-            self.shared_experts = GatedMLP(h, shared, parallel, config.dtype)
+            with module_prefix("shared_experts."):
+                self.shared_experts = GatedMLP(h, shared, parallel, config.dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32); logits in float32."""
@@ -102,21 +111,23 @@ class DeepseekV3MoE(nn.Module):
 
 class DeepseekV3DecoderLayer(nn.Module):
     """input norm -> MLA -> post-attention norm -> dense GatedMLP or DeepseekV3MoE ("mlp"); the norms
-    run in the decoder loop, fused with the all-reduces."""
+    run in the decoder loop, fused with the all-reduces. Checkpoint prefix: model.layers.{index}."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, index: int):
         super().__init__()
         h, eps, dtype = config.hidden_size, config.rms_norm_eps, config.dtype
         mla = config.mla
         self.input_layernorm = RMSNorm(h, eps, dtype)
-        self.self_attn = MLAAttention(
-            h, config.num_heads, mla, eps, mla.softmax_scale(config.rope_scaling), parallel, dtype
-        )
+        with module_prefix(f"model.layers.{index}.self_attn."):
+            self.self_attn = MLAAttention(
+                h, config.num_heads, mla, eps, mla.softmax_scale(config.rope_scaling), parallel, dtype
+            )
         self.post_attention_layernorm = RMSNorm(h, eps, dtype)
-        if config.is_moe_layer(index):
-            self.mlp = DeepseekV3MoE(config, parallel)
-        else:
-            self.mlp = GatedMLP(h, config.intermediate_size, parallel, dtype)
+        with module_prefix(f"model.layers.{index}.mlp."):
+            if config.is_moe_layer(index):
+                self.mlp = DeepseekV3MoE(config, parallel)
+            else:
+                self.mlp = GatedMLP(h, config.intermediate_size, parallel, dtype)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         slots = {

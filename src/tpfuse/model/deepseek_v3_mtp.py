@@ -29,7 +29,7 @@ from tpfuse.model.layers import (
     ShardSlot,
     VocabParallelEmbedding,
 )
-from tpfuse.model.linear_method import UNQUANTIZED
+from tpfuse.model.linear_method import UNQUANTIZED, method_for, module_prefix
 
 
 class DeepseekV3MTP(nn.Module):
@@ -58,7 +58,8 @@ class DeepseekV3MTP(nn.Module):
             self.__dict__["embed_tokens"] = target.embed_tokens  # shared, not a submodule
         self.enorm = RMSNorm(h, eps, dtype)
         self.hnorm = RMSNorm(h, eps, dtype)
-        method = None if quantized_eh_proj else UNQUANTIZED  # None: the checkpoint's quantization
+        with module_prefix(prefix):  # the checkpoint's quantization, by name (ignore lists apply)
+            method = method_for("column", ["eh_proj"]) if quantized_eh_proj else UNQUANTIZED
         self.eh_proj = ColumnParallelLinear(
             2 * h, [], parallel, dtype, part_ranges=[(h, 0, h)], method=method
         )

@@ -11,7 +11,7 @@ them up without any model file knowing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,7 +111,10 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 class QuantConfig(Protocol):
     """A checkpoint's quantization (model/quant/): name for the load log; linear_method(role) for
-    each role in ROLES (lm_head usually stays unquantized); expert_method() for MoE experts."""
+    each role in ROLES (lm_head usually stays unquantized); expert_method() for MoE experts.
+    A format that leaves some modules unquantized (an ignore list) also has
+    linear_method_for(role, names) and expert_method_for(names): names are the checkpoint modules
+    the linear (or the experts) hold, e.g. ("model.layers.0.self_attn.q_a_proj", ...)."""
 
     name: str
 
@@ -123,6 +126,7 @@ class QuantConfig(Protocol):
 
 
 _ACTIVE: list[QuantConfig | None] = [None]
+_PREFIX: list[str | None] = [None]
 
 
 @contextlib.contextmanager
@@ -135,12 +139,36 @@ def linear_methods(config: QuantConfig | None) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def method_for(role: str) -> LinearMethod:
-    """The method of a linear built now, by role (column, row or lm_head)."""
+@contextlib.contextmanager
+def module_prefix(prefix: str) -> Iterator[None]:
+    """Linears built inside name their checkpoint modules under prefix (nested prefixes join:
+    "model.layers.3." then "self_attn."), so formats with per-module choices can make them.
+    Outside any module_prefix a linear has no checkpoint name and takes the config's uniform method."""
+    outer = _PREFIX[-1]
+    _PREFIX.append(prefix if outer is None else outer + prefix)
+    try:
+        yield
+    finally:
+        _PREFIX.pop()
+
+
+def _full_names(names: Sequence[str]) -> tuple[str, ...]:
+    prefix = _PREFIX[-1]
+    return () if prefix is None or not names else tuple(prefix + name for name in names)
+
+
+def method_for(role: str, names: Sequence[str] = ()) -> LinearMethod:
+    """The method of a linear built now, by role (column, row or lm_head). names: the checkpoint
+    modules it holds, relative to the current module_prefix (merged parts: several)."""
     if role not in ROLES:
         raise ValueError(f"linear role {role!r} is not one of {ROLES}")
     config = _ACTIVE[-1]
-    return UNQUANTIZED if config is None else config.linear_method(role)
+    if config is None:
+        return UNQUANTIZED
+    full = _full_names(names)
+    if full and hasattr(config, "linear_method_for"):
+        return config.linear_method_for(role, full)
+    return config.linear_method(role)
 
 
 def reference_product(
@@ -158,10 +186,16 @@ def reference_product(
     return out.to(x.dtype)
 
 
-def expert_method_for():
-    """The MoE experts' method of the quantization being built (None: unquantized experts)."""
+def expert_method_for(names: Sequence[str] = ()):
+    """The MoE experts' method of the quantization being built (None: unquantized experts). names:
+    one expert's checkpoint modules (e.g. "experts.0.gate_proj", ...) relative to the module_prefix."""
     config = _ACTIVE[-1]
-    return None if config is None else config.expert_method()
+    if config is None:
+        return None
+    full = _full_names(names)
+    if full and hasattr(config, "expert_method_for"):
+        return config.expert_method_for(full)
+    return config.expert_method()
 
 
 def process_all(model: nn.Module) -> None:

@@ -100,7 +100,20 @@ def load_model(
         process_all(model)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {engine_config.model}: {e}") from e
+    if quant_config is not None:
+        log.info("weights by method: %s", method_summary(model))
     return model.eval(), model_config
+
+
+def method_summary(model: torch.nn.Module) -> str:
+    """'name xN' for every linear and expert method of the model (first-seen order), e.g.
+    'fp8-block 128x128 x244, fp8-block 128x128 dequantized at load (...) x61, unquantized x1'."""
+    counts = Counter(
+        getattr(module.method, "name", type(module.method).__name__)
+        for module in model.modules()
+        if getattr(module, "method", None) is not None
+    )
+    return ", ".join(f"{name} x{n}" for name, n in counts.items())
 
 
 def load_quant_config(engine_config: EngineConfig) -> QuantConfig | None:

@@ -6,8 +6,11 @@ cache keeps c (normalised by kv_a_layernorm) and rotated k_pe, one row per token
 key up-projection is absorbed into the query, q_latent = q_nope @ W_UK per head, so attention runs over
 the latent (kernels/mla_decode.py, kernels/mla_prefill.py) and returns o_latent; v = o_latent @ W_UV.T
 per head, then o_proj gives this rank's partial sum. W_UK and W_UV are the two row blocks of each
-head in kv_b_proj ([H * (nope + v), kv_lora_rank]), used in place. The q and kv "a" projections
-are one GEMM (q's part split by heads, the latent replicated).
+head in kv_b_proj ([H * (nope + v), kv_lora_rank]), used in place; a quantized checkpoint's kv_b_proj
+is dequantized at load into that weight (model/quant/dequantized.py: it is small, and read by the
+batched products, not a linear kernel). The q and kv "a" projections are one GEMM (q's part split by
+heads, the latent replicated). Every linear takes the checkpoint's method by its checkpoint name
+(built under the layer's module_prefix, e.g. "model.layers.3.self_attn.").
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from tpfuse.model.layers import (
     ShardSlot,
     divide,
 )
+from tpfuse.model.linear_method import method_for
 from tpfuse.model.mla_config import MLAShape
+from tpfuse.model.quant.dequantized import DequantizedAtLoad
 
 
 class MLAAttention(nn.Module):
@@ -53,29 +58,35 @@ class MLAAttention(nn.Module):
         if shape.q_lora_rank is not None:
             q_range = (shape.q_lora_rank, 0, shape.q_lora_rank)
             self.q_b_proj = ColumnParallelLinear(
-                shape.q_lora_rank, [num_heads * shape.qk_head_dim], parallel, dtype
-            )
+                shape.q_lora_rank, [num_heads * shape.qk_head_dim], parallel, dtype,
+                method=method_for("column", ["q_b_proj"]),
+            )  # fmt: skip
             self.q_a_layernorm = RMSNorm(shape.q_lora_rank, eps, dtype)
         else:
             q_local = heads * shape.qk_head_dim
             q_range = (num_heads * shape.qk_head_dim, rank * q_local, q_local)
             self.q_b_proj = self.q_a_layernorm = None
+        self.a_names = ["q_proj" if self.q_b_proj is None else "q_a_proj", "kv_a_proj_with_mqa"]
         self.fused_a_proj = ColumnParallelLinear(
-            hidden_size, [], parallel, dtype, part_ranges=[q_range, latent_range]
-        )
+            hidden_size, [], parallel, dtype, part_ranges=[q_range, latent_range],
+            method=method_for("column", self.a_names),
+        )  # fmt: skip
         self.kv_a_layernorm = RMSNorm(shape.kv_lora_rank, eps, dtype)
         per_head = shape.qk_nope_head_dim + shape.v_head_dim
-        self.kv_b_full_shape = (num_heads * per_head, shape.kv_lora_rank)
-        self.kv_b_start = rank * heads * per_head
-        self.kv_b = nn.Parameter(
-            torch.empty(heads * per_head, shape.kv_lora_rank, dtype=dtype), requires_grad=False
+        absorbed = DequantizedAtLoad(method_for("column", ["kv_b_proj"]), "MLA's absorbed W_UK / W_UV")
+        self.kv_b_proj = ColumnParallelLinear(
+            shape.kv_lora_rank, [num_heads * per_head], parallel, dtype, method=absorbed
         )
-        self.o_proj = RowParallelLinear(num_heads * shape.v_head_dim, hidden_size, parallel, dtype)
+        self.o_proj = RowParallelLinear(
+            num_heads * shape.v_head_dim, hidden_size, parallel, dtype, method=method_for("row", ["o_proj"])
+        )
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H_local, nope, kv_lora_rank], W_UV [H_local, v, kv_lora_rank]), views of kv_b."""
+        """(W_UK [H_local, nope, kv_lora_rank], W_UV [H_local, v, kv_lora_rank]), views of kv_b_proj's
+        weight (the run dtype; dequantized at load from a quantized checkpoint)."""
         s = self.shape
-        per_head = self.kv_b.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        weight = self.kv_b_proj.weight
+        per_head = weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return per_head[:, : s.qk_nope_head_dim], per_head[:, s.qk_nope_head_dim :]
 
     def forward(
@@ -118,19 +129,11 @@ class MLAAttention(nn.Module):
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         """prefix: e.g. "model.layers.3.self_attn."."""
-        a = self.fused_a_proj
-        slots = {
-            prefix + "kv_a_proj_with_mqa.weight": a.slot(1),
-            prefix + "kv_a_layernorm.weight": self.kv_a_layernorm.slot(),
-            prefix + "kv_b_proj.weight": ShardSlot(
-                self.kv_b, self.kv_b_full_shape, 0, self.kv_b_start, self.kv_b.shape[0]
-            ),
-            prefix + "o_proj.weight": self.o_proj.slot(),
-        }
+        slots = {prefix + "kv_a_layernorm.weight": self.kv_a_layernorm.slot()}
+        slots.update(self.fused_a_proj.checkpoint_slots([prefix + name for name in self.a_names]))
+        slots.update(self.kv_b_proj.checkpoint_slots([prefix + "kv_b_proj"]))
+        slots.update(self.o_proj.checkpoint_slots(prefix + "o_proj"))
         if self.q_b_proj is not None:
-            slots[prefix + "q_a_proj.weight"] = a.slot(0)
             slots[prefix + "q_a_layernorm.weight"] = self.q_a_layernorm.slot()
-            slots[prefix + "q_b_proj.weight"] = self.q_b_proj.slot()
-        else:
-            slots[prefix + "q_proj.weight"] = a.slot(0)
+            slots.update(self.q_b_proj.checkpoint_slots([prefix + "q_b_proj"]))
         return slots

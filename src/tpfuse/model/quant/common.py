@@ -1,7 +1,11 @@
-"""What every format shares: UniformConfig (one method for every decoder linear), the errors,
-the list of supported formats, the check of modules a checkpoint leaves unquantized."""
+"""What every format shares: UniformConfig (one method for every decoder linear, less the modules
+an ignore list leaves unquantized), the errors, the list of supported formats, the check of modules
+a checkpoint leaves unquantized."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Sequence
 
 import torch
 
@@ -74,17 +78,59 @@ def check_ignored(modules: list[str], where: str) -> None:
         )
 
 
-class UniformConfig:
-    """One method for every decoder linear; lm_head stays unquantized (as the checkpoints keep it)."""
+def ignore_matches(entry: str, name: str) -> bool:
+    """compressed-tensors' rule: "re:<pattern>" matches by re.match, anything else names a module exactly."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry == name
 
-    def __init__(self, name: str, method):
+
+class UniformConfig:
+    """One method for every decoder linear; lm_head stays unquantized (as the checkpoints keep it).
+
+    ignore (where: the config field, for errors): modules the checkpoint leaves unquantized. Linears
+    built under a module_prefix (model/linear_method.py) are matched by their checkpoint names; the
+    others accept only ignore lists naming lm_head or MoE routers (check_ignored)."""
+
+    def __init__(self, name: str, method, ignore: Sequence[str] = (), where: str = "quantization_config"):
         self.name = f"{name} ({method.name})"
         self.method = method
+        self.ignore = tuple(ignore)
+        self.where = where
+        if self.ignore:
+            self.name += f", ignoring {', '.join(self.ignore)}"
 
     def linear_method(self, role: str):
         from tpfuse.model.linear_method import UNQUANTIZED
 
-        return UNQUANTIZED if role == "lm_head" else self.method
+        if role == "lm_head":
+            return UNQUANTIZED
+        check_ignored(list(self.ignore), self.where)
+        return self.method
+
+    def _all_or_none_ignored(self, names: tuple[str, ...]) -> bool:
+        """True when every name is ignored, False when none is; QuantizationError when they differ."""
+        ignored = [n for n in names if any(ignore_matches(entry, n) for entry in self.ignore)]
+        if ignored and len(ignored) != len(names):
+            kept = [n for n in names if n not in ignored]
+            raise QuantizationError(
+                f"{self.where} leaves {', '.join(ignored)} unquantized but not {', '.join(kept)}; tpfuse "
+                "runs these as one product (one weight format), so the checkpoint must quantize all or none"
+            )
+        return bool(ignored)
+
+    def linear_method_for(self, role: str, names: tuple[str, ...]):
+        """The method of a linear holding checkpoint modules names (merged parts must agree)."""
+        from tpfuse.model.linear_method import UNQUANTIZED
+
+        if role == "lm_head" or self._all_or_none_ignored(names):
+            return UNQUANTIZED
+        return self.method
+
+    def expert_method_for(self, names: tuple[str, ...]):
+        """None (unquantized experts) when the ignore list names the experts' modules, else
+        expert_method()."""
+        return None if self._all_or_none_ignored(names) else self.expert_method()
 
     def expert_method(self):
         """The MoE experts' method (model/quant/experts.py): the linear method's experts().

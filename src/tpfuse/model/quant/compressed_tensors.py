@@ -3,12 +3,14 @@ one config group targeting Linear, with
   - float-quantized 8-bit weights (strategy tensor, channel or block): FP8 (model/quant/fp8.py);
   - pack-quantized 4- or 8-bit symmetric int weights, strategy group (the Kimi K2 layout) or
     channel: W4A16 / W8A16 (model/quant/int_group.py).
+The ignore list's modules stay unquantized where the model family names its linears (DeepSeek-V3:
+Kimi K2's INT4 routed experts beside bf16 attention, shared experts and dense MLPs).
 Activations: none (weight-only), or FP8 ones (W8A8: quantized dynamically, model/quant/fp8.py says how).
 """
 
 from __future__ import annotations
 
-from tpfuse.model.quant.common import QuantizationError, UniformConfig, check_ignored
+from tpfuse.model.quant.common import QuantizationError, UniformConfig
 from tpfuse.model.quant.fp8 import Fp8LinearMethod
 from tpfuse.model.quant.int_group import IntGroupLinearMethod
 
@@ -33,7 +35,15 @@ def parse(qc: dict, source: str) -> UniformConfig:
         raise QuantizationError(
             f"{source}: quantization_config.kv_cache_scheme (a quantized KV cache) is not supported"
         )
-    check_ignored(qc.get("ignore") or [], f"{source}: quantization_config.ignore")
+    ignore = qc.get("ignore") or []
+    if not (isinstance(ignore, list) and all(isinstance(entry, str) for entry in ignore)):
+        raise QuantizationError(
+            f"{source}: quantization_config.ignore must be a list of module names; got {ignore!r}"
+        )
+
+    def uniform(method) -> UniformConfig:
+        return UniformConfig("compressed-tensors", method, ignore, f"{source}: quantization_config.ignore")
+
     weights = group.get("weights") or {}
     fmt = group.get("format") or qc.get("format")
     activations = group.get("input_activations")
@@ -52,12 +62,12 @@ def parse(qc: dict, source: str) -> UniformConfig:
                 raise QuantizationError(
                     f"{where}.weights.block_structure must be [block_n, block_k]; got {block}"
                 )
-            return UniformConfig("compressed-tensors", Fp8LinearMethod("block", tuple(block), static))
+            return uniform(Fp8LinearMethod("block", tuple(block), static))
         if strategy not in ("tensor", "channel"):
             raise QuantizationError(
                 f"{where}.weights.strategy {strategy!r} is not supported; supported: {SUPPORTED}"
             )
-        return UniformConfig("compressed-tensors", Fp8LinearMethod(strategy, None, static))
+        return uniform(Fp8LinearMethod(strategy, None, static))
     if kind == "int":
         if fmt != "pack-quantized" or bits not in (4, 8):
             raise QuantizationError(
@@ -73,14 +83,14 @@ def parse(qc: dict, source: str) -> UniformConfig:
         if activations:
             raise QuantizationError(f"{where}.input_activations: int weights run weight-only (W4A16/W8A16)")
         if strategy == "channel":
-            return UniformConfig("compressed-tensors", IntGroupLinearMethod(bits, -1, fmt="int"))
+            return uniform(IntGroupLinearMethod(bits, -1, fmt="int"))
         group_size = weights.get("group_size")
         if strategy != "group" or not isinstance(group_size, int) or group_size < 1:
             raise QuantizationError(
                 f"{where}.weights: strategy {strategy!r} with group_size {group_size!r}; int weights need "
                 "strategy group with a positive group_size, or strategy channel"
             )
-        return UniformConfig("compressed-tensors", IntGroupLinearMethod(bits, group_size, fmt="int"))
+        return uniform(IntGroupLinearMethod(bits, group_size, fmt="int"))
     raise QuantizationError(f"{where}.weights.type {kind!r} is not supported; supported: {SUPPORTED}")
 
 

@@ -109,6 +109,10 @@ class Fp8LinearMethod:
         layer.weight_scale = empty_parameter(0, dtype=torch.float32)
         layer.weight_scale.data = torch.cat(expanded).contiguous()
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 weight [N_local, K_local] after process_weights (exact)."""
+        return dequantize_fp8(layer.weight, layer.weight_scale, layer.fp8_block)
+
     def experts(self):
         """The MoE experts in the same format (model/quant/experts.py)."""
         from tpfuse.model.quant.experts import Fp8Experts
@@ -124,8 +128,7 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not use_triton(x):
-            weight, scale, block = layer.weight, layer.weight_scale, layer.fp8_block
-            return reference_product(layer, x, bias, lambda: dequantize_fp8(weight, scale, block))
+            return reference_product(layer, x, bias, lambda: self.dequantize(layer))
         if x.shape[0] <= MAX_DECODE_ROWS:
             return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]))
         w8a8 = x.is_cuda and fp8_dot_supported(x.device)

@@ -104,6 +104,12 @@ class IntGroupLinearMethod:
     def process_weights(self, layer: nn.Module) -> None:
         self.check_shapes(layer)
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 weight [N_local, K_local] after process_weights."""
+        k = layer.shards.k_local
+        return dequantize_int(layer.weight_packed, layer.weight_scale, layer.weight_offset, self.bits,
+                              layer.int_group, k)  # fmt: skip
+
     def experts(self):
         """The MoE experts in the same format (model/quant/experts.py)."""
         from tpfuse.model.quant.experts import IntGroupExperts
