@@ -67,6 +67,7 @@ class EngineConfig:
     allreduce_islands: str | None = None  # "0,1,2,3;4,5,6,7": rank islands (comm.islands checks them)
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
+    max_prefill_tokens_per_step: int = 2048  # prompt tokens a step carries beside its decodes (docs/PERF.md)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by KV size
     block_size: int = 16
     mem_fraction_static: float = 0.85
@@ -101,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_per_step < 1:
+            raise ValueError(
+                f"--max-prefill-tokens-per-step must be >= 1, got {self.max_prefill_tokens_per_step}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -173,6 +178,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--max-prefill-tokens-per-step",
+        type=int,
+        default=d.max_prefill_tokens_per_step,
+        help="prompt tokens (chunked prefill) one step may carry beside its decodes; bounds the gap "
+        "between a stream's tokens while prompts arrive",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)

@@ -102,6 +102,7 @@ class LLMEngine:
             self.max_model_len,
             eos,
             num_lookahead_tokens=num_lookahead_tokens(spec) if spec.enabled else 0,
+            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
         # Rank 0's per-request logits processing (penalties, bias, grammar, logprobs), used by the
         # runner's sampling hook for batches that need it.

@@ -1,10 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Each step is one batch under a token budget (--max-num-batched-tokens) and a cap on running
-requests (--max-running-requests). Running requests go first, in admission order, so decodes never
-stall behind a long prompt: each takes one token, and a request still in prefill takes what budget
-is left. Waiting requests are admitted (first come, first served) into the rest of the budget; a
-prompt longer than the budget is prefilled in chunks over several steps, alongside the decodes.
+Each step is one batch under a token budget (--max-num-batched-tokens), a cap on running requests
+(--max-running-requests) and a prefill budget (--max-prefill-tokens-per-step). Decodes never stall
+behind a prompt: every decoding request takes its token first, and prompt tokens (chunks of requests
+still in prefill, in admission order, then waiting requests admitted first come, first served) fill
+what is left, at most the prefill budget per step, so a step's length (and every stream's gap
+between tokens) is bounded by a decode step plus that many prompt tokens. A prompt longer than what
+is left is prefilled in chunks over several steps, alongside the decodes.
 When a running request needs a KV block and none is free, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue, to be recomputed (its full blocks
 usually come back from the prefix cache).
@@ -59,13 +61,16 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         num_lookahead_tokens: int = 0,
+        max_prefill_tokens_per_step: int | None = None,
     ):
         """num_lookahead_tokens: speculative decoding's draft tokens; a decode reserves KV blocks for
-        that many positions past its newest token and takes 1 + that many tokens of the budget."""
+        that many positions past its newest token and takes 1 + that many tokens of the budget.
+        max_prefill_tokens_per_step: prompt tokens one step may carry (None: the whole budget)."""
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_running_requests = max_running_requests
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -81,38 +86,42 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next step's batch, or None when nothing can run."""
         budget = self.max_num_batched_tokens
+        ahead = self.num_lookahead_tokens
+        decode_tokens = sum(1 + ahead for seq in self.running if seq.num_uncomputed_tokens == 1)
+        prefill = min(self.max_prefill_tokens_per_step, max(budget - decode_tokens, 0))
         seqs: list[Sequence] = []
         counts: list[int] = []
         pending = deque(self.running)
         kept: list[Sequence] = []
         block_size = self.block_manager.block_size
-        ahead = self.num_lookahead_tokens
         while pending and budget > 0:
             seq = pending.popleft()
             length = len(seq.token_ids)
-            lookahead = ahead if length - seq.num_computed_tokens == 1 else 0  # decodes draft
-            if length + lookahead <= len(seq.block_table) * block_size:  # fast path: no new block
-                n = min(length - seq.num_computed_tokens, budget)
-                seqs.append(seq)
-                counts.append(n)
+            uncomputed = length - seq.num_computed_tokens
+            if uncomputed > 1 and prefill == 0:  # a prompt chunk: none fits this step
                 kept.append(seq)
-                budget -= n + lookahead
                 continue
-            while not self.block_manager.may_append(seq, lookahead):
-                victim = pending.pop() if pending else seq
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slot(seq, lookahead)
-                n = min(seq.num_uncomputed_tokens, budget)
-                seqs.append(seq)
-                counts.append(n)
-                kept.append(seq)
-                budget -= n + lookahead
+            lookahead = ahead if uncomputed == 1 else 0  # decodes draft
+            n = min(uncomputed, budget) if uncomputed == 1 else min(uncomputed, budget, prefill)
+            if length + lookahead > len(seq.block_table) * block_size:  # it needs a new block
+                while not self.block_manager.may_append(seq, lookahead):
+                    victim = pending.pop() if pending else seq
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self.block_manager.append_slot(seq, lookahead)
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+            if uncomputed > 1:
+                prefill -= n
+            seqs.append(seq)
+            counts.append(n)
+            kept.append(seq)
+            budget -= n + lookahead
         # Requests past the budget keep their place and run next step.
         self.running = kept + list(pending)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
@@ -120,10 +129,11 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, prefill)
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            prefill -= n
         if not seqs:
             return None
         bans = {}
@@ -153,7 +163,9 @@ class Scheduler:
                 return None
             p = seq.params
             num_output = length + 1 - seq.num_prompt_tokens  # once this step's id is appended
-            if num_output < p.min_tokens or num_output >= p.max_tokens or length + 1 >= self.max_model_len:
+            if num_output >= p.max_tokens or length + 1 >= self.max_model_len:
+                return None
+            if self._bans_before(seq, num_output):
                 return None
             new_blocks += length + 1 > len(seq.block_table) * capacity
         if new_blocks > bm.num_free_blocks:
@@ -198,10 +210,9 @@ class Scheduler:
             length = len(seq.token_ids)
             if seq is not same or n != 1 or seq.num_computed_tokens + 1 != length:
                 return None
-            if (
-                self.max_model_len - length < 2 * (ahead + 1)
-                or seq.num_output_tokens + 1 < seq.params.min_tokens
-            ):
+            if self.max_model_len - length < 2 * (ahead + 1):
+                return None
+            if self._bans_before(seq, seq.num_output_tokens + 1):
                 return None
             new_blocks += max(0, seq.num_blocks_for(length + reserve) - len(seq.block_table))
         if new_blocks > bm.num_free_blocks:
@@ -216,6 +227,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _bans_before(self, seq: Sequence, num_output: int) -> bool:
+        """Whether seq still bans ids once it has num_output tokens: min_tokens not reached and some
+        id to ban (min_tokens with ignore_eos and no stop ids bans nothing, so it chains)."""
+        p = seq.params
+        if num_output >= p.min_tokens:
+            return False
+        return bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids))
 
     def banned_token_ids(self, seq: Sequence) -> list[int]:
         """Tokens that must not be sampled next: end-of-sequence and stop ids before min_tokens."""
