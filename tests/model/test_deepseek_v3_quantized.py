@@ -44,7 +44,7 @@ SHAPE = dict(
     qk_rope_head_dim=16, v_head_dim=64,
 )  # fmt: skip
 LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-           "gate_proj", "up_proj", "down_proj")  # fmt: skip
+           "gate_proj", "up_proj", "down_proj", "eh_proj")  # fmt: skip
 DEEPSEEK_FP8 = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -81,15 +81,20 @@ FORMATS = {
 }
 
 
-def write_quantized_deepseek(directory, fmt: str):
-    """A random DeepseekV3ForCausalLM whose selected linears are rewritten into fmt's on-disk tensors
-    (one model.safetensors); returns transformers' model of the dequantized weights, loaded from a float
-    copy with the on-disk names (so transformers maps the per-expert tensors itself)."""
+def write_quantized_deepseek(directory, fmt: str, with_mtp: bool = False):
+    """A random DeepseekV3ForCausalLM (with_mtp: and an MTP layer, model.layers.3.*) whose selected
+    linears are rewritten into fmt's on-disk tensors (one model.safetensors); returns transformers' model
+    of the dequantized weights, loaded from a float copy with the on-disk names (directory/dequantized,
+    so transformers maps the per-expert tensors itself; tpfuse loads it too)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     selected, quantizer, quantization_config = FORMATS[fmt]
     build_deepseek_checkpoint(directory, "q_lora_yarn_tied_groups", tie_groups=False, **SHAPE)
+    if with_mtp:
+        from tests.spec.test_mtp import add_mtp_layer
+
+        add_mtp_layer(str(directory))
     state = {}
     for file in [f for f in os.listdir(directory) if f.endswith(".safetensors")]:
         state.update(load_file(os.path.join(directory, file)))
@@ -209,13 +214,23 @@ def test_dummy_fp8_block_weights_build_and_run(checkpoints):
     assert torch.isfinite(prefill).all() and len(tokens[0]) == 2
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3-4l", "kimi-k2-3l"])
-@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (7, 8)])
-def test_presets_build_in_fp8_blocks_at_their_real_shapes(preset, tp_rank, tp_size):
-    """On the meta device: every 128x128 FP8 scale block and every shard boundary of the real shapes
-    fits, and every parameter is some checkpoint tensor's destination."""
-    from tpfuse.comm.communicator import SingleRankCommunicator
+def _preset_quantization(name: str):
     from tpfuse.model import quant
+
+    if name == "fp8-block":  # --load-format dummy --quantization fp8-block
+        return quant.for_dummy("fp8-block")
+    return quant.from_hf_config({"quantization_config": _kimi_config()})  # Kimi K2-Thinking's layout
+
+
+@pytest.mark.parametrize(
+    "preset,quantization",
+    [("deepseek-v3-4l", "fp8-block"), ("kimi-k2-3l", "fp8-block"), ("kimi-k2-3l", "kimi-int4-experts")],
+)
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (7, 8)])
+def test_presets_build_quantized_at_their_real_shapes(preset, quantization, tp_rank, tp_size):
+    """On the meta device: every 128x128 FP8 scale block, INT4 group and shard boundary of the real
+    shapes fits, and every parameter is some checkpoint tensor's destination."""
+    from tpfuse.comm.communicator import SingleRankCommunicator
     from tpfuse.model.layers import ParallelContext
     from tpfuse.model.linear_method import linear_methods
     from tpfuse.model.loader import check_all_parameters_written
@@ -224,15 +239,65 @@ def test_presets_build_in_fp8_blocks_at_their_real_shapes(preset, tp_rank, tp_si
 
     config = preset_config(preset, "bfloat16")
     parallel = ParallelContext(tp_rank, tp_size, SingleRankCommunicator())
-    with torch.device("meta"), linear_methods(quant.for_dummy("fp8-block")):
+    with torch.device("meta"), linear_methods(_preset_quantization(quantization)):
         model = model_class(config.architecture)(config, parallel)
     slots = model.checkpoint_slots()
     check_all_parameters_written(model, slots)
-    assert f"model.layers.{config.num_layers - 1}.mlp.experts.0.down_proj.weight_scale_inv" in slots
-    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in slots
-    expert_bytes = sum(
-        p.numel() for p in model.layers[-1].mlp.experts.parameters() if p.dtype == torch.float8_e4m3fn
-    )
-    assert (
-        expert_bytes == 3 * config.num_experts * config.moe_intermediate_size * config.hidden_size // tp_size
-    )
+    last = f"model.layers.{config.num_layers - 1}."
+    experts = model.layers[-1].mlp.experts
+    expert_weights = 3 * config.num_experts * config.moe_intermediate_size * config.hidden_size // tp_size
+    if quantization == "fp8-block":
+        assert last + "mlp.experts.0.down_proj.weight_scale_inv" in slots
+        assert last + "self_attn.kv_b_proj.weight_scale_inv" in slots
+        codes = sum(p.numel() for p in experts.parameters() if p.dtype == torch.float8_e4m3fn)
+    else:
+        assert last + "mlp.experts.0.down_proj.weight_packed" in slots
+        assert last + "self_attn.kv_b_proj.weight" in slots  # bf16: the ignore list's
+        assert last + "mlp.shared_experts.up_proj.weight" in slots
+        codes = 8 * (experts.w13_packed.numel() + experts.w2_packed.numel())
+    assert codes == expert_weights
+
+
+def test_the_mtp_layer_of_an_fp8_checkpoint_equals_its_dequantized_twin(tmp_path):
+    """The MTP layer (eh_proj, MLA, the FP8 experts) takes the checkpoint's methods like the target's
+    layers: its logits equal those of the same layer loaded from the dequantized float weights (whose
+    formula tests/spec/test_mtp.py checks against float64)."""
+    from tpfuse.comm.communicator import SingleRankCommunicator
+    from tpfuse.config import EngineConfig
+    from tpfuse.model.deepseek_v3_mtp import load_mtp_module
+    from tpfuse.model.layers import ParallelContext
+    from tpfuse.model.loader import load_model
+    from tpfuse.spec.mtp import MtpHead
+    from tpfuse.spec.paged import metadata_for_positions
+
+    write_quantized_deepseek(tmp_path, "deepseek-fp8-block", with_mtp=True)
+    parallel = ParallelContext(0, 1, SingleRankCommunicator())
+    tokens, logits = PROMPTS[0], {}
+    for name, directory in (("fp8", tmp_path), ("float", tmp_path / "dequantized")):
+        engine_config = EngineConfig(model=str(directory), dtype="float32")
+        target, config = load_model(engine_config, parallel, "cpu")
+        module = load_mtp_module(engine_config, target, config, parallel, "cpu")
+        head = MtpHead(module, target.cos_sin_cache, config.vocab_size)
+        if name == "fp8":
+            assert isinstance(module.eh_proj.method, Fp8LinearMethod)
+            assert isinstance(module.layer.mlp.experts.method, Fp8Experts)
+            assert module.layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+        with torch.no_grad():
+            hidden, _ = greedy_hidden(target, tokens)
+            num = len(tokens) - 1
+            cache = torch.full(head.kv_cache_shape(8, 4), float("nan"))
+            tables = torch.tensor([[3, 0, 5, 1]], dtype=torch.int32)
+            positions = torch.arange(num)
+            attn = metadata_for_positions(tables, 4, positions, torch.tensor([0, num], dtype=torch.int32))
+            normed, _ = head(module.embed(torch.tensor(tokens[1:])), hidden[:-1], positions, attn, (cache,))
+            logits[name] = head.compute_logits(normed)
+    assert relative_error(logits["fp8"], logits["float"]) <= TOLERANCE
+
+
+def greedy_hidden(model, tokens: list[int]):
+    """The target's final hidden states [T, H] (after its norm) over one prompt, from a fresh cache."""
+    from tests.model.harness import PagedSequences
+
+    seqs = PagedSequences(model, 1)
+    attn, positions = seqs.metadata([len(tokens)], is_decode=False)
+    return model(torch.tensor(tokens), positions, attn, seqs.kv_caches)
