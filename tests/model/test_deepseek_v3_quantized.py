@@ -81,16 +81,16 @@ FORMATS = {
 }
 
 
-def write_quantized_deepseek(directory, fmt: str, with_mtp: bool = False):
+def write_quantized_deepseek(directory, fmt: str, with_mtp: bool = False, **overrides):
     """A random DeepseekV3ForCausalLM (with_mtp: and an MTP layer, model.layers.3.*) whose selected
     linears are rewritten into fmt's on-disk tensors (one model.safetensors); returns transformers' model
     of the dequantized weights, loaded from a float copy with the on-disk names (directory/dequantized,
-    so transformers maps the per-expert tensors itself; tpfuse loads it too)."""
+    so transformers maps the per-expert tensors itself; tpfuse loads it too). overrides: config fields."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     selected, quantizer, quantization_config = FORMATS[fmt]
-    build_deepseek_checkpoint(directory, "q_lora_yarn_tied_groups", tie_groups=False, **SHAPE)
+    build_deepseek_checkpoint(directory, "q_lora_yarn_tied_groups", tie_groups=False, **SHAPE, **overrides)
     if with_mtp:
         from tests.spec.test_mtp import add_mtp_layer
 
