@@ -12,9 +12,11 @@ norm, the MLP or MoE block with its finalize) captured in its own graph on stati
 layer's bytes (its weights, the experts its routing touched, its latent cache). A layer's graph is
 replayed back to back, so weights that fit in L2 (small layers) read faster than from HBM: the ratio is
 an upper bound there. Dummy weights (--quantization fp8-block: DeepSeek-V3's 128x128 FP8 blocks,
-kv_b_proj dequantized to bf16 at load). Writes JSON.
+kv_b_proj dequantized to bf16 at load; int4-experts: Kimi K2-Thinking's INT4 group-32 experts beside
+bf16 linears). Writes JSON.
 
     python benchmarks/deepseek_decode.py --model deepseek-v3-4l --quantization fp8-block
+    python benchmarks/deepseek_decode.py --model kimi-k2-3l --quantization int4-experts
     python benchmarks/deepseek_decode.py --model deepseek-v3-4l --batch-sizes 1,8,32,64 --context 1024
 """
 
@@ -45,6 +47,7 @@ from roofline import (  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.model import linear_choice  # noqa: E402
 from tpfuse.model.deepseek_v3 import DeepseekV3MoE  # noqa: E402
+from tpfuse.model.quant import DUMMY_QUANTIZATIONS  # noqa: E402
 
 
 def latent_decode_inputs(model, batch_size: int, context: int, block_size: int):
@@ -144,7 +147,7 @@ def main() -> None:
         parser, model="deepseek-v3-4l", batch_sizes="1,8,32,64", context=1024, iters=50,
         json_name="deepseek_decode.json",
     )  # fmt: skip
-    parser.add_argument("--quantization", default=None, choices=["fp8", "fp8-block", "int4"])
+    parser.add_argument("--quantization", default=None, choices=DUMMY_QUANTIZATIONS)
     parser.add_argument("--layer-batch", type=int, default=1, help="batch of the per-layer table (0: none)")
     args = parser.parse_args()
 

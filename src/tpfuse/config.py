@@ -59,7 +59,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # with dummy weights: fp8 | fp8-block | int4 (model/quant/)
+    quantization: str | None = None  # dummy weights: fp8 | fp8-block | int4 | int4-experts (model/quant/)
     seed: int = 0  # dummy-weight seed and default sampling seed base
     tp_size: int = 1
     devices: list[int] | None = None  # CUDA device of each rank; repeats allowed (ranks share a GPU)
@@ -87,8 +87,10 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
-        if self.quantization not in (None, "fp8", "fp8-block", "int4"):
-            raise ValueError(f"--quantization must be fp8, fp8-block or int4, got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "fp8-block", "int4", "int4-experts"):
+            raise ValueError(
+                f"--quantization must be fp8, fp8-block, int4 or int4-experts, got {self.quantization!r}"
+            )
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.devices is not None and len(self.devices) != self.tp_size:
@@ -163,8 +165,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["fp8", "fp8-block", "int4"],
-        help="random quantized weights for --load-format dummy or a preset (checkpoints: config.json's)",
+        choices=["fp8", "fp8-block", "int4", "int4-experts"],
+        help="random quantized weights for --load-format dummy or a preset (checkpoints: config.json's); "
+        "int4-experts: INT4 group-32 MoE experts, linears bf16 (Kimi K2-Thinking's layout)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--tp-size", type=int, default=d.tp_size)

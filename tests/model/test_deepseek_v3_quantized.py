@@ -204,12 +204,16 @@ def test_an_ignore_list_that_splits_the_fused_a_projection_names_both_modules(ch
         load_for_test(bad)
 
 
-def test_dummy_fp8_block_weights_build_and_run(checkpoints):
-    model, _ = load_for_test(
-        checkpoints["kimi-int4-experts"][0], load_format="dummy", quantization="fp8-block"
-    )
-    assert isinstance(model.layers[1].mlp.experts.method, Fp8Experts)
-    assert isinstance(model.layers[1].self_attn.o_proj.method, Fp8LinearMethod)
+@pytest.mark.parametrize("quantization", ["fp8-block", "int4-experts"])
+def test_dummy_quantized_weights_build_and_run(checkpoints, quantization):
+    directory = checkpoints["kimi-int4-experts"][0]
+    model, _ = load_for_test(directory, load_format="dummy", quantization=quantization)
+    experts, o_proj = model.layers[1].mlp.experts, model.layers[1].self_attn.o_proj
+    if quantization == "fp8-block":
+        assert isinstance(experts.method, Fp8Experts) and isinstance(o_proj.method, Fp8LinearMethod)
+    else:
+        assert isinstance(experts.method, IntGroupExperts) and experts.method.group == 32
+        assert o_proj.method is UNQUANTIZED
     tokens, prefill = greedy(model, PROMPTS, 2)
     assert torch.isfinite(prefill).all() and len(tokens[0]) == 2
 

@@ -78,6 +78,23 @@ def check_ignored(modules: list[str], where: str) -> None:
         )
 
 
+class ExpertsOnlyConfig:
+    """MoE experts in method's format (its experts()), every linear unquantized: what Kimi K2-Thinking's
+    ignore list amounts to, for dummy weights of any MoE family."""
+
+    def __init__(self, name: str, method):
+        self.name = f"{name} ({method.name} experts, linears unquantized)"
+        self.method = method
+
+    def linear_method(self, role: str):
+        from tpfuse.model.linear_method import UNQUANTIZED
+
+        return UNQUANTIZED
+
+    def expert_method(self):
+        return self.method.experts()
+
+
 def ignore_matches(entry: str, name: str) -> bool:
     """compressed-tensors' rule: "re:<pattern>" matches by re.match, anything else names a module exactly."""
     if entry.startswith("re:"):
