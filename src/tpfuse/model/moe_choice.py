@@ -113,6 +113,8 @@ def choose(
         experts = getattr(block, "experts", None)
         if not hasattr(block, "top_k") or not hasattr(experts, "w13"):
             continue
+        if experts.w13.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            continue  # FP8 experts (a w13 of e4m3 codes) run kernels/quant_moe.py, not these tiles
         if not experts.w13.is_cuda:
             continue
         for bucket in slot_buckets(block.top_k, max_decode_rows, max_prefill_tokens):
