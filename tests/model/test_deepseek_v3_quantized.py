@@ -305,3 +305,14 @@ def greedy_hidden(model, tokens: list[int]):
     seqs = PagedSequences(model, 1)
     attn, positions = seqs.metadata([len(tokens)], is_decode=False)
     return model(torch.tensor(tokens), positions, attn, seqs.kv_caches)
+
+
+def test_a_family_that_does_not_name_its_linears_refuses_a_wider_ignore_list():
+    """Outside a module_prefix (families other than DeepSeek-V3) a linear has no checkpoint name, so
+    an ignore list naming more than lm_head and routers is refused, naming the field."""
+    from tpfuse.model import quant
+    from tpfuse.model.linear_method import linear_methods, method_for
+
+    config = quant.from_hf_config({"quantization_config": _kimi_config()})
+    with linear_methods(config), pytest.raises(QuantizationError, match=r"ignore leaves re:\.\*self_attn"):
+        method_for("column", ["gate_proj", "up_proj"])
