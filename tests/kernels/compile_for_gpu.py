@@ -32,6 +32,11 @@ from tpfuse.kernels import (
     moe_finalize,
     moe_routing,
     prefill_attention,
+    quant_dot,
+    quant_fp8,
+    quant_fp8_w8a8,
+    quant_int,
+    quant_moe,
     rmsnorm,
     rope,
     rope_store_kv,
@@ -161,6 +166,65 @@ def _variants(dtype: str):
             {"num_warps": gemv.NUM_WARPS, "num_stages": 1},
         )
     yield from _moe_variants(p)
+    yield from _quant_variants(p)
+
+
+def _quant_variants(p: str):
+    """The weight-only kernels in each form and scale mode at a tile start-up timing tries
+    (model/linear_choice.py), the FP8 W8A8 product and the quantized expert slots, at the engine's
+    layouts (4096-wide, group 128 / 32, 128-column FP8 blocks or per-channel)."""
+    from tpfuse.model.linear_choice import QUANT_TILES
+
+    fp8, i32 = "*fp8e4nv", "*i32"
+    ints = {"num_rows": "i32", "num_cols": "i32"}
+    for group in (128, 32):
+        tile = QUANT_TILES[1][0]
+        yield (
+            quant_int._int_gemv_kernel, {"*": p, "q_ptr": i32}, ints,
+            dict(BITS=4, GROUP=group, HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n,
+                 BLOCK_K=quant_int.gemv_block_k(tile.block_k, 4096, 4), EVEN=True),
+            {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+        )  # fmt: skip
+    for scale_k in (128, 4096):
+        tile = quant_fp8.FP8_TILES[1][0]
+        per_row, sub_k, subs = quant_fp8.gemv_steps(tile.block_k, scale_k, 4096)
+        yield (
+            quant_fp8._fp8_gemv_kernel, {"*": p, "w_ptr": fp8, "s_ptr": "*fp32"}, ints,
+            dict(SCALE_N=1, SCALE_K=scale_k, PER_ROW=per_row, HAS_BIAS=False, BLOCK_N=tile.block_n,
+                 SUB_K=sub_k, SUBS=subs, EVEN=True),
+            {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+        )  # fmt: skip
+    fp8_tiles = quant_fp8.FP8_TILES
+    dots = [(4, 128, QUANT_TILES[16][0], False), (4, 128, QUANT_TILES[64][1], False),
+            (0, 128, fp8_tiles[16][0], False), (0, 128, fp8_tiles[64][1], False),
+            (0, 4096, fp8_tiles[32][0], False), (4, 128, quant_dot.default_tile(65), True)]  # fmt: skip
+    for bits, scale_k, tile, offsets in dots:
+        block_k, mode = quant_dot.scale_plan(tile.block_k, scale_k, 4096, offsets)
+        scales = "*fp32" if bits == 0 else p
+        yield (
+            quant_dot._quant_dot_kernel,
+            {"*": p, "w_ptr": fp8 if bits == 0 else i32, "s_ptr": scales, "o_ptr": "*fp32"}, ints,
+            dict(BITS=bits, SCALE_N=1, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets,
+                 HAS_BIAS=offsets, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                 SWAP=tile.swap, EVEN_K=not offsets, DOT_PRECISION="tf32"),
+            {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+        )  # fmt: skip
+    for per_block in (True, False):
+        yield (
+            quant_fp8_w8a8._fp8_w8a8_kernel,
+            {"*": p, "xq_ptr": fp8, "w_ptr": fp8, "xs_ptr": "*fp32", "s_ptr": "*fp32"}, ints,
+            dict(HIDDEN=4096, SCALE_N=1, PER_BLOCK=per_block, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128,
+                 BLOCK_K=128),
+            {"num_warps": 8, "num_stages": 3},
+        )  # fmt: skip
+    gate_up, down = quant_moe._slot_gate_up_kernel, quant_moe._slot_down_kernel
+    experts = ((gate_up, 4, 128, 2048, 768), (down, 4, 128, 768, 2048),
+               (gate_up, 0, 128, 2048, 768), (down, 0, 768, 768, 2048))  # fmt: skip
+    for kernel, bits, group, cols_k, n in experts:
+        codes = {"w_ptr": i32 if bits else fp8, "s_ptr": p if bits else "*fp32"}
+        steps = quant_moe._steps(quant_moe.QuantExperts(None, None, bits, group, cols_k), cols_k, 4, n, 1024)
+        extra = dict(TOP_K=8) if kernel is gate_up else {}
+        yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
 
 
 def _moe_variants(p: str):

@@ -77,6 +77,44 @@ def test_fp8_linear_matches_float64_in_and_out_of_cuda_graphs(rows, n, k, block)
     _close(_in_graph(run, x), expected)
 
 
+@pytest.mark.parametrize("kind", ["int4 g128", "int4 g32 offsets", "fp8 channel", "fp8 block"])
+def test_every_timed_candidate_tile_matches_float64_in_and_out_of_cuda_graphs(kind, n=6144, k=4096):
+    """Each tile start-up timing may choose (model/linear_choice.py) at each row bucket's extremes."""
+    from tpfuse.model.linear_choice import QUANT_TILES
+
+    gen = torch.Generator(DEVICE).manual_seed(n + k)
+    if kind.startswith("fp8"):
+        block = (1, k) if kind == "fp8 channel" else (1, 128)
+        weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+        scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+        dequantized = quant_fp8.dequantize_fp8(weight, scale, block).double()
+        tiles = quant_fp8.FP8_TILES
+
+        def run(inp, tile):
+            return quant_fp8.fp8_linear_triton(inp, weight, scale, block, tile=tile)
+    else:
+        bits, group = int(kind[3]), int(kind.split()[1][1:])
+        values = torch.randint(0, 2**bits, (n, k), generator=gen, device=DEVICE)
+        packed = quant_int.pack_int(values, bits)
+        scales = (torch.rand(n, k // group, generator=gen, device=DEVICE) * 0.01 + 1e-3).to(torch.bfloat16)
+        offsets = None
+        if "offsets" in kind:
+            offsets = torch.randn(n, k // group, generator=gen, device=DEVICE) * 0.02
+        dequantized = quant_int.dequantize_int(packed, scales, offsets, bits, group, k).double()
+        tiles = QUANT_TILES
+
+        def run(inp, tile):
+            return quant_int.int_linear_triton(inp, packed, scales, offsets, bits, group, tile=tile)
+
+    for bucket, candidates in tiles.items():
+        for rows in sorted({bucket, max(1, bucket // 2 + 1)}):
+            x = torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16()
+            expected = x.double() @ dequantized.T
+            for tile in candidates:
+                _close(run(x, tile), expected)
+                _close(_in_graph(lambda inp, tile=tile: run(inp, tile), x), expected)
+
+
 def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
     x = torch.randn(77, 1000, device=DEVICE).bfloat16() * 3
     for group in (128, 1000):
@@ -134,15 +172,16 @@ def test_smollm2_gguf_answers_the_capital_of_france_in_bf16_on_the_gpu():
     assert "Paris" in out.text
 
 
-@pytest.mark.parametrize("bits", [4, 0])  # 0: FP8 e4m3
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (0, 128), (0, None)])  # 0: FP8; None: per-channel
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, tokens):
+def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, group, tokens):
     from tpfuse.kernels import quant_moe
 
     gen = torch.Generator(DEVICE).manual_seed(bits + tokens)
-    experts, hidden, inter, top_k, group = 16, 2048, 768, 8, 128
+    experts, hidden, inter, top_k = 16, 2048, 768, 8
 
-    def stack(n, k):
+    def stack(n, k, group=group):
+        group = group or k
         if bits:
             values = torch.randint(0, 16, (experts, n, k), generator=gen, device=DEVICE)
             codes = torch.stack([quant_int.pack_int(v, 4) for v in values])

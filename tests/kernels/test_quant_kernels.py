@@ -166,3 +166,96 @@ def test_quantized_expert_slots_match_float64(bits):
     expected = torch.stack(rows)
     _close(quant_moe.quant_slots_triton(x, w13, w2, weights, ids), expected, torch.float32)
     _close(quant_moe.quant_slots_ref(x, w13, w2, weights, ids), expected, torch.float32)
+
+
+def _int_expected(x, packed, values, scales, offsets, bits, group):
+    k = x.shape[1]
+    s = scales.double().repeat_interleave(group, 1)[:, :k]
+    if offsets is None:
+        shift = -(2 ** (bits - 1)) * s
+    else:
+        shift = offsets.double().repeat_interleave(group, 1)[:, :k]
+    return _float64_product(x, values.double() * s + shift, None)
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,bits,group,asymmetric,tile",
+    [
+        (1, 24, 256, 4, 128, False, IntTile(1, 8, 64, 1, 4)),  # GEMV, one scale vector per step
+        (1, 20, 192, 4, 64, True, IntTile(1, 8, 64, 1, 4)),  # the same with offsets, N masked
+        (1, 16, 128, 8, 64, False, IntTile(1, 4, 64, 1, 4)),
+        (3, 40, 96, 4, 32, False, IntTile(16, 32, 32, 1, 4, swap=True)),  # tl.dot, scale per step
+        (5, 24, 120, 4, 40, True, IntTile(16, 16, 64, 1, 4)),  # group 40: scale per element
+        (4, 24, 200, 4, 200, False, IntTile(16, 16, 64, 1, 4, swap=True)),  # one group: after the loop
+    ],
+)
+def test_int_linear_tiles_and_scale_modes_match_float64(rows, n, k, bits, group, asymmetric, tile):
+    gen = torch.Generator().manual_seed(rows * 11 + k)
+    packed, values, scales, offsets = _int_weights(n, k, bits, group, asymmetric, gen)
+    x = torch.randn(rows, k, generator=gen)
+    out = quant_int.int_linear_triton(x, packed, scales, offsets, bits, group, tile=tile)
+    _close(out, _int_expected(x, packed, values, scales, offsets, bits, group), torch.float32)
+
+
+def test_int_linear_refuses_a_group_that_splits_a_packed_word():
+    gen = torch.Generator().manual_seed(6)
+    packed, _, scales, _ = _int_weights(8, 48, 4, 12, False, gen)
+    with pytest.raises(ValueError, match="group size 12 is not a multiple of the 8 values"):
+        quant_int.int_linear_triton(torch.randn(1, 48), packed, scales, None, 4, 12)
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,block,tile",
+    [
+        (1, 40, 384, (1, 128), IntTile(1, 8, 512, 1, 4)),  # GEMV: 4 sub-tiles of a 128 block per step
+        (1, 20, 100, (3, 24), IntTile(1, 4, 64, 1, 4)),  # odd blocks: 8-column sub-tiles
+        (6, 48, 160, (1, 160), IntTile(16, 32, 64, 1, 4, swap=True)),  # tl.dot, row scale after the loop
+        (5, 20, 100, (3, 24), IntTile(16, 16, 32, 1, 4)),  # scale per element
+        (17, 40, 256, (1, 128), IntTile(32, 32, 128, 1, 4, swap=True)),  # scale per K step
+    ],
+)
+def test_fp8_linear_tiles_and_scale_modes_match_float64(rows, n, k, block, tile):
+    gen = torch.Generator().manual_seed(rows * 13 + k)
+    weight, scale = _fp8_weights(n, k, block, gen)
+    x = torch.randn(rows, k, generator=gen)
+    expected = _float64_product(x, quant_fp8.dequantize_fp8(weight, scale, block), None)
+    _close(quant_fp8.fp8_linear_triton(x, weight, scale, block, tile=tile), expected, torch.float32)
+
+
+def test_every_timed_candidate_tile_is_correct():
+    from tpfuse.model.linear_choice import QUANT_TILES
+
+    gen = torch.Generator().manual_seed(8)
+    n, k = 40, 256
+    packed, values, scales, _ = _int_weights(n, k, 4, 128, False, gen)
+    weight, scale = _fp8_weights(n, k, (1, 128), gen)
+    dequantized = quant_fp8.dequantize_fp8(weight, scale, (1, 128))
+    for rows_bucket in (1, 16, 32, 64):
+        x = torch.randn(rows_bucket - (rows_bucket > 1), k, generator=gen)  # 15, 31, 63 rows: padded tiles
+        expected = _int_expected(x, packed, values, scales, None, 4, 128)
+        for tile in QUANT_TILES[rows_bucket]:
+            _close(quant_int.int_linear_triton(x, packed, scales, None, 4, 128, tile=tile), expected, x.dtype)
+        for tile in quant_fp8.FP8_TILES[rows_bucket]:
+            out = quant_fp8.fp8_linear_triton(x, weight, scale, (1, 128), tile=tile)
+            _close(out, _float64_product(x, dequantized, None), x.dtype)
+
+
+def test_fp8_per_channel_expert_slots_match_float64():
+    from tpfuse.kernels import quant_moe
+
+    gen = torch.Generator().manual_seed(9)
+    experts, hidden, inter, tokens, top_k = 4, 80, 48, 2, 2
+
+    def stack(n, k):
+        codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
+        scales = torch.rand(experts, n, 1, generator=gen) * 0.05 + 1e-3
+        return quant_moe.QuantExperts(codes, scales, 0, k, k)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).int()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    gate_up, down = w13.dequantize().double(), w2.dequantize().double()
+    expected = quant_moe.slots_ref(x.double(), gate_up, down, weights.double(), ids)
+    out = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, block_n=16)
+    _close(out, expected.double(), torch.float32)

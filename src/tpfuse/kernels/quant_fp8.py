@@ -4,10 +4,13 @@ Scales are one float32 tensor [ceil(N / block_n), ceil(K / block_k)] for every F
 per-channel is block (1, K) ([N, 1]), per-tensor is expanded to per-channel at load, and
 DeepSeek-V3 / Qwen3-FP8's 128x128 blocks are block (128, 128) (their weight_scale_inv, as stored).
 
-fp8_linear (every size): each program dequantizes a [BLOCK_N, BLOCK_K] weight tile in registers and
-multiplies it with one row of x in fp32 (block_m 1, the GEMV form) or, rounded to x's dtype, on the
-tensor cores with a BLOCK_M-row tile of x. The weight bytes streamed are half of bf16's, which is what
-decode is bound by. The W8A8 form (x quantized too, FP8 tensor cores) is kernels/quant_fp8_w8a8.py.
+fp8_linear: one row runs the GEMV kernel here (kernels/gemv.py's layout: BLOCK_N weight rows over the
+whole of K per program, 16-byte loads, an fp32 accumulator reduced once), with the scale applied
+once per row after the K loop (per-channel) or as one [BLOCK_N] vector per sub-tile of the scale
+block (128x128 blocks); two or more rows run kernels/quant_dot.py (the weight cast to x's dtype on
+tl.dot, scales after the loop or per K step). The weight bytes streamed are half of bf16's, which
+is what decode is bound by. The W8A8 form (x quantized too, FP8 tensor cores) is
+kernels/quant_fp8_w8a8.py.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.quant_int import IntTile as Fp8Tile
-from tpfuse.kernels.quant_int import launch_block_k, launch_tile
+from tpfuse.kernels.quant_dot import IntTile as Fp8Tile
+from tpfuse.kernels.quant_dot import launch_tile, pow2_part, quant_dot
 
 FP8_MAX = 448.0  # largest finite e4m3 value
 FP8_DTYPE = torch.float8_e4m3fn
+# Tiles start-up timing tries per row bucket (model/linear_choice.py); the first is the default.
+# Bucket 1: the GEMV with 8-16 KB of weight per program step; 16-64 rows: tl.dot, the weight as the
+# MMA's M side (swap, 64 weight rows) or 32 weight rows a program (twice the programs on 4096 rows).
+FP8_TILES = {
+    1: (Fp8Tile(1, 8, 1024, 1, 4), Fp8Tile(1, 4, 2048, 1, 4), Fp8Tile(1, 16, 512, 1, 4)),
+    **{b: (Fp8Tile(b, 64, 128, 4, 4, swap=True), Fp8Tile(b, 32, 128, 4, 4)) for b in (16, 32, 64)},
+}
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -39,64 +49,95 @@ def fp8_linear_ref(x, weight, scale, block, bias=None):
 
 
 @triton.jit
-def _fp8_linear_kernel(
+def fp8_rows_times_x(
+    w_rows,
+    s_rows,
+    x_ptr,
+    k0,
+    hidden,
+    col_mask,
+    SCALE_K: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    SUB_K: tl.constexpr,
+    SUBS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """[BLOCK_N, SUB_K] float32 partial products of the rows at w_rows ([BLOCK_N, 1] pointers; their
+    scales at s_rows, [BLOCK_N] pointers) with x over k0 .. k0 + SUBS * SUB_K: SUBS sub-tiles, each
+    inside one scale block, so a scale is one [BLOCK_N] vector per sub-tile (PER_ROW: no scale here,
+    the caller applies the row's scale after the K loop)."""
+    lanes = tl.arange(0, SUB_K)
+    for j in tl.static_range(SUBS):
+        ks = k0 + j * SUB_K + lanes
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first").to(tl.float32)
+            xv = tl.load(x_ptr + ks).to(tl.float32)
+        else:
+            k_mask = ks < hidden
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            xv = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if not PER_ROW:
+            kb = (k0 + j * SUB_K) // SCALE_K
+            if EVEN:
+                w = w * tl.load(s_rows + kb)[:, None]
+            else:
+                inside = (tl.zeros_like(col_mask.to(tl.int32)) + k0 + j * SUB_K) < hidden
+                w = w * tl.load(s_rows + kb, mask=col_mask & inside, other=0.0)[:, None]
+        if j == 0:
+            part = w * xv[None, :]
+        else:
+            part += w * xv[None, :]
+    return part
+
+
+@triton.jit
+def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
     bias_ptr,
     out_ptr,
-    num_rows,
     num_cols,
-    stride_xm,
+    hidden,
     stride_wn,
     stride_sn,
-    stride_om,
-    HIDDEN: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    SUB_K: tl.constexpr,
+    SUBS: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides num_cols and SUBS * SUB_K divides hidden: no masks
 ):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One row: BLOCK_N weight rows x the whole of K per program (the layout of kernels/gemv.py),
+    a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + (cols // SCALE_N)[:, None] * stride_sn
-    if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < HIDDEN
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first").to(
-            tl.float32
+    s_rows = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+    for k0 in range(0, hidden, SUB_K * SUBS):
+        acc += fp8_rows_times_x(
+            w_rows, s_rows, x_ptr, k0, hidden, col_mask, SCALE_K, PER_ROW, SUB_K, SUBS, EVEN
         )
-        w = w * tl.load(s_rows + (ks // SCALE_K)[None, :], mask=w_mask, other=0.0)
-        if BLOCK_M == 1:
-            xv = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += w * xv[None, :]
-        else:
-            xt = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            if IEEE:
-                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
+    out = tl.sum(acc, axis=1)
+    if PER_ROW:
+        out *= tl.load(s_rows, mask=col_mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def gemv_steps(block_k: int, scale_k: int, hidden: int) -> tuple[bool, int, int]:
+    """(per_row, SUB_K, SUBS) of the FP8 GEMV for a tile's block_k: sub-tiles of the scale block's
+    power-of-two part (at most block_k, capped at next_power_of_2(K))."""
+    block_k = max(16, min(block_k, triton.next_power_of_2(hidden)))
+    if scale_k >= hidden:
+        return True, block_k, 1
+    sub = min(block_k, pow2_part(scale_k))
+    return False, sub, block_k // sub
 
 
 def check_fp8_weights(weight, scale, block, hidden: int) -> None:
@@ -115,37 +156,26 @@ def check_fp8_weights(weight, scale, block, hidden: int) -> None:
 
 
 def fp8_linear_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None = None):
-    """Triton fp8_linear_ref (W8A16). x: [M, K] bf16/fp16/fp32 contiguous along K. Returns new [M, N]."""
+    """Triton fp8_linear_ref (W8A16). x: [M, K] bf16/fp16/fp32 contiguous along K. One row runs the
+    GEMV kernel above, more rows kernels/quant_dot.py. Returns a new [M, N]."""
     num_rows, hidden = x.shape
     check_fp8_weights(weight, scale, block, hidden)
+    if x.stride(1) != 1:
+        raise ValueError("fp8_linear needs x contiguous along K: call .contiguous() first")
     num_cols = weight.shape[0]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
-    if num_rows == 0 or num_cols == 0:
-        return out
     tile = launch_tile(tile, num_rows)
     scale = scale.contiguous()
-    grid = (triton.cdiv(num_cols, tile.block_n), triton.cdiv(num_rows, tile.block_m))
-    _fp8_linear_kernel[grid](
-        x,
-        weight,
-        scale,
-        bias if bias is not None else x,
-        out,
-        num_rows,
-        num_cols,
-        x.stride(0),
-        weight.stride(0),
-        scale.stride(0),
-        out.stride(0),
-        HIDDEN=hidden,
-        SCALE_N=block[0],
-        SCALE_K=block[1],
-        HAS_BIAS=bias is not None,
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=launch_block_k(tile, hidden),
-        IEEE=x.dtype == torch.float32,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
+    if tile.block_m > 1:
+        return quant_dot(x, weight, scale, None, bias, bits=0, scale_n=block[0], scale_k=block[1], tile=tile)
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if num_cols == 0:
+        return out
+    per_row, sub_k, subs = gemv_steps(tile.block_k, block[1], hidden)
+    _fp8_gemv_kernel[(triton.cdiv(num_cols, tile.block_n),)](
+        x, weight, scale, bias if bias is not None else x, out, num_cols, hidden, weight.stride(0),
+        scale.stride(0), SCALE_N=block[0], SCALE_K=block[1], PER_ROW=per_row, HAS_BIAS=bias is not None,
+        BLOCK_N=tile.block_n, SUB_K=sub_k, SUBS=subs,
+        EVEN=num_cols % tile.block_n == 0 and hidden % (sub_k * subs) == 0,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
     return out

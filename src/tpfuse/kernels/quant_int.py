@@ -8,59 +8,26 @@ Weight layout (the kernels' own, which every integer format is converted to at l
   offsets: None (symmetric: w = (q - 2^(bits-1)) * s) or [N, ceil(K / group_size)] float32
            (w = q * s + offset: GPTQ zero points as -z * s, Q4_1's minimum).
 
-One kernel covers decode and prefill: each program dequantizes a [BLOCK_N, BLOCK_K] weight tile in
-registers (the packed words are read once from memory; the per-value gathers hit L1) and either
-multiplies it into a 2-D fp32 accumulator against one row of x (the GEMV form: one row, no tensor
-cores needed) or, rounded to x's dtype, into tl.dot with a BLOCK_M-row tile of x (tensor cores).
-The grid is (column blocks, row blocks), so small row counts stream each weight once and large
-ones tile the product. Which tile runs each shape is measured at start-up (model/linear_choice.py).
+One row (decode) runs the GEMV kernel here, laid out for bandwidth as kernels/gemv.py is: each
+program takes BLOCK_N weight rows over the whole of K, loads BLOCK_K / V contiguous words per row per
+step, and for each of the V values of a word multiplies the value's float pattern 1 + q / 2^bits (two
+integer ops, no int-to-float conversion) by the x entries it meets; the scale multiplies once per
+word (once per step when the group spans it), and the [BLOCK_N, words] accumulator is reduced once.
+Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot). Which tile runs each
+shape is measured at start-up (model/linear_choice.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
+
+__all__ = ["IntTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int", "unpack_int"]
+
 SUPPORTED_BITS = (4, 8)
-
-
-@dataclass(frozen=True)
-class IntTile:
-    """Launch configuration; block_m 1 is the GEMV form (no tl.dot)."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
-    num_stages: int = 3
-    num_warps: int = 4
-
-    def label(self) -> str:
-        form = "gemv " if self.block_m == 1 else ""
-        return f"{form}m{self.block_m} n{self.block_n} k{self.block_k} s{self.num_stages} w{self.num_warps}"
-
-
-def default_tile(rows: int) -> IntTile:
-    if rows == 1:
-        return IntTile(1, 4, 512, 2, 4)
-    if rows <= 64:
-        return IntTile(max(16, triton.next_power_of_2(rows)), 64, 128, 3, 4)
-    return IntTile(64, 128, 64, 3, 8)
-
-
-def launch_tile(tile: IntTile | None, rows: int) -> IntTile:
-    """tile, or default_tile(rows) when None. Raises ValueError for a GEMV tile given several rows."""
-    tile = tile or default_tile(rows)
-    if tile.block_m == 1 and rows != 1:
-        raise ValueError(f"the GEMV tile takes one row; got {rows}")
-    return tile
-
-
-def launch_block_k(tile: IntTile, hidden: int) -> int:
-    """The K step a weight-only kernel runs: tile.block_k, capped at next_power_of_2(K), at least 16."""
-    return max(16, min(tile.block_k, triton.next_power_of_2(hidden)))
 
 
 def values_per_word(bits: int) -> int:
@@ -118,75 +85,104 @@ def int_linear_ref(x, packed, scales, offsets, bits, group_size, bias=None):
 
 
 @triton.jit
-def _int_linear_kernel(
+def int_words_times_x(
+    q_rows,
+    s_rows,
+    o_rows,
+    x_ptr,
+    k0,
+    hidden,
+    col_mask,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """[BLOCK_N, WORDS] float32: for each row (q_rows / s_rows / o_rows: [BLOCK_N, 1] row pointers of
+    codes, scales, offsets) and each of its words k0 / V + w, the sum over the word's V values of
+    dequantized weight times x[k]. The words are one contiguous load; value i of every word is
+    1 + q / 2^BITS in float bits, so sum q x = 2^BITS (sum f x - sum x) and no int-to-float
+    conversion runs; the scale (and offset) multiplies once per word, or once per step when the
+    group spans the step (GROUP a multiple of WORDS * V)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    w_idx = tl.arange(0, WORDS)
+    word_k = k0 + w_idx * PER_WORD  # the first k of each word
+    if EVEN:
+        words = tl.load(q_rows + (k0 // PER_WORD + w_idx)[None, :], eviction_policy="evict_first")
+    else:
+        w_mask = col_mask[:, None] & (word_k < hidden)[None, :]
+        words = tl.load(q_rows + (k0 // PER_WORD + w_idx)[None, :], mask=w_mask, other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+    part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    xsum = tl.zeros([WORDS], dtype=tl.float32)
+    for i in tl.static_range(PER_WORD):
+        if EVEN:
+            xi = tl.load(x_ptr + word_k + i).to(tl.float32)
+        else:
+            xi = tl.load(x_ptr + word_k + i, mask=word_k + i < hidden, other=0.0).to(tl.float32)
+        part += code_as_float(words, i * BITS, BITS) * xi[None, :]
+        xsum += xi
+    if GROUP % (WORDS * PER_WORD) == 0:  # one group per step: scale vectors
+        if EVEN:
+            s = tl.load(s_rows + k0 // GROUP).to(tl.float32)
+        else:
+            s = tl.load(s_rows + k0 // GROUP, mask=col_mask[:, None], other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            o = tl.load(o_rows + k0 // GROUP, mask=col_mask[:, None], other=0.0)
+    else:
+        groups = (word_k // GROUP)[None, :]
+        if EVEN:
+            s = tl.load(s_rows + groups).to(tl.float32)
+        else:
+            s = tl.load(s_rows + groups, mask=w_mask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            o = tl.load(o_rows + groups, mask=col_mask[:, None] & (word_k < hidden)[None, :], other=0.0)
+    if HAS_OFFSET:
+        out = s * ((part - xsum[None, :]) * (1 << BITS)) + o * xsum[None, :]
+    else:
+        out = s * (part * (1 << BITS) - ((1 << BITS) + (1 << (BITS - 1))) * xsum[None, :])
+    return out
+
+
+@triton.jit
+def _int_gemv_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
     o_ptr,
     bias_ptr,
     out_ptr,
-    num_rows,
     num_cols,
-    stride_xm,
+    hidden,
     stride_qn,
     stride_sn,
-    stride_om,
-    HIDDEN: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
 ):
-    PER_WORD: tl.constexpr = 32 // BITS
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One row: BLOCK_N weight rows x the whole of K per program, a [BLOCK_N, words] fp32
+    accumulator reduced once after the loop (the layout of kernels/gemv.py)."""
+    WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
     col_mask = cols < num_cols
     q_rows = q_ptr + cols.to(tl.int64)[:, None] * stride_qn
     s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
-    if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < HIDDEN
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        words = tl.load(
-            q_rows + (ks // PER_WORD)[None, :], mask=w_mask, other=0, eviction_policy="evict_first"
+    o_rows = o_ptr + cols.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        acc += int_words_times_x(
+            q_rows, s_rows, o_rows, x_ptr, k0, hidden, col_mask, BITS, GROUP, HAS_OFFSET, BLOCK_N, WORDS, EVEN
         )
-        q = (words >> ((ks % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
-        groups = (ks // GROUP)[None, :]
-        s = tl.load(s_rows + groups, mask=w_mask, other=0.0).to(tl.float32)
-        if HAS_OFFSET:
-            o_rows = o_ptr + cols.to(tl.int64)[:, None] * stride_sn
-            w = q.to(tl.float32) * s + tl.load(o_rows + groups, mask=w_mask, other=0.0)
-        else:
-            w = (q - (1 << (BITS - 1))).to(tl.float32) * s
-        if BLOCK_M == 1:
-            xv = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += w * xv[None, :]
-        else:
-            xt = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            if IEEE:
-                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
+    out = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 def check_int_weights(packed, scales, offsets, bits: int, group_size: int, hidden: int) -> None:
     """Raises ValueError naming the tensor whose shape or dtype does not fit the layout above."""
@@ -211,46 +207,44 @@ def check_int_weights(packed, scales, offsets, bits: int, group_size: int, hidde
         raise ValueError(f"offsets must be [{num_cols}, {groups}] float32; got {tuple(offsets.shape)}")
 
 
+def gemv_block_k(block_k: int, hidden: int, bits: int) -> int:
+    """The K step of the integer GEMV: block_k capped at next_power_of_2(K), at least 16 and one word."""
+    return max(16, 32 // bits, min(block_k, triton.next_power_of_2(hidden)))
+
+
 def int_linear_triton(
     x, packed, scales, offsets, bits, group_size, bias=None, *, tile: IntTile | None = None
 ):
     """Triton int_linear_ref. x: [M, K] bf16/fp16/fp32, contiguous along K; bias [N] or None.
-    Returns a new [M, N] of x.dtype. Raises ValueError for shapes that do not fit the layout."""
+    One row runs the GEMV kernel above, more rows kernels/quant_dot.py. Returns a new [M, N] of
+    x.dtype. Raises ValueError for shapes that do not fit the layout, or a group size that splits a
+    packed word."""
     num_rows, hidden = x.shape
     check_int_weights(packed, scales, offsets, bits, group_size, hidden)
     if x.stride(1) != 1:
         raise ValueError("int_linear needs x contiguous along K: call .contiguous() first")
+    if group_size < hidden and group_size % values_per_word(bits):
+        raise ValueError(
+            f"group size {group_size} is not a multiple of the {values_per_word(bits)} values "
+            f"in a packed int32 word at {bits} bits"
+        )
     num_cols = packed.shape[0]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
-    if num_rows == 0 or num_cols == 0:
-        return out
     tile = launch_tile(tile, num_rows)
     scales = scales.contiguous()
     offsets = offsets.contiguous() if offsets is not None else None
-    grid = (triton.cdiv(num_cols, tile.block_n), triton.cdiv(num_rows, tile.block_m))
-    _int_linear_kernel[grid](
-        x,
-        packed,
-        scales,
-        offsets if offsets is not None else scales,
-        bias if bias is not None else x,
-        out,
-        num_rows,
-        num_cols,
-        x.stride(0),
-        packed.stride(0),
-        scales.stride(0),
-        out.stride(0),
-        HIDDEN=hidden,
-        BITS=bits,
-        GROUP=group_size,
-        HAS_OFFSET=offsets is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=launch_block_k(tile, hidden),
-        IEEE=x.dtype == torch.float32,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
+    if tile.block_m > 1:
+        return quant_dot(
+            x, packed, scales, offsets, bias, bits=bits, scale_n=1, scale_k=group_size, tile=tile
+        )
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if num_cols == 0:
+        return out
+    block_k = gemv_block_k(tile.block_k, hidden, bits)
+    _int_gemv_kernel[(triton.cdiv(num_cols, tile.block_n),)](
+        x, packed, scales, offsets if offsets is not None else scales, bias if bias is not None else x, out,
+        num_cols, hidden, packed.stride(0), scales.stride(0),
+        BITS=bits, GROUP=group_size, HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN=num_cols % tile.block_n == 0 and hidden % block_k == 0,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
     return out

@@ -2,10 +2,11 @@
 expert's weight tile dequantized in registers (kernels/quant_int.py's group-quantized codes, or
 kernels/quant_fp8.py's e4m3 weights with one fp32 scale per (row, K block)).
 
-Program (s, n) takes slot row s = t * k + j and streams expert ids[s]'s rows n-block once, so decode
-(few slots) reads each routed expert's packed bytes once per slot; graph-safe (no data-dependent
-shapes). Larger slot counts re-read an expert for each of its slots: a grouped quantized GEMM is the
-prefill route still to build.
+Program (s, n) takes slot row s = t * k + j and streams expert ids[s]'s rows n-block once through the
+dense GEMV steps (contiguous code loads, scales once per word / sub-tile / row, an accumulator
+reduced once), so decode (few slots) reads each routed expert's packed bytes once per slot;
+graph-safe (no data-dependent shapes). Larger slot counts re-read an expert for each of its slots:
+a grouped quantized GEMM is the prefill route still to build.
 
 QuantExperts holds one projection stack: codes [E, N, K*bits/32] int32 (or [E, N, K] e4m3),
 scales [E, N, K / group] and for int offsets None (symmetric only).
@@ -19,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.quant_fp8 import dequantize_fp8
-from tpfuse.kernels.quant_int import dequantize_int
+from tpfuse.kernels.quant_dot import pow2_part
+from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_times_x, gemv_steps
+from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word
 
 
 @dataclass(frozen=True)
@@ -49,61 +51,53 @@ class QuantExperts:
 
 
 @triton.jit
-def _load_tile(
-    w_ptr,
-    s_ptr,
-    expert,
-    cols,
-    ks,
-    mask,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    """[BLOCK_N, BLOCK_K] float32 weights of expert rows cols at columns ks."""
-    s = tl.load(
-        s_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn + (ks // GROUP)[None, :],
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    if BITS == 0:
-        w = (
-            tl.load(rows + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            * s
-        )
-    else:
-        per_word = 32 // BITS
-        words = tl.load(rows + (ks // per_word)[None, :], mask=mask, other=0, eviction_policy="evict_first")
-        q = (words >> ((ks % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
-        w = (q - (1 << (BITS - 1))).to(tl.float32) * s
-    return w
-
-
-@triton.jit
-def _slot_gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    act_ptr,
-    ids_ptr,
+def _rows_dot_x(
+    w_rows,
+    s_rows,
+    x_row,
     hidden,
-    inter,
-    stride_x,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_act,
-    TOP_K: tl.constexpr,
+    col_mask,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    SUBS: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
+    """[BLOCK_N] float32: the expert rows at w_rows ([BLOCK_N, 1] pointers; scales at s_rows, [BLOCK_N]
+    pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
+    (kernels/quant_fp8.py for BITS 0, kernels/quant_int.py for 4 / 8)."""
+    if BITS == 0:
+        acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+        for k0 in range(0, hidden, SUB_K * SUBS):
+            acc += fp8_rows_times_x(
+                w_rows, s_rows, x_row, k0, hidden, col_mask, GROUP, PER_ROW, SUB_K, SUBS, EVEN
+            )
+        out = tl.sum(acc, axis=1)
+        if PER_ROW:
+            out *= tl.load(s_rows, mask=col_mask, other=0.0)
+    else:
+        WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            acc += int_words_times_x(
+                w_rows, s_rows[:, None], s_rows[:, None], x_row, k0, hidden, col_mask,
+                BITS, GROUP, False, BLOCK_N, WORDS, EVEN,
+            )  # fmt: skip
+        out = tl.sum(acc, axis=1)
+    return out
+
+
+@triton.jit
+def _slot_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, hidden, inter,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1."""
     slot = tl.program_id(0)
@@ -111,74 +105,34 @@ def _slot_gate_up_kernel(
     token = (slot // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        xk = tl.load(x_ptr + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        g = _load_tile(
-            w_ptr, s_ptr, expert, cols, ks, mask, stride_we, stride_wn, stride_se, stride_sn, BITS, GROUP
-        )
-        u = _load_tile(
-            w_ptr,
-            s_ptr,
-            expert,
-            cols + inter,
-            ks,
-            mask,
-            stride_we,
-            stride_wn,
-            stride_se,
-            stride_sn,
-            BITS,
-            GROUP,
-        )
-        acc_g += g * xk[None, :]
-        acc_u += u * xk[None, :]
-    g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    g_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    g_scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
+    x_row = x_ptr + token * stride_x
+    g = _rows_dot_x(g_rows, g_scales, x_row, hidden, col_ok,
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
+    u = _rows_dot_x(g_rows + inter * stride_wn, g_scales + inter * stride_sn, x_row, hidden, col_ok,
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _slot_down_kernel(
-    act_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    weights_ptr,
-    ids_ptr,
-    hidden,
-    inter,
-    stride_act,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_out,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
-        a = tl.load(act_ptr + slot * stride_act + ks, mask=k_ok, other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        w = _load_tile(
-            w_ptr, s_ptr, expert, cols, ks, mask, stride_we, stride_wn, stride_se, stride_sn, BITS, GROUP
-        )
-        acc += w * a[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + slot)
+    rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
+    y = _rows_dot_x(rows, scales, act_ptr + slot * stride_act, inter, col_ok,
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
+    y = y * tl.load(weights_ptr + slot)
     tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -189,67 +143,61 @@ def quant_slots_ref(x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_i
 
 
 def slots_ref(x, gate_up: torch.Tensor, down: torch.Tensor, topk_weights, topk_ids) -> torch.Tensor:
-    """quant_slots_ref on already dequantized float32 stacks gate_up [E, 2I, H] and down [E, H, I]."""
+    """quant_slots_ref on already dequantized stacks gate_up [E, 2I, H] and down [E, H, I] (float32, or
+    float64 for a float64 reference: the products run in the stacks' dtype)."""
     inter = gate_up.shape[1] // 2
     ids = topk_ids.reshape(-1).long()
-    tokens = x.float().repeat_interleave(topk_ids.shape[1], dim=0)
+    tokens = x.to(gate_up.dtype).repeat_interleave(topk_ids.shape[1], dim=0)
     h = torch.einsum("sk,snk->sn", tokens, gate_up[ids])
-    act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
-    out = torch.einsum("sk,snk->sn", act, down[ids]) * topk_weights.reshape(-1, 1).float()
+    act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).to(gate_up.dtype)
+    out = torch.einsum("sk,snk->sn", act, down[ids]) * topk_weights.reshape(-1, 1).to(gate_up.dtype)
     return out.to(x.dtype)
 
 
+def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_block_k: int) -> dict:
+    """The constexpr K steps of one projection stack (K = cols_k) for the row kernels above: the
+    largest power-of-two step up to max_block_k that divides K (masked steps where none of 64+ does)."""
+    block_k = min(max_block_k, pow2_part(cols_k))
+    if block_k < 64:
+        block_k = min(max_block_k, triton.next_power_of_2(cols_k))
+    if stack.bits == 0:
+        per_row, sub_k, subs = gemv_steps(block_k, stack.group, cols_k)
+    else:
+        block_k = gemv_block_k(block_k, cols_k, stack.bits)
+        per_row, sub_k, subs = False, block_k, 1
+    even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
+    return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
+                SUBS=subs, PER_ROW=per_row, EVEN=even)  # fmt: skip
+
+
 def quant_slots_triton(
-    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=4, block_k=256
+    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=4, block_k=1024
 ):
-    """Triton quant_slots_ref (the per-slot route). x [T, H] bf16/fp16/fp32 contiguous."""
+    """Triton quant_slots_ref (the per-slot route). x [T, H] bf16/fp16/fp32 contiguous. Integer
+    stacks need a group size that is a multiple of the values in a packed word."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.codes.shape[1] // 2
     num_slots = num_tokens * top_k
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     if num_slots == 0:
         return out
+    for stack in (w13, w2):
+        if stack.bits and stack.group < stack.cols and stack.group % values_per_word(stack.bits):
+            raise ValueError(
+                f"expert group size {stack.group} is not a multiple of the {values_per_word(stack.bits)} "
+                f"values in a packed int32 word at {stack.bits} bits"
+            )
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, block_n))](
-        x,
-        w13.codes,
-        w13.scales,
-        act,
-        ids,
-        hidden,
-        inter,
-        x.stride(0),
-        w13.codes.stride(0),
-        w13.codes.stride(1),
-        w13.scales.stride(0),
-        w13.scales.stride(1),
-        act.stride(0),
-        TOP_K=top_k,
-        BITS=w13.bits,
-        GROUP=w13.group,
-        BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(hidden)),
-    )
+        x, w13.codes, w13.scales, act, ids, hidden, inter, x.stride(0),
+        w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
+        TOP_K=top_k, **_steps(w13, hidden, block_n, inter, block_k),
+    )  # fmt: skip
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, block_n))](
-        act,
-        w2.codes,
-        w2.scales,
-        out,
-        weights,
-        ids,
-        hidden,
-        inter,
-        act.stride(0),
-        w2.codes.stride(0),
-        w2.codes.stride(1),
-        w2.scales.stride(0),
-        w2.scales.stride(1),
-        out.stride(0),
-        BITS=w2.bits,
-        GROUP=w2.group,
-        BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(inter)),
-    )
+        act, w2.codes, w2.scales, out, weights, ids, hidden, inter, act.stride(0),
+        w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
+        **_steps(w2, inter, block_n, hidden, block_k),
+    )  # fmt: skip
     return out

@@ -234,22 +234,15 @@ def reset() -> None:
 # Quantized methods (model/quant/): the tile of their kernels per (method, weight shape, row bucket),
 # timed the same way over the model's own layers of that shape; there is no cuBLAS route to race.
 # A method that takes part exposes product(layer, x, bias, tile) and tile_key(layer) (its name and
-# shape). The first candidate of each bucket is kernels/quant_int.default_tile's.
+# shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
+# are few (each is a compile per K at start-up): bucket 1 the GEMV at 4-16 rows per program and
+# 4-8 KB of codes per step; 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows,
+# swap) or x (32 columns, twice the programs for the 4096-row projections).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
-    1: (
-        IntTile(1, 4, 512, 2, 4),
-        IntTile(1, 8, 256, 2, 4),
-        IntTile(1, 2, 1024, 2, 4),
-        IntTile(1, 16, 128, 2, 4),
-    ),
-    16: (
-        IntTile(16, 64, 128, 3, 4),
-        IntTile(16, 32, 256, 3, 4),
-        IntTile(16, 128, 64, 3, 4),
-        IntTile(16, 32, 128, 4, 4),
-    ),
-    32: (IntTile(32, 64, 128, 3, 4), IntTile(32, 32, 256, 3, 4), IntTile(32, 128, 64, 3, 8)),
-    64: (IntTile(64, 64, 128, 3, 4), IntTile(64, 128, 64, 3, 8), IntTile(64, 32, 128, 3, 4)),
+    1: (IntTile(1, 8, 1024, 1, 4), IntTile(1, 4, 2048, 1, 4), IntTile(1, 16, 512, 1, 4)),
+    16: (IntTile(16, 64, 128, 3, 4, swap=True), IntTile(16, 32, 128, 3, 4)),
+    32: (IntTile(32, 64, 128, 3, 4, swap=True), IntTile(32, 32, 128, 3, 4)),
+    64: (IntTile(64, 64, 128, 3, 4, swap=True), IntTile(64, 32, 128, 3, 4)),
 }
 _QUANT_TILES: dict[tuple, IntTile] = {}
 
@@ -263,13 +256,14 @@ def quant_tile(layer, rows: int) -> IntTile | None:
 
 
 @torch.inference_mode()
-def choose_quantized(models, max_rows: int = 1, agree=None) -> list[tuple]:
-    """Times QUANT_TILES[bucket] for every quantized (method, shape) among the models' layers at each
-    row bucket up to max_rows and keeps the fastest (TPFUSE_LINEAR=triton: the first, untimed).
-    CUDA only, before any graph capture. agree: as in choose (rank 0's decisions for every rank).
-    Returns [(tile_key, bucket, tile, us)]."""
+def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[int] = BUCKETS) -> list[tuple]:
+    """Times the candidate tiles for every quantized (method, shape) among the models' layers at each
+    row bucket up to max_rows (among `buckets`; unchosen buckets run the kernel's default tile) and
+    keeps the fastest (TPFUSE_LINEAR=triton: the first, untimed). CUDA only, before any graph capture.
+    agree: as in choose (rank 0's decisions for every rank). Returns [(tile_key, bucket, tile, us)]."""
     how = mode()
     top = bucket(min(max(max_rows, 1), MAX_ROWS))
+    buckets = tuple(buckets)
     groups: dict[tuple, list] = {}
     for model in models:
         for layer in model.modules():
@@ -279,8 +273,12 @@ def choose_quantized(models, max_rows: int = 1, agree=None) -> list[tuple]:
                 groups.setdefault(key, []).append(layer)
     decided = []
     for key, layers in groups.items():
-        for rows_bucket in (b for b in BUCKETS if b <= top and (key, b) not in _QUANT_TILES):
-            candidates = QUANT_TILES[rows_bucket]
+        method = layers[0].method
+        for rows_bucket in (b for b in buckets if b <= top and (key, b) not in _QUANT_TILES):
+            if hasattr(method, "tile_candidates"):
+                candidates = method.tile_candidates(rows_bucket)
+            else:
+                candidates = QUANT_TILES[rows_bucket]
             if how != "auto":
                 decided.append((key, rows_bucket, candidates[0], None))
                 continue

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
-from tpfuse.kernels.quant_fp8 import FP8_DTYPE, dequantize_fp8
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
@@ -121,6 +121,10 @@ class Fp8LinearMethod:
 
     def tile_key(self, layer: nn.Module) -> tuple:
         return (self.name, tuple(layer.weight.shape), layer.fp8_block)
+
+    def tile_candidates(self, rows_bucket: int):
+        """The tiles start-up timing tries (kernels/quant_fp8.py)."""
+        return FP8_TILES[rows_bucket]
 
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
         """The W8A16 kernel at a given tile (the decode sizes linear_choice times)."""

@@ -1,0 +1,222 @@
+"""The tensor-core form of the weight-only kernels (2 or more rows): a dequantized weight tile times a
+tile of x on tl.dot, for integer group codes (kernels/quant_int.py) and FP8 e4m3 (kernels/quant_fp8.py).
+
+Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile in registers, exactly: FP8 is cast to x's
+dtype, integer codes become the small integers q - 2^(bits-1) (or q with offsets) through the float
+bit pattern 1 + q / 2^bits, so no int-to-float conversion runs. Scales are applied where they are
+constant (SCALE_MODE):
+  ROW   one scale per output column (per-channel FP8, one group over K): once after the K loop;
+  STEP  constant over each K step (the step divides the scale block: FP8 128-column blocks, integer
+        groups of 32 / 128): the step's product is scaled (and offset by o * sum(x)) as it is added;
+  ELEMENT any other layout: each weight element is scaled before the product (rounded to x's dtype).
+The grid is (row blocks, column blocks) with rows fastest, so at prefill sizes consecutive programs
+share a weight tile (read once from memory) while x stays in L2; at decode sizes there is one row
+block and each weight byte is read once. SWAP computes the transposed product (weight tile as the
+MMA's M side), which suits 16-64 rows. Which tile runs each shape is timed at start-up
+(model/linear_choice.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ROW, STEP, ELEMENT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class IntTile:
+    """Launch configuration of the weight-only kernels; block_m 1 is the GEMV form (no tl.dot).
+    swap: the transposed product in the tensor-core form."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_stages: int = 3
+    num_warps: int = 4
+    swap: bool = False
+
+    def label(self) -> str:
+        form = "gemv " if self.block_m == 1 else ""
+        swap = " swap" if self.swap else ""
+        size = f"m{self.block_m} n{self.block_n} k{self.block_k}"
+        return f"{form}{size} s{self.num_stages} w{self.num_warps}{swap}"
+
+
+def default_tile(rows: int) -> IntTile:
+    if rows == 1:
+        return IntTile(1, 8, 1024, 1, 4)
+    if rows <= 64:
+        return IntTile(max(16, triton.next_power_of_2(rows)), 64, 128, 3, 4, swap=True)
+    return IntTile(64, 128, 64, 3, 8)
+
+
+def launch_tile(tile: IntTile | None, rows: int) -> IntTile:
+    """tile, or default_tile(rows) when None. Raises ValueError for a GEMV tile given several rows."""
+    tile = tile or default_tile(rows)
+    if tile.block_m == 1 and rows != 1:
+        raise ValueError(f"the GEMV tile takes one row; got {rows}")
+    return tile
+
+
+def pow2_part(n: int) -> int:
+    """The largest power of two dividing n (n >= 1)."""
+    return n & -n
+
+
+def scale_plan(block_k: int, scale_k: int, hidden: int, has_offset: bool) -> tuple[int, int]:
+    """(K step, SCALE_MODE) for a tile's block_k against scale_k columns per scale: the step is
+    capped at the scale block's power-of-two part so each step lies inside one block."""
+    block_k = max(16, min(block_k, triton.next_power_of_2(hidden)))
+    if scale_k >= hidden and not has_offset:
+        return block_k, ROW
+    step = min(block_k, pow2_part(scale_k)) if scale_k < hidden else block_k
+    if scale_k >= hidden or step >= 16:
+        return step, STEP
+    return block_k, ELEMENT
+
+
+@triton.jit
+def code_as_float(words, shift, BITS: tl.constexpr):
+    """1 + q / 2^BITS (float32, exact) for the BITS-bit unsigned value q at bit `shift` of each
+    int32 word (shift: a tensor broadcastable to words, or a constant)."""
+    MANT: tl.constexpr = 23 - BITS
+    bits = ((words >> shift) & ((1 << BITS) - 1)) << MANT
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_dot_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    num_cols,
+    hidden,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    BITS: tl.constexpr,  # 0: FP8 e4m3 weights; 4 / 8: packed integer codes
+    SCALE_N: tl.constexpr,  # weight rows per scale row
+    SCALE_K: tl.constexpr,  # weight columns per scale
+    SCALE_MODE: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr,  # BLOCK_K divides hidden: K unmasked
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit inputs ignore it)
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    col_mask = cols < num_cols
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    s_cols = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    lanes = tl.arange(0, BLOCK_K)
+    if BITS > 0:
+        PER_WORD: tl.constexpr = 32 // BITS
+        word_of = lanes // PER_WORD
+        shift = (lanes % PER_WORD) * BITS
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + lanes
+        if EVEN_K:
+            x_mask = row_mask[:, None]
+            w_mask = col_mask[:, None]
+        else:
+            x_mask = row_mask[:, None] & (ks < hidden)[None, :]
+            w_mask = col_mask[:, None] & (ks < hidden)[None, :]
+        xt = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if BITS == 0:
+            raw = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            if SCALE_MODE == 2:
+                w = raw.to(tl.float32)
+            else:
+                w = raw.to(xt.dtype)
+        else:
+            PER_WORD2: tl.constexpr = 32 // BITS
+            words = tl.load(w_rows + (k0 // PER_WORD2 + word_of)[None, :], mask=w_mask, other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+            f = code_as_float(words, shift[None, :], BITS)
+            if HAS_OFFSET:
+                w = (f - 1.0) * (1 << BITS)  # q
+            else:
+                w = f * (1 << BITS) - ((1 << BITS) + (1 << (BITS - 1)))  # q - 2^(BITS-1)
+            if SCALE_MODE != 2:
+                w = w.to(xt.dtype)
+        if SCALE_MODE == 2:
+            groups = (ks // SCALE_K)[None, :]
+            s = tl.load(s_cols[:, None] + groups, mask=w_mask, other=0.0).to(tl.float32)
+            if HAS_OFFSET:
+                o = tl.load(o_ptr + (cols.to(tl.int64) * stride_sn)[:, None] + groups, mask=w_mask, other=0.0)
+                w = (w * s + o).to(xt.dtype)
+            else:
+                w = (w * s).to(xt.dtype)
+        if SCALE_MODE == 1:  # the step's product scaled as it is added
+            if SWAP:
+                part = tl.dot(w, tl.trans(xt), input_precision=DOT_PRECISION)
+            else:
+                part = tl.dot(xt, tl.trans(w), input_precision=DOT_PRECISION)
+            s = tl.load(s_cols + k0 // SCALE_K, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_OFFSET:
+                o = tl.load(o_ptr + cols.to(tl.int64) * stride_sn + k0 // SCALE_K, mask=col_mask, other=0.0)
+                xsum = tl.sum(xt.to(tl.float32), axis=1)
+                if SWAP:
+                    part = part * s[:, None] + o[:, None] * xsum[None, :]
+                else:
+                    part = part * s[None, :] + xsum[:, None] * o[None, :]
+            else:
+                if SWAP:
+                    part = part * s[:, None]
+                else:
+                    part = part * s[None, :]
+            acc += part
+        elif SWAP:  # accumulated in place
+            acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+    if SCALE_MODE == 0:
+        acc *= tl.load(s_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def quant_dot(x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scale_k: int, tile: IntTile):
+    """out [M, N] of x.dtype = x @ dequant(weight).T (+ bias) on tl.dot. weight: [N, K] e4m3 (bits 0)
+    or [N, ceil(K / (32 / bits))] int32 codes; scales [ceil(N / scale_n), ceil(K / scale_k)] (and
+    offsets of the same shape, integer codes only). Shapes are checked by the callers."""
+    num_rows, hidden = x.shape
+    num_cols = weight.shape[0]
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or num_cols == 0:
+        return out
+    block_k, mode = scale_plan(tile.block_k, scale_k, hidden, offsets is not None)
+    grid = (triton.cdiv(num_rows, tile.block_m), triton.cdiv(num_cols, tile.block_n))
+    _quant_dot_kernel[grid](
+        x, weight, scales, offsets if offsets is not None else scales, bias if bias is not None else x, out,
+        num_rows, num_cols, hidden, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, SCALE_N=scale_n, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        SWAP=tile.swap, EVEN_K=hidden % block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out
