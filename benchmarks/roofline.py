@@ -36,10 +36,11 @@ def add_decode_args(
 
 
 def load_moe_model(engine_config, max_rows: int):
-    """(model, config) of engine_config on one GPU, with the projection and MoE routes chosen up to
-    max_rows rows as the engine does at start-up (the MoE choices are printed)."""
+    """(model, config) of engine_config on one GPU, with the projection, quantized-tile and MoE routes
+    chosen up to max_rows rows as the engine does at start-up (the MoE choices are printed)."""
     model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     linear_choice.choose(projections(model), max_rows=max_rows)
+    linear_choice.choose_quantized([model], max_rows=max_rows)
     for choice in moe_choice.choose(model, max_rows, 0):
         print(choice.describe())
     return model, config
