@@ -48,7 +48,7 @@ def test_eagle3_on_moe_gives_plain_greedy_tokens_with_chained_steps(moe_with_hea
     target, head = moe_with_head
     spec = spec_config("eagle3", head, adaptive=adaptive)
     llm = LLM(config=EngineConfig(**engine_kw(target), speculative=spec))
-    assert llm.engine.chain_spec
+    assert llm.engine.steps.chains
     counts = _count_chained(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(NEW_TOKENS))] == plain_tokens
     stats = llm.engine.stats()

@@ -51,7 +51,11 @@ def spec_engine(name, head_dir, adaptive=True, **kw) -> LLMEngine:
 def test_speculative_greedy_equals_plain_greedy_in_mixed_batches_with_a_late_arrival(
     plain_tokens, head_dir, drafter, adaptive
 ):
+    from tpfuse.spec.drafter import Drafter
+
     engine = spec_engine(drafter, head_dir, adaptive)
+    device_drafter = engine.executor.spec.drafter  # n-gram drafts on rank 0's host instead
+    assert device_drafter is None if drafter == "ngram" else isinstance(device_drafter, Drafter)
     assert run_with_late_arrival(engine, greedy()) == plain_tokens
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

@@ -177,8 +177,8 @@ def test_on_the_gpu_the_measured_choice_is_the_faster_route_and_the_engine_makes
 def test_the_engine_times_buckets_up_to_its_largest_graph_step_and_the_eagle3_head_is_routed(tmp_path):
     from tests.engine.spec_helpers import spec_config, write_eagle3_head
     from tpfuse.config import EngineConfig
-    from tpfuse.engine.runner import max_step_rows
     from tpfuse.engine.spec_worker import SpecWorker
+    from tpfuse.engine.step_limits import max_step_rows
 
     assert max_step_rows(EngineConfig(model="tiny", cuda_graph_max_bs=8, max_running_requests=4)) == 4
     with_spec = EngineConfig(model="tiny", cuda_graph_max_bs=4, speculative=spec_config("ngram"))

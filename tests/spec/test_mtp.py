@@ -194,10 +194,10 @@ def _check_chains(records, sequences, reference: MtpReference) -> int:
 
 def _record_proposals(monkeypatch) -> list:
     """Records (newest positions, newest tokens, drafts) of every drafting propose in this process."""
-    from tpfuse.spec.eagle3_drafter import Eagle3Drafter
+    from tpfuse.spec.mtp import MtpDrafter
 
     records = []
-    propose = Eagle3Drafter.propose
+    propose = MtpDrafter.propose
 
     def recording(self, inputs, num_draft_tokens):
         proposal = propose(self, inputs, num_draft_tokens)
@@ -207,7 +207,7 @@ def _record_proposals(monkeypatch) -> list:
                             proposal.token_ids.tolist()))  # fmt: skip
         return proposal
 
-    monkeypatch.setattr(Eagle3Drafter, "propose", recording)
+    monkeypatch.setattr(MtpDrafter, "propose", recording)
     return records
 
 

@@ -1,20 +1,17 @@
 """LLMEngine: requests in, tokens out, one scheduler step at a time.
 
 The engine owns the scheduler and block manager and drives an Executor (executor.py): a ModelRunner
-in this process for TP=1, or the tensor-parallel group (worker.py) for TP > 1, through the same calls.
-It deals in token ids only; text (and stop strings) belongs to whoever holds a Detokenizer.
+in this process for TP=1, or the tensor-parallel group (worker.py) for TP > 1, through a step
+strategy (step_strategy.py): PlainSteps, or SpeculativeSteps (spec_steps.py) wrapping it. It deals
+in token ids only; text (and stop strings) belongs to whoever holds a Detokenizer.
 
-Overlap schedule (any TP size; plain decoding, or a speculative engine's k = 0 steps; unless
---disable-overlap-schedule): when the batch after a
-decode step is known before its tokens are (the same requests, none due to finish by length or
-still banning ids, nothing waiting, KV blocks free), the next step is packed and launched before
-this step's ids are read, taking them as input ids on the device; the GPU runs the two steps back
-to back while the host postprocesses. If a request then finishes (a stop id, EOS) or is aborted,
-the launched step still runs and that row's token is discarded; a request that arrives joins the
-step after it. Every request gets the tokens the synchronous path gives it.
-
-Speculative steps chain the same way (EAGLE-3 chain drafting, any TP size): while a window step runs, the
-next one is packed as a template and shifted on the device by the accepted counts (spec_chain.py).
+One loop for every kind of step (`step`): take the step launched ahead, or schedule and launch one;
+launch the step after it when that step is already known (the overlap schedule, unless
+--disable-overlap-schedule); then read this step's tokens, postprocess them and return the outputs.
+A step launched ahead takes the ids of the step before as input ids on the device, so the GPU runs
+the two back to back while the host postprocesses. If a request then finishes (a stop id, EOS) or is
+aborted, the launched step still runs and that row's tokens are discarded; a request that arrives
+joins the step after it. Every request gets the tokens the synchronous loop gives it.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from tpfuse.engine.logits_processing import LogitsProcessing, TokenLogprobs
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
-from tpfuse.engine.spec_decoder import SpecPending
+from tpfuse.engine.step_strategy import LaunchedStep, PlainSteps, StepStrategy
 
 
 @dataclass(slots=True)
@@ -108,23 +105,19 @@ class LLMEngine:
         # runner's sampling hook for batches that need it.
         self.logits_processing = LogitsProcessing(self.vocab_size, self.tokenizer, eos)
         self.executor.runner.logits_processing = self.logits_processing
-        self.spec_decoder = None
-        if spec.enabled:
-            from tpfuse.engine.spec_decoder import SpecDecoder
-
-            self.spec_decoder = SpecDecoder(config, self.executor, self.max_model_len)
-        self.overlap = not spec.enabled and not config.disable_overlap_schedule
-        # Adaptive speculation: a decode step the policy gives k = 0 runs as a plain, overlapped
-        # decode (no drafter work), so not speculating costs what plain decoding costs.
-        self.plain_when_k_is_zero = spec.enabled and spec.adaptive and not config.disable_overlap_schedule
-        # Chained speculative steps (spec_chain.py): EAGLE-3 chain drafting in windows, any TP size.
-        self.chain_spec = (
-            self.spec_decoder is not None
-            and self.spec_decoder.ext_window > 0
-            and not config.disable_overlap_schedule
+        plain = PlainSteps(
+            self.executor, self.scheduler, self.logits_processing, config.seed, without_lookahead=spec.enabled
         )
-        self._in_flight = None  # (batch, PendingStep or SpecPending) launched ahead, not yet read
-        self._serving_nobody = None  # a launched step whose rows all finished: read, unused, next step
+        self.steps: StepStrategy = plain
+        self.spec_decoder = None  # rank 0's drafting and verification when speculative
+        if spec.enabled:
+            from tpfuse.engine.spec_steps import SpeculativeSteps
+
+            self.steps = SpeculativeSteps(config, plain, self.scheduler, self.max_model_len)
+            self.spec_decoder = self.steps.decoder
+        self.overlap = not config.disable_overlap_schedule  # launch the following step ahead
+        self._in_flight: LaunchedStep | None = None  # launched ahead, not yet read
+        self._serving_nobody: LaunchedStep | None = None  # launched ahead, its rows all finished
         self.requests: dict[str, Sequence] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -155,7 +148,7 @@ class LLMEngine:
                 f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
             )
         if params.needs_logits_processing:
-            if self.spec_decoder is not None:
+            if self.config.speculative.enabled:
                 raise ValueError(
                     "logprobs, logit_bias, penalties and grammars are not supported with speculative "
                     "decoding; leave them out or serve without --speculative-algorithm"
@@ -180,63 +173,29 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Runs one batch; returns an output for every request that got a token (finished ones last
-        time they appear). Returns [] when there is nothing to do."""
+        time they appear). Returns [] when there is nothing to do.
+
+        A step launched ahead is kept whatever happened since its launch: the tokens of a row that
+        finished or was aborted meanwhile are discarded (postprocess skips finished sequences; the
+        step's KV writes land past their computed positions, in blocks that no later step can reuse
+        before this one has run), and requests that arrived meanwhile join the step after it."""
         started = time.perf_counter()
         if self._serving_nobody is not None:  # done by now unless this step follows at once
-            self._drop(self._serving_nobody)
+            self.steps.drop(self._serving_nobody)
             self._serving_nobody = None
-        if self._in_flight is not None:  # it runs whatever happened since its launch (see _complete)
-            batch, pending = self._in_flight
-            self._in_flight = None
-            complete = self._complete_spec if isinstance(pending, SpecPending) else self._complete
-            return complete(batch, pending, started, chained=True)
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
-            return []
-        seed = self.config.seed
-        if self.spec_decoder is not None and not self._runs_plain(batch):
-            return self._complete_spec(batch, self.spec_decoder.launch(batch, seed), started)
-        if self.overlap or self.spec_decoder is not None:  # with a spec decoder: a plain k = 0 step
-            return self._complete(
-                batch, self.executor.launch(batch, self.executor.pack(batch, seed)), started
-            )
-        executor = self.executor
-        sampled = executor.wait(executor.launch(batch, executor.pack(batch, seed)))
-        return self._outputs(
-            [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
-        )
-
-    def _runs_plain(self, batch) -> bool:
-        """Whether this step of a speculative engine runs as a plain (overlapped) decode."""
-        return self.plain_when_k_is_zero and self.spec_decoder.chooses_plain_decode(batch)
-
-    def _complete(self, batch, pending, started: float, chained: bool = False) -> list[StepOutput]:
-        """Launches the step after batch when it is known already, then reads batch's ids and
-        postprocesses them. started: when this engine step began; chained: batch was launched while
-        the step before it ran. A chained batch is kept whatever happened since its launch: the
-        tokens of a row that finished or was aborted meanwhile are discarded (postprocess skips
-        finished sequences; the step's KV writes land past their computed positions, in blocks
-        that no later step can reuse before this one has run), and requests that arrived meanwhile
-        join the step after it."""
-        plain = self.spec_decoder is not None
-        following = self.scheduler.schedule_next_decode(batch, plain=plain)
-        if following is not None and plain and not self._runs_plain(following):
-            following = None  # the next step speculates: it is scheduled (and packed) synchronously
-        if (
-            following is not None
-            and self.logits_processing.active
-            and any(seq.params.needs_logits_processing for seq in following.seqs)
-        ):
-            following = None  # its logits processing needs this step's tokens (grammar, penalties)
-        if following is not None:
-            packed = self.executor.pack_next_decode(following, self.config.seed)
-            self._in_flight = (following, self.executor.launch(following, packed, previous=pending))
-        sampled = self.executor.wait(pending)
-        if plain:
-            self.spec_decoder.plain_step_finished(len(batch.seqs), chained, time.perf_counter() - started)
-        updates = [(seq, seq.token_ids[-1:]) for seq in self.scheduler.postprocess(batch, sampled)]
+        step, self._in_flight = self._in_flight, None
+        chained = step is not None
+        if step is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("a waiting request cannot get KV blocks although nothing runs")
+                return []
+            step = self.steps.launch(batch)
+        if self.overlap:
+            self._in_flight = self.steps.launch_following(step)
+        updates = self.scheduler.postprocess_multi(step.batch, self.steps.wait(step))
+        self.steps.finished(step, time.perf_counter() - started, chained)
         self._drop_in_flight_if_it_serves_nobody()
         return self._outputs(updates)
 
@@ -244,30 +203,8 @@ class LLMEngine:
         """A step launched ahead whose rows have all finished is set aside, to be read and discarded
         at the start of the next step: never completed as a step (which would time an idle gap as
         one), and not waited for now (the last outputs would wait for a step that serves nobody)."""
-        if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight[0].seqs):
-            self._serving_nobody = self._in_flight[1]
-            self._in_flight = None
-
-    def _drop(self, pending) -> None:
-        """Lets a step launched ahead complete and discards it."""
-        if isinstance(pending, SpecPending):
-            self.spec_decoder.drop(pending)
-        else:
-            self.executor.wait(pending)
-
-    def _complete_spec(self, batch, pending, started: float, chained: bool = False) -> list[StepOutput]:
-        """Speculative twin of _complete: launches the step after batch as a chained template when it
-        is known already (spec_chain.py), then reads batch's tokens and postprocesses them."""
-        decoder = self.spec_decoder
-        if self.chain_spec and pending.pure_decode and pending.decode_rows:
-            following = self.scheduler.schedule_next_spec_decode(batch)
-            if following is not None and decoder.chained_num_draft_tokens(following) is not None:
-                self._in_flight = (following, decoder.launch(following, self.config.seed, previous=pending))
-        emitted = decoder.wait(pending)
-        outputs = self._outputs(self.scheduler.postprocess_multi(batch, emitted))
-        decoder.step_finished(time.perf_counter() - started, chained)
-        self._drop_in_flight_if_it_serves_nobody()
-        return outputs
+        if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight.batch.seqs):
+            self._serving_nobody, self._in_flight = self._in_flight, None
 
     def _outputs(self, updates) -> list[StepOutput]:
         outputs = []
@@ -301,18 +238,6 @@ class LLMEngine:
         return request_ids
 
     def stats(self) -> EngineStats:
-        spec = {}
-        if self.spec_decoder is not None:
-            d = self.spec_decoder
-            spec = dict(
-                spec_num_draft_tokens=d.current_num_draft_tokens,
-                spec_acceptance_length=d.stats.acceptance_length,
-                spec_num_drafts_total=d.stats.num_drafts,
-                spec_num_draft_tokens_total=d.stats.num_draft_tokens,
-                spec_num_accepted_tokens_total=d.stats.num_accepted_tokens,
-                spec_acceptance_rate_per_position=d.stats.acceptance_rate_per_position(),
-                simulated_acceptance=int(d.verifier.simulated),
-            )
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -323,15 +248,14 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
-            **spec,
+            **self.steps.stats(),
         )
 
     def shutdown(self) -> None:
         """Releases the executor (worker processes for TP > 1) and the device memory of this process's
         runner (weights, KV cache, CUDA graphs). Safe to call twice; the engine is unusable afterwards."""
-        if self._serving_nobody is not None:
-            self._drop(self._serving_nobody)
-        if self._in_flight is not None:
-            self._drop(self._in_flight[1])
+        for step in (self._serving_nobody, self._in_flight):
+            if step is not None:
+                self.steps.drop(step)
         self._serving_nobody = self._in_flight = None
         self.executor.shutdown()

@@ -1,10 +1,13 @@
-"""KV cache sizing and allocation: how many paged blocks fit, and the per-layer tensors of the layout
-the model declares (model/kv_layout.py; GQA (k, v) pairs unless the model says otherwise)."""
+"""KV cache sizing and allocation: how many paged blocks fit (after a warm-up at peak load shows the
+activation peak), and the per-layer tensors of the layout the model declares (model/kv_layout.py;
+GQA (k, v) pairs unless the model says otherwise)."""
 
 from __future__ import annotations
 
 import torch
 
+from tpfuse.kernels import sample
+from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.kv_layout import GQACacheLayout, KVCacheLayout
 
@@ -76,3 +79,36 @@ def allocate_kv_caches(
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads_local, head_dim], zeroed
     (masked-out lanes of attention kernels may still read stale slots: they must not hold NaN)."""
     return gqa_layout(model_config, tp_size).allocate(num_blocks, block_size, device)
+
+
+@torch.inference_mode()
+def warm_up_at_peak_load(model, kv_layout: KVCacheLayout, cfg, max_model_len: int, device) -> None:
+    """CUDA: a forward over max_num_batched_tokens tokens (and sampling of the largest batch) so the
+    activation peak is known before the KV cache takes the rest. K/V are not stored (slot -1)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)  # earlier engines in this process do not count
+    num_tokens = min(cfg.max_num_batched_tokens, cfg.max_running_requests * max_model_len)
+    seq_len = min(num_tokens, max_model_len)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    dev = dict(device=device)
+    caches = kv_layout.allocate(1, cfg.block_size, device)
+    starts = torch.tensor([0, *lens], **dev).cumsum(0).to(torch.int32)
+    attn = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
+        block_tables=torch.zeros(len(lens), -(-seq_len // cfg.block_size), dtype=torch.int32, **dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, **dev),
+        query_start_loc=starts,
+        max_query_len=seq_len,
+        max_seq_len=seq_len,
+        is_decode=False,
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
+    positions = torch.cat([torch.arange(n, **dev) for n in lens])
+    hidden, _ = model(ids, positions, attn, caches)
+    rows = min(num_tokens, cfg.max_running_requests)
+    logits = model.compute_logits(hidden[:rows])
+    ones = torch.ones(rows, **dev)
+    sample(logits, ones, torch.full((rows,), 50, **dev), ones * 0.9, torch.arange(rows, **dev))
+    del hidden, logits, caches
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()

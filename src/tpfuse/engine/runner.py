@@ -31,34 +31,13 @@ from tpfuse.engine.step_inputs import (
     read_header,
     unpack_step,
 )
+from tpfuse.engine.step_limits import max_step_rows, resolve_max_model_len
+from tpfuse.engine.step_upload import StepUpload
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
 from tpfuse.model import linear_choice, moe_choice
-from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
-
-
-def max_step_rows(config: EngineConfig) -> int:
-    """The most rows a captured decode or verify step feeds the projections: the largest graph batch
-    times the query tokens per sequence (1 + drafts in a chain; a tree's num_draft_tokens, which
-    count its root)."""
-    per_seq = 1
-    if config.speculative.enabled:
-        per_seq = max(1 + config.speculative.num_steps, config.speculative.num_draft_tokens or 0)
-    return min(config.cuda_graph_max_bs, config.max_running_requests) * per_seq
-
-
-def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
-    """--max-model-len, or the model's max_position_embeddings; raises ValueError when the flag exceeds it."""
-    if config.max_model_len is None:
-        return max_position_embeddings
-    if not 1 < config.max_model_len <= max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {config.max_model_len} must lie in [2, {max_position_embeddings}], the "
-            "model's max_position_embeddings"
-        )
-    return config.max_model_len
 
 
 class ModelRunner:
@@ -122,7 +101,7 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
-            self._warm_up_at_peak_load()
+            kv_cache.warm_up_at_peak_load(self.model, self.kv_layout, config, self.max_model_len, self.device)
             num_blocks = kv_cache.cuda_kv_blocks(
                 self.device, block_bytes, config.mem_fraction_static, ranks_on_device
             )
@@ -142,8 +121,7 @@ class ModelRunner:
         num_heads = self.model.layers[0].self_attn.num_heads
         self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
         self.logits_processing = None  # rank 0: per-request processing (engine/logits_processing.py)
-        self._staging: torch.Tensor | None = None
-        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.upload = StepUpload(self.device)
         self.readback = TokenReadback(self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -171,39 +149,6 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    @torch.inference_mode()
-    def _warm_up_at_peak_load(self) -> None:
-        """A forward over max_num_batched_tokens tokens (and sampling of the largest batch) so the
-        activation peak is known before the KV cache takes the rest. K/V are not stored (slot -1)."""
-        cfg = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)  # earlier engines in this process do not count
-        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_running_requests * self.max_model_len)
-        seq_len = min(num_tokens, self.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        dev = dict(device=self.device)
-        caches = self.kv_layout.allocate(1, self.block_size, self.device)
-        starts = torch.tensor([0, *lens], **dev).cumsum(0).to(torch.int32)
-        attn = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
-            block_tables=torch.zeros(len(lens), -(-seq_len // self.block_size), dtype=torch.int32, **dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, **dev),
-            query_start_loc=starts,
-            max_query_len=seq_len,
-            max_seq_len=seq_len,
-            is_decode=False,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
-        positions = torch.cat([torch.arange(n, **dev) for n in lens])
-        hidden, _ = self.model(ids, positions, attn, caches)
-        rows = min(num_tokens, cfg.max_running_requests)
-        logits = self.model.compute_logits(hidden[:rows])
-        ones = torch.ones(rows, **dev)
-        sample(logits, ones, torch.full((rows,), 50, **dev), ones * 0.9, torch.arange(rows, **dev))
-        del hidden, logits, caches
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-
     def pack(self, batch: Batch, engine_seed: int) -> torch.Tensor:
         """Rank 0: the CPU packed step of batch, padded to its CUDA-graph bucket when it is a decode."""
         pad_to = None
@@ -216,37 +161,6 @@ class ModelRunner:
         (step_inputs.pack_next_decode), padded to its CUDA-graph bucket."""
         pad_to = self.graphs.bucket(len(batch.seqs)) if self.graphs is not None else None
         return pack_next_decode(batch, self.block_size, engine_seed, pad_to)
-
-    def _stage(self, packed: torch.Tensor) -> torch.Tensor:
-        """packed copied into the pinned staging buffer (CUDA only)."""
-        if self._staging is None or self._staging.numel() < packed.numel():
-            self._staging = torch.empty(max(packed.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
-        self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer
-        staging = self._staging[: packed.numel()]
-        staging.copy_(packed)
-        return staging
-
-    def _to_device(self, packed: torch.Tensor) -> torch.Tensor:
-        """A device copy of the CPU packed step (packed itself on CPU), in a new tensor."""
-        if self.device.type != "cuda":
-            return packed
-        out = self._stage(packed).to(self.device, non_blocking=True)
-        self._copy_done.record()
-        return out
-
-    def _to_graph_input(self, packed: torch.Tensor) -> torch.Tensor | None:
-        """Copies a packed decode step into the graphs' static packed buffer (the one host-to-device
-        copy of the step); returns the view that holds it, None when it does not fit."""
-        target_buffer = self.graphs.packed
-        if packed.numel() > target_buffer.numel():
-            return None
-        target = target_buffer[: packed.numel()]
-        if self.device.type != "cuda":
-            target.copy_(packed)
-            return target
-        target.copy_(self._stage(packed), non_blocking=True)
-        self._copy_done.record()
-        return target
 
     def _uses_decode_graph(self, header: StepHeader) -> bool:
         graphs = self.graphs
@@ -270,9 +184,9 @@ class ModelRunner:
         header = read_header(packed)
         if self._uses_decode_graph(header):
             graphs = self.graphs
-            device_packed = self._to_graph_input(packed)
+            device_packed = self.upload.into(packed, graphs.packed)
             if device_packed is None:  # too many banned pairs for the static buffer
-                step = unpack_step(header, self._to_device(packed))
+                step = unpack_step(header, self.upload.to_device(packed))
                 _patch_input_ids(step, input_ids)
                 out = graphs.run(step)
             else:
@@ -285,7 +199,7 @@ class ModelRunner:
                 return step, None, True
             rows = out.index_select(0, step.sample_indices)
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
-        step = unpack_step(header, self._to_device(packed))
+        step = unpack_step(header, self.upload.to_device(packed))
         _patch_input_ids(step, input_ids)
         hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if self.spec is not None:  # features of plain steps too: the drafter catches up on them later

@@ -247,54 +247,46 @@ class Scheduler:
         return sorted(banned)
 
     def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
-        """Advances each sequence by its chunk, appends its sampled token (None where it did not
-        sample) and finishes it if it should stop. Returns the sequences that got a token. A
-        sequence that finished (or was aborted) after batch was launched ahead gets nothing."""
-        updated = []
-        bm = self.block_manager
-        sealing = bm.enable_prefix_caching
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += n
-            if sealing and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
-                bm.seal_computed_blocks(seq)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            updated.append(seq)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-        return updated
+        """postprocess_multi for one sampled token per row (None where the row did not sample);
+        returns the sequences that got a token."""
+        emitted = [None if token is None else [token] for token in sampled]
+        return [seq for seq, _ in self.postprocess_multi(batch, emitted)]
 
     def postprocess_multi(
         self, batch: Batch, emitted: list[list[int] | None]
     ) -> list[tuple[Sequence, list[int]]]:
-        """Speculative steps: emitted[i] are the tokens seqs[i] gets this step (None: none). A decode
-        that emits a + 1 tokens had a drafts accepted, whose KV is valid too, so it advances by a + 1.
-        Tokens are appended one at a time and the first that finishes the sequence (stop token, EOS,
-        max_tokens, max_model_len) ends the run. Returns (sequence, tokens it got) pairs; a sequence
+        """Every step: emitted[i] are the tokens seqs[i] gets this step (None: none; a plain step or
+        a prefill row: one). Each sequence advances by its chunk, and a decode that emits a + 1
+        tokens had a drafts accepted, whose KV is valid too, so it advances by a + 1. Tokens are
+        appended one at a time and the first that finishes the sequence (stop token, EOS,
+        max_tokens, max_model_len) ends the run. Newly full computed blocks join the prefix cache
+        (with one token or none before it is appended, so also when it finishes the sequence; with
+        accepted drafts after they are appended). Returns (sequence, tokens it got) pairs; a sequence
         that finished (or was aborted) after batch was launched ahead gets nothing."""
         updated = []
         bm = self.block_manager
+        sealing = bm.enable_prefix_caching
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, emitted, strict=True):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += n + (len(tokens) - 1 if tokens else 0)
+            drafts = len(tokens) - 1 if tokens else 0
+            seq.num_computed_tokens += n + drafts
+            if sealing and not drafts and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+                bm.seal_computed_blocks(seq)
+            if not tokens:
+                continue
             taken = []
-            for token in tokens or ():
+            for token in tokens:
                 seq.token_ids.append(token)
                 taken.append(token)
                 reason = self._finish_reason(seq, token)
                 if reason is not None:
                     self.finish(seq, reason)
                     break
-            # Sealed only now: accepted drafts' positions are computed but their ids were just appended.
-            if bm.enable_prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            # Accepted drafts' positions are computed, but their ids were appended only now.
+            if sealing and drafts and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
                 bm.seal_computed_blocks(seq)
-            if taken:
-                updated.append((seq, taken))
+            updated.append((seq, taken))
         return updated
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -1,12 +1,13 @@
 """Rank 0's half of a speculative step: choose k, draft on the host (n-gram), pack, verify, account.
 
-`SpecDecoder.launch(batch, ...)` replaces the plain executor's launch when --speculative-algorithm is
-set, and `wait(pending)` returns the tokens each sequence gets from that step: one sampled token for
+SpeculativeSteps (spec_steps.py) launches each speculative step with `SpecDecoder.launch(batch, ...)`,
+and `wait(pending)` returns the tokens each sequence gets from that step: one sampled token for
 a prefill row that reached its end, the accepted drafts plus one target token for a decode (verify)
 row, None otherwise. Verification is greedy (temperature 0) or rejection sampling, both lossless;
-with --speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py).
-The chosen tokens reach the other ranks as input ids of the next packed step. With EAGLE-3
-chain drafting the engine launches the next step before waiting for this one (spec_chain.py).
+with --speculative-simulate-acceptance-length it is the benchmark-only simulation (spec/simulate.py);
+the verification itself is spec_verify.py's (chains) and spec_tree_step.py's (trees). The chosen
+tokens reach the other ranks as input ids of the next packed step. With EAGLE-3 chain drafting the
+next step is launched before this one is read (spec_chain.py).
 """
 
 from __future__ import annotations
@@ -22,48 +23,15 @@ from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
 from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
-from tpfuse.engine.spec_verify import chain_verifier, verify_inputs
+from tpfuse.engine.spec_stats import SpecStats
+from tpfuse.engine.spec_tree_step import TreeKvMoves, verify_tree
+from tpfuse.engine.spec_verify import chain_verifier, verify_chain
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
-from tpfuse.spec.tree_verify import (
-    TreeVerifyResult,
-    greedy_tree_verify,
-    rejection_tree_verify,
-    seeded_tree_verify,
-)
-from tpfuse.spec.verify import VerifyResult, rejection_sample_verify, seeded_sample_verify
-
-
-class SpecStats:
-    """Cumulative acceptance counters over verify rows that carried at least one draft."""
-
-    def __init__(self, max_num_draft_tokens: int):
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.drafted_at = [0] * max_num_draft_tokens  # rows with a draft at position i
-        self.accepted_at = [0] * max_num_draft_tokens  # rows that accepted position i
-
-    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
-        for drafted, accepted in zip(num_drafts, num_accepted, strict=True):
-            if drafted == 0:
-                continue
-            self.num_drafts += 1
-            self.num_draft_tokens += drafted
-            self.num_accepted_tokens += accepted
-            for i in range(drafted):
-                self.drafted_at[i] += 1
-                self.accepted_at[i] += i < accepted
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens per verify row with drafts: 1 + accepted drafts per row."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def acceptance_rate_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+from tpfuse.spec.tree_verify import TreeVerifyResult
+from tpfuse.spec.verify import VerifyResult
 
 
 @dataclass
@@ -105,7 +73,7 @@ class SpecDecoder:
         self.ext_window = window_drafter.window if window_drafter is not None else 0
         self.tree = spec.eagle_topk > 1
         self.num_tree_nodes = spec.num_draft_tokens
-        self.pending_moves: dict[int, tuple] = {}  # seq_id -> (seq, num_computed, [(src, dst) positions])
+        self.kv_moves = TreeKvMoves(config.block_size)  # tree drafting's accepted-path KV moves
         if self.tree and spec.adaptive:
             print(
                 "tpfuse: adaptive speculation is off with tree drafting (--speculative-eagle-topk > 1): "
@@ -235,7 +203,7 @@ class SpecDecoder:
             extend_drafter=not self.ngram,
             pad_to=None if self.tree else pad_to,
             tree_depth=self.max_num_draft_tokens if self.tree else None,
-            kv_moves=self._take_kv_moves(batch) if self.tree else None,
+            kv_moves=self.kv_moves.take(batch) if self.tree else None,
             ext_window=self.ext_window,
             catch_up_budget=self.max_num_batched_tokens,
         )
@@ -280,7 +248,7 @@ class SpecDecoder:
         batch, rows, k = pending.batch, pending.decode_rows, pending.num_draft_tokens
         seeded = [batch.seqs[row].params.seed is not None for row in rows]
         if self.tree and k:
-            pending.result, counts = self._verify_tree(forward, batch, rows, any(seeded))
+            pending.result, counts = verify_tree(forward, batch, rows, any(seeded), self.max_num_draft_tokens)
         else:
             pending.result, counts = self._verify(forward, k, any(seeded), all(seeded))
         result = pending.result
@@ -298,7 +266,7 @@ class SpecDecoder:
         if decode_rows:
             emitted_rows, accepted, num_drafts = self._read_verified(pending)
             if self.tree and k:
-                self._record_kv_moves(batch, decode_rows, pending.result.path_nodes, accepted)
+                self.kv_moves.record(batch, decode_rows, pending.result.path_nodes, accepted)
             self.stats.record(num_drafts, accepted)
             if self.policy is not None and pending.pure_decode and pending.catch_up:  # no k = 0 step
                 self._timed_catch_up = len(decode_rows)
@@ -322,84 +290,10 @@ class SpecDecoder:
         if pending.readback is not None:
             self.readback.read(pending.readback)
 
-    @torch.inference_mode()
     def _verify(
         self, forward, k: int, any_seeded: bool, all_seeded: bool
     ) -> tuple[VerifyResult, torch.Tensor]:
-        spec, logits = forward.spec, forward.verify_logits
-        drafts, counts, probs = verify_inputs(forward, k)
-        result = self.verifier(forward, drafts, counts)
-        if result is not None:  # what every rank computes alike (spec_verify.py)
-            return result, counts
-        sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
-        seeded = None
-        if any_seeded:
-            seeded = seeded_sample_verify(
-                drafts, logits, *sampling, spec.request_seeds, spec.output_index, counts
-            )
-            if all_seeded:
-                return seeded, counts
-        result = rejection_sample_verify(drafts, logits, *sampling, spec.seeds, probs, counts)
-        if seeded is not None:
-            use = spec.seeded.bool()
-            result = VerifyResult(
-                torch.where(use, seeded.num_accepted, result.num_accepted),
-                torch.where(use[:, None], seeded.token_ids, result.token_ids),
-            )
-        return result, counts
-
-    def _take_kv_moves(self, batch: Batch) -> list[tuple[int, int]]:
-        """(src, dst) slots of the last tree step's accepted paths, for sequences that come back as
-        decodes right after it; a sequence seen in any other state (prefill: recomputed after
-        preemption) drops its moves."""
-        moves = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            entry = self.pending_moves.pop(seq.seq_id, None)
-            if entry is None or not is_decode_row(seq, n) or seq.num_computed_tokens != entry[1]:
-                continue
-            table, bs = seq.block_table, self.block_size
-            moves += [(table[s // bs] * bs + s % bs, table[d // bs] * bs + d % bs) for s, d in entry[2]]
-        for seq_id in [i for i, e in self.pending_moves.items() if e[0].is_finished]:
-            del self.pending_moves[seq_id]
-        return moves
-
-    def _record_kv_moves(self, batch: Batch, decode_rows: list[int], path_nodes, accepted: list[int]) -> None:
-        paths = path_nodes.tolist()
-        for row, path, a in zip(decode_rows, paths, accepted, strict=True):
-            seq = batch.seqs[row]
-            root = seq.num_computed_tokens
-            moves = [(root + path[d], root + d) for d in range(1, a + 1) if path[d] != d]
-            if moves:
-                self.pending_moves[seq.seq_id] = (seq, root + a + 1, moves)
-
-    @torch.inference_mode()
-    def _verify_tree(self, forward, batch: Batch, decode_rows: list[int], any_seeded: bool):
-        spec, logits, tree = forward.spec, forward.verify_logits, forward.proposal
-        depth_limit, max_depth = spec.num_drafts, self.max_num_draft_tokens
-        if spec.header.num_banned:
-            n = tree.num_nodes
-            rows, nodes = spec.banned_rows // n, spec.banned_rows % n
-            remaining = torch.tensor(
-                [batch.bans[r].count if r in batch.bans else 0 for r in decode_rows],
-                device=logits.device,
-            )
-            keep = tree.depths[rows, nodes] < remaining[rows]
-            logits.view(-1, logits.shape[-1])[spec.banned_rows[keep], spec.banned_ids[keep]] = float("-inf")
-        if spec.header.all_greedy:
-            return greedy_tree_verify(tree, logits, depth_limit, max_depth), depth_limit
-        sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
-        result = rejection_tree_verify(tree, logits, *sampling, spec.seeds, depth_limit, max_depth)
-        if any_seeded:
-            seeded = seeded_tree_verify(
-                tree, logits, *sampling, spec.request_seeds, spec.output_index, depth_limit, max_depth
-            )
-            use = spec.seeded.bool()[:, None]
-            result = TreeVerifyResult(
-                torch.where(use[:, 0], seeded.num_accepted, result.num_accepted),
-                torch.where(use, seeded.token_ids, result.token_ids),
-                torch.where(use, seeded.path_nodes, result.path_nodes),
-            )
-        return result, depth_limit
+        return verify_chain(forward, k, self.verifier, any_seeded, all_seeded)
 
     def _read_verified(self, pending: SpecPending) -> tuple[list[list[int]], list[int], list[int]]:
         """(emitted tokens, accepted drafts, drafts) per verify row, from the step's one host copy."""

@@ -48,7 +48,7 @@ def run_spec_forward(runner, packed: torch.Tensor, shift=None) -> SpecForward:
     copy is shifted by them first (spec_chain.shift_by_accepted)."""
     header = read_header(packed)
     spec_header = read_spec_header(packed, header)
-    device_packed = runner._to_device(packed)
+    device_packed = runner.upload.to_device(packed)
     step = unpack_step(header, device_packed)
     spec = unpack_spec(header, spec_header, device_packed)
     if shift is not None:

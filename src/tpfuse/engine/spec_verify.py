@@ -1,10 +1,11 @@
-"""Verification of a speculative step's chain drafts, in the parts every rank can compute alike.
+"""Verification of a speculative step's chain drafts.
 
 `verify_inputs` masks the banned ids and names the drafts; the chain verifier, chosen once at
 construction (`chain_verifier`), is greedy verification or the benchmark-only simulation
 (spec/simulate.py): neither draws a random number that depends on the rank, so a tensor-parallel
 worker computes rank 0's result bit for bit from its own (identical) logits. A chained step
-(spec_chain.ChainLink) shifts by that result on every rank.
+(spec_chain.ChainLink) shifts by that result on every rank. Rows that sample are verified on rank 0
+only (`verify_chain`): rejection sampling, or seeded_sample_verify for seeded requests.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from tpfuse.config import SpeculativeConfig
 from tpfuse.spec.simulate import acceptance_rate_for_length, simulate_acceptance
-from tpfuse.spec.verify import VerifyResult, greedy_verify
+from tpfuse.spec.verify import VerifyResult, greedy_verify, rejection_sample_verify, seeded_sample_verify
 
 
 def verify_inputs(forward, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -75,3 +76,32 @@ def worker_chain_result(forward, verifier: ChainVerifier) -> VerifyResult | None
         return None
     drafts, counts, _ = verify_inputs(forward, h.num_draft_tokens)
     return verifier(forward, drafts, counts)
+
+
+@torch.inference_mode()
+def verify_chain(
+    forward, k: int, verifier: ChainVerifier, any_seeded: bool, all_seeded: bool
+) -> tuple[VerifyResult, torch.Tensor]:
+    """Rank 0: (result, drafts per row [D]) of a chain step's verify rows: the verifier's result when
+    it gives one, else rejection sampling (seeded_sample_verify for the seeded rows)."""
+    spec, logits = forward.spec, forward.verify_logits
+    drafts, counts, probs = verify_inputs(forward, k)
+    result = verifier(forward, drafts, counts)
+    if result is not None:  # what every rank computes alike
+        return result, counts
+    sampling = (spec.temperatures, spec.top_ks, spec.top_ps)
+    seeded = None
+    if any_seeded:
+        seeded = seeded_sample_verify(
+            drafts, logits, *sampling, spec.request_seeds, spec.output_index, counts
+        )
+        if all_seeded:
+            return seeded, counts
+    result = rejection_sample_verify(drafts, logits, *sampling, spec.seeds, probs, counts)
+    if seeded is not None:
+        use = spec.seeded.bool()
+        result = VerifyResult(
+            torch.where(use, seeded.num_accepted, result.num_accepted),
+            torch.where(use[:, None], seeded.token_ids, result.token_ids),
+        )
+    return result, counts

@@ -19,7 +19,7 @@ from tpfuse.engine import kv_cache
 from tpfuse.engine.spec_inputs import SpecInputs
 from tpfuse.engine.step_inputs import StepInputs
 from tpfuse.model.config import ModelConfig
-from tpfuse.spec.drafter import DraftInputs, DraftProposal
+from tpfuse.spec.drafter import Drafter, DraftInputs, DraftProposal
 from tpfuse.spec.tree import DraftTree, check_tree_settings, num_lookahead_tokens
 
 
@@ -44,7 +44,7 @@ class SpecWorker:
         self.draft_model = None
         self.draft_config: ModelConfig | None = None
         self.target_vocab_size = model_config.vocab_size
-        self.drafter = None
+        self.drafter: Drafter | None = None  # a TreeDrafter when tree drafting
         self.window_drafter = None  # EAGLE-3 chain drafting with static shapes (graph-safe), else None
         self.features: torch.Tensor | None = None
         self.tree_topk = spec.eagle_topk if spec.eagle_topk > 1 else None
@@ -161,14 +161,14 @@ class SpecWorker:
         max_rows, max_seq_len: the most rows of a window step and a bound of any position + 1 (the
         EAGLE-3 window drafter's static buffers and launch sizes)."""
         if self.algorithm == "mtp":
-            from tpfuse.spec.eagle3_drafter import Eagle3Drafter
+            from tpfuse.spec.mtp import MtpDrafter
 
             shape = self.head.kv_cache_shape(num_blocks, block_size)
             kv = (torch.zeros(shape, dtype=self.head.dtype, device=self.device),)
             rows = num_blocks * block_size + 1
             width, dtype = self.head.feature_size, self.head.dtype
             self.features = torch.zeros(rows, width, dtype=dtype, device=self.device)
-            self.drafter = Eagle3Drafter(self.head, self.head.module.embed, kv, self.target_vocab_size)
+            self.drafter = MtpDrafter(self.head, kv, self.target_vocab_size)
         elif self.head is not None:
             from tpfuse.spec.eagle3_drafter import Eagle3Drafter, target_embedding
             from tpfuse.spec.eagle3_window import Eagle3WindowDrafter

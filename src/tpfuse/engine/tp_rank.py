@@ -48,7 +48,8 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
     import torch.distributed as dist
 
     from tpfuse.comm.factory import create_communicator
-    from tpfuse.engine.runner import ModelRunner, max_step_rows
+    from tpfuse.engine.runner import ModelRunner
+    from tpfuse.engine.step_limits import max_step_rows
     from tpfuse.model.loader import load_model_config
 
     device = devices[rank]

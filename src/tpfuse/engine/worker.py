@@ -115,8 +115,8 @@ class TensorParallelExecutor:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from tpfuse.engine.runner import resolve_max_model_len
         from tpfuse.engine.step_channel import StepChannel
+        from tpfuse.engine.step_limits import resolve_max_model_len
         from tpfuse.model.loader import load_model_config
 
         if dist.is_initialized():

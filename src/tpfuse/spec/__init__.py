@@ -1,10 +1,12 @@
-"""Speculative decoding: drafters (EAGLE-3, n-gram, draft model), lossless verification, adaptive k.
+"""Speculative decoding: drafters (EAGLE-3, MTP, n-gram, draft model), lossless verification, adaptive k.
 
 Modules
-  drafter.py        Drafter.propose(DraftInputs, num_draft_tokens) -> DraftProposal: the one seam
+  drafter.py        Drafter.propose(DraftInputs, num_draft_tokens) -> DraftProposal: the one seam;
+                    TreeDrafter.propose_tree (EAGLE-3) adds draft trees
   eagle3.py         Eagle3Config (public LlamaForCausalLMEagle3 config), Eagle3Head (module)
   eagle3_checkpoint.py  load_eagle3_head (.safetensors / pytorch_model.bin), save_random_eagle3_head
   eagle3_drafter.py Eagle3Drafter, eagle3_chain_draft, target_embedding(model)
+  mtp.py            MtpHead, MtpDrafter (DeepSeek-V3's MTP layer through the EAGLE-3 chain)
   draft_model.py    DraftModelDrafter over any model with the LlamaForCausalLM seam
   ngram.py          NgramDrafter, propose_ngram (prompt lookup)
   verify.py         greedy_verify, rejection_sample_verify, seeded_sample_verify -> VerifyResult

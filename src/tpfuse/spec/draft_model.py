@@ -41,8 +41,6 @@ class DraftModelDrafter(Drafter):
     """model: the draft model (see the module doc); kv_caches: its per-layer (k, v), indexed by
     DraftInputs.block_tables; vocab_size: the target's (draft logits past it are dropped)."""
 
-    needs_kv_cache = True
-
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int):
         self.model = model
         self.kv_caches = kv_caches

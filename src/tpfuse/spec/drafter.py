@@ -1,4 +1,4 @@
-"""The interface every drafter (EAGLE-3, n-gram, draft model) offers the engine.
+"""The interface every drafter (EAGLE-3, MTP, n-gram, draft model) offers the engine.
 
 After each target step the engine calls `propose(inputs, num_draft_tokens)` for the sequences in the
 decode batch. `inputs` describes what the step verified: for sequence b, the target processed
@@ -8,14 +8,23 @@ entry is the token the step emitted last: the correction or bonus token). A draf
 these positions, then proposes num_draft_tokens tokens to follow next_token_ids' last entry.
 propose(inputs, 0) still consumes the inputs, which keeps a drafter's KV current while adaptive
 speculation has switched drafting off, so speculation can resume at any step.
+
+A TreeDrafter (EAGLE-3) also proposes a draft tree (`propose_tree`, --speculative-eagle-topk > 1).
+EAGLE-3 chain drafting inside CUDA graphs (spec/eagle3_window.py) runs the same passes as
+Eagle3Drafter.propose over static buffers; it is a graph-capture form of that drafter with its own
+load/draft contract, not another Drafter.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tpfuse.spec.tree import DraftTree
 
 
 @dataclass
@@ -74,13 +83,18 @@ class DraftProposal:
 
 
 class Drafter(abc.ABC):
-    """uses_target_features: the target must capture aux hidden states (EAGLE-3);
-    needs_kv_cache: the engine must give the drafter paged K/V (see kv_cache_spec)."""
-
-    uses_target_features: bool = False
-    needs_kv_cache: bool = False
+    """Chain drafting: what every drafter implements (spec_worker.SpecWorker.propose calls it)."""
 
     @abc.abstractmethod
     def propose(self, inputs: DraftInputs, num_draft_tokens: int) -> DraftProposal:
         """Consumes the verified step described by inputs and proposes num_draft_tokens (>= 0) per
         sequence. Raises ValueError when inputs lack a field this drafter needs."""
+
+
+class TreeDrafter(Drafter):
+    """A drafter that also drafts trees (EAGLE-3)."""
+
+    @abc.abstractmethod
+    def propose_tree(self, inputs: DraftInputs, num_steps: int, topk: int, num_nodes: int) -> DraftTree:
+        """Consumes inputs as propose does and returns a DraftTree of num_nodes nodes per sequence
+        (root = the newest token), grown num_steps levels deep with topk children per expanded node."""

@@ -11,13 +11,17 @@ by the next step's extend, so rejected drafts need no rollback in the head's cac
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpfuse.spec.draft_sampling import choose_draft_tokens
-from tpfuse.spec.drafter import Drafter, DraftInputs, DraftProposal
+from tpfuse.spec.drafter import DraftInputs, DraftProposal, TreeDrafter
 from tpfuse.spec.eagle3 import Eagle3Head
 from tpfuse.spec.paged import decode_metadata, metadata_for_positions
+
+if TYPE_CHECKING:
+    from tpfuse.spec.tree import DraftTree
 
 
 def target_embedding(model) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -76,12 +80,9 @@ def eagle3_chain_draft(
     return DraftProposal(token_ids, counts, torch.stack(dists, dim=1) if dists else None)
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(TreeDrafter):
     """An EAGLE-3 head behind the Drafter interface. embed_tokens: the target's full embedding
     (target_embedding(model)) unless the checkpoint shipped its own; kv_cache: the head's (k, v)."""
-
-    uses_target_features = True
-    needs_kv_cache = True
 
     def __init__(
         self,
@@ -96,7 +97,7 @@ class Eagle3Drafter(Drafter):
         self.target_vocab_size = target_vocab_size
 
     @torch.inference_mode()
-    def propose_tree(self, inputs: DraftInputs, num_steps: int, topk: int, num_nodes: int):
+    def propose_tree(self, inputs: DraftInputs, num_steps: int, topk: int, num_nodes: int) -> DraftTree:
         """Tree drafting (spec/eagle3_tree.py): a DraftTree of num_nodes nodes per sequence."""
         from tpfuse.spec.eagle3_tree import eagle3_tree_draft
 
