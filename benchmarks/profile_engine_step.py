@@ -48,7 +48,7 @@ PHASES = [  # (label, attribute path from the engine, method); a label may wrap 
     ("execute", "executor.runner", "_forward"),  # H2D copy, replay or eager forward
     ("sample", "executor.runner", "_choose_tokens"),  # sampler path (non-greedy, banned ids, eager)
     ("read_tokens", "executor.runner", "wait"),  # waits for the ids (D2H copy and event)
-    ("postprocess", "scheduler", "postprocess"),
+    ("postprocess", "scheduler", "postprocess_multi"),  # every step, plain and speculative
     ("schedule", "scheduler", "schedule_next_spec_decode"),  # chained speculative steps
     ("spec_launch", "spec_decoder", "launch"),  # with --eagle3-simulate: pack, replay, verify
     ("spec_wait", "spec_decoder", "wait"),  # reads the verified tokens back

@@ -164,7 +164,7 @@ def test_lags_within_the_budget_are_caught_up_whole():
 
 
 def test_only_drafters_that_fell_behind_during_plain_steps_call_for_a_catch_up_step():
-    from tpfuse.engine.spec_inputs import lags_after_plain_steps
+    from tpfuse.engine.spec_rows import lags_after_plain_steps
 
     window = K + 1
     behind = _decode_only_batch(lags=(1, 9), lengths=(12, 20))  # 2 outputs each: plain steps ran

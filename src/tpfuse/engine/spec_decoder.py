@@ -22,7 +22,8 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
-from tpfuse.engine.spec_inputs import draft_limit, is_decode_row, lags_after_plain_steps, pack_spec_step
+from tpfuse.engine.spec_inputs import pack_spec_step
+from tpfuse.engine.spec_rows import draft_limit, is_decode_row, lags_after_plain_steps
 from tpfuse.engine.spec_stats import SpecStats
 from tpfuse.engine.spec_tree_step import TreeKvMoves, verify_tree
 from tpfuse.engine.spec_verify import chain_verifier, verify_chain

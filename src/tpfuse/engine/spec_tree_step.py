@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse.engine.scheduler import Batch
-from tpfuse.engine.spec_inputs import is_decode_row
+from tpfuse.engine.spec_rows import is_decode_row
 from tpfuse.spec.tree_verify import (
     TreeVerifyResult,
     greedy_tree_verify,

@@ -11,7 +11,8 @@ Modules
   ngram.py          NgramDrafter, propose_ngram (prompt lookup)
   verify.py         greedy_verify, rejection_sample_verify, seeded_sample_verify -> VerifyResult
   simulate.py       benchmark-only simulated acceptance (--speculative-simulate-acceptance-length)
-  adaptive.py       AdaptivePolicy: k per step from batch bucket costs and acceptance EMAs
+  adaptive.py       AdaptivePolicy: k per step from batch bucket costs and acceptance estimates
+  acceptance.py     AcceptanceEstimate: decayed per-position acceptance rates, E[accepted | k]
   paged.py          AttentionMetadata for a drafter's passes; seeded_random.py, draft_sampling.py
 
 How the engine drives a speculative decode step (tests/spec/spec_loop.py is a working miniature;

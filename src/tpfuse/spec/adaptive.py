@@ -1,84 +1,17 @@
 """AdaptivePolicy: how many draft tokens to use in the next decode step, zero included.
 
 Each step the engine asks `choose(decode_batch_size)` and later reports what happened:
-`record_step` with the measured wall time of the whole speculative step (draft + verify + draft
-extend) and `record_acceptance` with how many drafts each row accepted. The policy keeps
+`record_step` with the measured wall time of the whole step (scheduling, draft, verify,
+postprocessing), `record_catch_up` with a catch-up step's, and `record_acceptance` with how many
+drafts each row accepted. The policy keeps per (batch bucket, k) a robust estimate of the step cost
+(median of the first samples, then an outlier-clipped EMA; unmeasured buckets borrow interpolated
+costs) and per draft position a decayed acceptance rate (spec/acceptance.py), and picks the k that
+maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost, with exploration,
+hysteresis, re-measurement of stale costs, a catch-up payback rule when leaving k = 0, and backed-off
+probes while at k = 0. docs/ADAPTIVE.md gives each rule and why it exists.
 
-- per (batch bucket, k) an exponential moving average (EMA) of the step time; the bucket is the
-  CUDA-graph batch size the decode batch is padded to, so the cost of a bucket does not depend on
-  the exact batch inside it. The first sample of each (bucket, k) is dropped (the first replay of a
-  captured graph uploads it to the device, a one-off cost) and the estimate is the median of the
-  next ones until about 1 / alpha have been seen, then the EMA takes over, so a one-off slow step
-  (a JIT compile, a page fault) among the first samples does not move it; later samples enter the
-  EMA clipped at OUTLIER_RATIO times the estimate, so a one-off stall cannot flip the choice. A
-  bucket where k was never measured borrows a cost interpolated linearly in batch size from the
-  nearest buckets on either side where it was (decode step time grows smoothly with the batch). A
-  bucket below every one where k was measured borrows the nearest one's cost: an upper bound, the
-  same for every k measured there, so the bucket starts from that bucket's choice, which is safe:
-  drafting pays at least as well at a smaller batch (the verify's extra tokens cost less beside the
-  weights read once). Its own samples and the rechecks below move it from there. So a batch that
-  drains row by row does not explore every k in each smaller bucket it passes (on the H200 that
-  cost 5 % of a round at acceptance length 3 and batch 32). A bucket above every measured one
-  explores: there drafting may pay less;
-- per draft position i the conditional acceptance rate r_i = P(draft i accepted | drafts before it
-  accepted), so E[accepted | k] = sum_{j<=k} prod_{i<=j} r_i. r_i is a ratio of time-decayed sums,
-  rows that passed position i over rows that tested it, every row's weight halving each
-  `acceptance_half_life` decode steps: a batch-64 step adds 64 rows, so large batches get precise
-  estimates (a per-step moving average would follow the last few steps' noise and flip k), and a
-  probe after a long stretch at k = 0 outweighs what was seen long ago. Each rate is shrunk towards
-  the one before it (the first towards `prior_acceptance_rate`) as if `prior_acceptance_rows` more
-  rows had shown that rate: a fresh policy leaves its prior within a few steps, and a deep position
-  that few rows reach (k = K is rarely run once a smaller k wins) borrows its neighbour's rate
-  rather than a handful of coin flips;
-
-and picks the k that maximises expected tokens per second, (1 + E[accepted | k]) * batch / cost.
-Guards against the ways such controllers fail in practice:
-
-- exploration: a k with neither a measured nor a borrowed cost in this bucket is tried
-  `min_cost_samples` times (the first dropped, the median of the others) before the bucket commits
-  to a choice (or seed costs from a start-up profile, `set_cost`); a bucket between or below
-  explored ones needs no exploration;
-- hysteresis: a bucket switches k only after some other k beats the committed one by more than
-  `switch_margin` on `switch_patience` consecutive steps, so noisy costs do not flip CUDA graphs.
-  The margin is small (2 %): it bounds how far below the best (by the estimates) a bucket may sit
-  for good, and the patience, not the margin, is what absorbs noise;
-- no switch on stale evidence: the cost of a k that is not being run stops being measured while the
-  context grows and the committed k's cost grows with it, so an old sample makes it look cheaper than
-  it is. When a challenger has won `switch_patience` steps but its cost in this bucket is older than
-  `stale_after` of the bucket's steps (or was only borrowed), the bucket runs it for
-  `refresh_steps` consecutive steps to measure it afresh (their median replaces the aged estimate:
-  `refresh_weight` 1) and the streak starts over. Consecutive, not one: a lone k = 0 step runs
-  without the plain-decode overlap (the engine launches a plain step while the one before it runs)
-  and costs more than k = 0 does once it is chosen, so a single sample would bias k = 0 against;
-- no choice left out on stale evidence either: that rule re-measures only a k whose old estimate
-  looks good. One that looks worse than it is (a lone plain step's cost, a slow moment) would never be
-  tried again, so every `recheck_interval` steps the bucket re-measures (a refresh run) the k
-  measured longest ago among those whose estimate is stale and whose score is within
-  `recheck_margin` of the committed one's; at most refresh_steps / recheck_interval of the steps
-  run a k that may be that much worse. k = 0 is
-  rechecked that way every `plain_recheck_interval` steps (while the bucket drafts): it is the usual
-  victim (costs grow with the context, so a k = 0 cost from a shorter or longer context misjudges
-  it) and cheap to recheck (a few plain steps leave the drafters inside their window, no catch-up),
-  where leaving k = 0 for a k > 0 costs the drafters' catch-up;
-- leaving k = 0 costs a catch-up: the drafters fell behind during the plain steps, and the first
-  step back extends them over every position they missed (`record_catch_up` reports its time).
-  A bucket at k = 0 switches to a k > 0 only if the gain pays that back within `payback_steps`:
-  its score must beat k = 0's by max(switch_margin, extra / (payback_steps * cost(k = 0))), where
-  extra is the catch-up step's cost beyond a plain step's (the lower median of the last 5, so a
-  one-off stall does not pin the bucket at k = 0). Without it a near-tie between
-  k = 0 and a k > 0 flips back and forth, and every flip to k > 0 pays a catch-up;
-- probing: while a bucket sits at k = 0 no acceptance is observed, so every `probe_interval`
-  steps it drafts the maximum k once to refresh the acceptance estimates; speculation comes back
-  when acceptance improves (the engine keeps the draft KV current at k = 0 for exactly this);
-- backing off at k = 0: a probe or rival recheck from k = 0 pays the drafters' catch-up and steps
-  at k > 0 that a bucket at k = 0 judged not worth it (on the H200 at acceptance length 2 and batch
-  64 they cost 3 % of a round). So each one that fires while the bucket stays at k = 0 doubles
-  both intervals there, up to `max_backoff` times their base; leaving k = 0 resets them. A bucket
-  where drafting keeps not paying probes ever less often, and still at least every
-  max_backoff * probe_interval steps.
-
-Pure Python, no torch: the engine times steps itself (after a device synchronisation) and passes
-only decode steps (steps with prefill chunks are excluded; they would bias the cost).
+Pure Python, no torch: the engine times steps itself and passes only decode steps (steps with
+prefill chunks are excluded; they would bias the cost).
 """
 
 from __future__ import annotations
@@ -86,6 +19,8 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Sequence
+
+from tpfuse.spec.acceptance import AcceptanceEstimate
 
 
 class AdaptivePolicy:
@@ -125,10 +60,6 @@ class AdaptivePolicy:
             raise ValueError(f"batch_buckets must be positive batch sizes, got {list(batch_buckets)}")
         if not 0.0 < cost_ema_alpha <= 1.0:
             raise ValueError(f"cost_ema_alpha must lie in (0, 1], got {cost_ema_alpha}")
-        if acceptance_half_life <= 0.0:
-            raise ValueError(f"acceptance_half_life must be > 0 steps, got {acceptance_half_life}")
-        if prior_acceptance_rows < 0.0:
-            raise ValueError(f"prior_acceptance_rows must be >= 0, got {prior_acceptance_rows}")
         for name, count in (
             ("refresh_steps", refresh_steps),
             ("recheck_interval", recheck_interval),
@@ -138,12 +69,9 @@ class AdaptivePolicy:
         ):
             if count < 1:
                 raise ValueError(f"{name} must be >= 1, got {count}")
-        if not 0.0 <= prior_acceptance_rate <= 1.0:
-            raise ValueError(f"prior_acceptance_rate must lie in [0, 1], got {prior_acceptance_rate}")
         self.max_num_draft_tokens = max_num_draft_tokens
         self.batch_buckets = sorted(set(batch_buckets))
         self.cost_ema_alpha = cost_ema_alpha
-        self.acceptance_half_life = acceptance_half_life
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
         self.min_cost_samples = min_cost_samples
@@ -159,15 +87,10 @@ class AdaptivePolicy:
         self._backoff: dict[int, int] = {}  # bucket at k = 0 -> factor on its probe and recheck intervals
         # bucket -> the last few seconds a catch-up step added to a plain one (_catch_up_extra)
         self._catch_up_samples: dict[int, list[float]] = {}
-        self.acceptance_rates = [prior_acceptance_rate] * max_num_draft_tokens
-        self.prior_acceptance_rate = prior_acceptance_rate
-        self.prior_acceptance_rows = prior_acceptance_rows
-        self._tested = [0.0] * max_num_draft_tokens  # decayed rows that tested position i
-        self._passed = [0.0] * max_num_draft_tokens  # ... and passed it
-        self._length_sums = [0.0, 0.0]  # decayed tokens per verify row, rows
-        self.acceptance_length: float | None = None  # tokens per verify row, steps with k > 0
+        self.acceptance = AcceptanceEstimate(
+            max_num_draft_tokens, acceptance_half_life, prior_acceptance_rate, prior_acceptance_rows
+        )
         self._steps = 0  # choose() calls, the clock of the acceptance decay
-        self._acceptance_at = 0  # self._steps at the last record_acceptance
         self.current_num_draft_tokens = max_num_draft_tokens  # the last choice, for /metrics
         self._cost: dict[tuple[int, int], float] = {}
         self._early: dict[tuple[int, int], list[float]] = {}  # the first samples (their median is the cost)
@@ -185,13 +108,17 @@ class AdaptivePolicy:
         i = bisect.bisect_left(self.batch_buckets, decode_batch_size)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
 
+    @property
+    def acceptance_rates(self) -> list[float]:
+        return self.acceptance.rates
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.acceptance.length
+
     def expected_accepted(self, num_draft_tokens: int) -> float:
         """E[accepted drafts | k drafts] under the current per-position acceptance estimates."""
-        total, chain = 0.0, 1.0
-        for rate in self.acceptance_rates[:num_draft_tokens]:
-            chain *= rate
-            total += chain
-        return total
+        return self.acceptance.expected_accepted(num_draft_tokens)
 
     def step_cost(self, decode_batch_size: int, num_draft_tokens: int) -> float | None:
         """Seconds per step in this batch's bucket: measured there, else interpolated from the
@@ -375,31 +302,4 @@ class AdaptivePolicy:
     def record_acceptance(self, num_draft_tokens: int | Sequence[int], num_accepted: Sequence[int]) -> None:
         """Folds one verify step in. num_draft_tokens: the k of the step, or one count per row (a
         drafter may propose fewer); num_accepted: drafts accepted per row."""
-        rows = list(num_accepted)
-        drafted = (
-            [num_draft_tokens] * len(rows) if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
-        )
-        if not rows or max(drafted) == 0:
-            return
-        decay = 0.5 ** ((self._steps - self._acceptance_at) / self.acceptance_half_life)
-        self._acceptance_at = self._steps
-        for sums in (self._tested, self._passed, self._length_sums):
-            sums[:] = [x * decay for x in sums]
-        for i in range(1, min(max(drafted), self.max_num_draft_tokens) + 1):
-            tested = passed = 0
-            for a, d in zip(rows, drafted, strict=True):
-                if d >= i and a >= i - 1:
-                    tested += 1
-                    passed += a >= i
-            if tested == 0:
-                break
-            self._tested[i - 1] += tested
-            self._passed[i - 1] += passed
-        shrink_to, m = self.prior_acceptance_rate, self.prior_acceptance_rows
-        for i, (tested, passed) in enumerate(zip(self._tested, self._passed, strict=True)):
-            if tested + m > 0.0:
-                self.acceptance_rates[i] = (passed + m * shrink_to) / (tested + m)
-            shrink_to = self.acceptance_rates[i]
-        self._length_sums[0] += len(rows) + sum(rows)
-        self._length_sums[1] += len(rows)
-        self.acceptance_length = self._length_sums[0] / self._length_sums[1]
+        self.acceptance.record(num_draft_tokens, num_accepted, self._steps)
