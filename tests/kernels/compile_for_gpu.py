@@ -182,7 +182,7 @@ def _quant_variants(p: str):
         yield (
             quant_int._int_gemv_kernel, {"*": p, "q_ptr": i32}, ints,
             dict(BITS=4, GROUP=group, HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n,
-                 BLOCK_K=quant_int.gemv_block_k(tile.block_k, 4096, 4), EVEN=True),
+                 BLOCK_K=quant_int.gemv_block_k(tile.block_k, 4096, 4), EVEN=True, X_PAIRS=group == 128),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
     for scale_k in (128, 4096):
@@ -222,7 +222,8 @@ def _quant_variants(p: str):
                (gate_up, 0, 128, 2048, 768), (down, 0, 768, 768, 2048))  # fmt: skip
     for kernel, bits, group, cols_k, n in experts:
         codes = {"w_ptr": i32 if bits else fp8, "s_ptr": p if bits else "*fp32"}
-        steps = quant_moe._steps(quant_moe.QuantExperts(None, None, bits, group, cols_k), cols_k, 4, n, 1024)
+        stack = quant_moe.QuantExperts(None, None, bits, group, cols_k)
+        steps = quant_moe._steps(stack, cols_k, 8 if bits else 4, n, 1024, True)
         extra = dict(TOP_K=8) if kernel is gate_up else {}
         yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
 

@@ -184,6 +184,7 @@ def _int_expected(x, packed, values, scales, offsets, bits, group):
         (1, 24, 256, 4, 128, False, IntTile(1, 8, 64, 1, 4)),  # GEMV, one scale vector per step
         (1, 20, 192, 4, 64, True, IntTile(1, 8, 64, 1, 4)),  # the same with offsets, N masked
         (1, 16, 128, 8, 64, False, IntTile(1, 4, 64, 1, 4)),
+        (1, 12, 200, 8, 20, False, IntTile(1, 4, 64, 1, 4)),  # K and N masked, 8-bit groups of 20
         (3, 40, 96, 4, 32, False, IntTile(16, 32, 32, 1, 4, swap=True)),  # tl.dot, scale per step
         (5, 24, 120, 4, 40, True, IntTile(16, 16, 64, 1, 4)),  # group 40: scale per element
         (4, 24, 200, 4, 200, False, IntTile(16, 16, 64, 1, 4, swap=True)),  # one group: after the loop
@@ -195,6 +196,11 @@ def test_int_linear_tiles_and_scale_modes_match_float64(rows, n, k, bits, group,
     x = torch.randn(rows, k, generator=gen)
     out = quant_int.int_linear_triton(x, packed, scales, offsets, bits, group, tile=tile)
     _close(out, _int_expected(x, packed, values, scales, offsets, bits, group), torch.float32)
+    if rows == 1:  # bf16 x: the GEMV reads it as int32 pairs
+        xb = x.bfloat16()
+        assert quant_int.x_pairs(xb)
+        out = quant_int.int_linear_triton(xb, packed, scales, offsets, bits, group, tile=tile)
+        _close(out, _int_expected(xb, packed, values, scales, offsets, bits, group), torch.bfloat16)
 
 
 def test_int_linear_refuses_a_group_that_splits_a_packed_word():

@@ -99,13 +99,16 @@ def int_words_times_x(
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,
     EVEN: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):
-    """[BLOCK_N, WORDS] float32: for each row (q_rows / s_rows / o_rows: [BLOCK_N, 1] row pointers of
-    codes, scales, offsets) and each of its words k0 / V + w, the sum over the word's V values of
-    dequantized weight times x[k]. The words are one contiguous load; value i of every word is
-    1 + q / 2^BITS in float bits, so sum q x = 2^BITS (sum f x - sum x) and no int-to-float
-    conversion runs; the scale (and offset) multiplies once per word, or once per step when the
-    group spans the step (GROUP a multiple of WORDS * V)."""
+    """(a, b), both [BLOCK_N, WORDS] float32, for each row (q_rows / s_rows / o_rows: [BLOCK_N, 1]
+    row pointers of codes, scales, offsets) and each of its words k0 / V + w: summed over the
+    word's V values, weight times x[k] = 2^BITS * a - c * b with c = 2^BITS + 2^(BITS-1) (offsets:
+    c = 1). The words are one contiguous load; value i of every word is f = 1 + q / 2^BITS in float
+    bits (no int-to-float conversion), a = s * sum f x and b = s * sum x (offsets:
+    (2^BITS s - o) * sum x). The scale is one
+    vector per step when the group spans the step (GROUP a multiple of WORDS * V), else one per
+    word. X_PAIRS: x is bf16 read as int32 pairs (half the x loads; x 4-byte aligned, K even)."""
     PER_WORD: tl.constexpr = 32 // BITS
     w_idx = tl.arange(0, WORDS)
     word_k = k0 + w_idx * PER_WORD  # the first k of each word
@@ -117,13 +120,26 @@ def int_words_times_x(
                         eviction_policy="evict_first")  # fmt: skip
     part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     xsum = tl.zeros([WORDS], dtype=tl.float32)
-    for i in tl.static_range(PER_WORD):
-        if EVEN:
-            xi = tl.load(x_ptr + word_k + i).to(tl.float32)
-        else:
-            xi = tl.load(x_ptr + word_k + i, mask=word_k + i < hidden, other=0.0).to(tl.float32)
-        part += code_as_float(words, i * BITS, BITS) * xi[None, :]
-        xsum += xi
+    if X_PAIRS:
+        x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        for j in tl.static_range(PER_WORD // 2):
+            if EVEN:
+                pair = tl.load(x_words + (word_k + 2 * j) // 2)
+            else:
+                pair = tl.load(x_words + (word_k + 2 * j) // 2, mask=word_k + 2 * j < hidden, other=0)
+            lo = (pair << 16).to(tl.float32, bitcast=True)
+            hi = (pair & -65536).to(tl.float32, bitcast=True)
+            part += code_as_float(words, 2 * j * BITS, BITS) * lo[None, :]
+            part += code_as_float(words, (2 * j + 1) * BITS, BITS) * hi[None, :]
+            xsum += lo + hi
+    else:
+        for i in tl.static_range(PER_WORD):
+            if EVEN:
+                xi = tl.load(x_ptr + word_k + i).to(tl.float32)
+            else:
+                xi = tl.load(x_ptr + word_k + i, mask=word_k + i < hidden, other=0.0).to(tl.float32)
+            part += code_as_float(words, i * BITS, BITS) * xi[None, :]
+            xsum += xi
     if GROUP % (WORDS * PER_WORD) == 0:  # one group per step: scale vectors
         if EVEN:
             s = tl.load(s_rows + k0 // GROUP).to(tl.float32)
@@ -140,10 +156,8 @@ def int_words_times_x(
         if HAS_OFFSET:
             o = tl.load(o_rows + groups, mask=col_mask[:, None] & (word_k < hidden)[None, :], other=0.0)
     if HAS_OFFSET:
-        out = s * ((part - xsum[None, :]) * (1 << BITS)) + o * xsum[None, :]
-    else:
-        out = s * (part * (1 << BITS) - ((1 << BITS) + (1 << (BITS - 1))) * xsum[None, :])
-    return out
+        return s * part, (s * (1 << BITS) - o) * xsum[None, :]
+    return s * part, s * xsum[None, :]
 
 
 @triton.jit
@@ -165,9 +179,10 @@ def _int_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
+    X_PAIRS: tl.constexpr,
 ):
-    """One row: BLOCK_N weight rows x the whole of K per program, a [BLOCK_N, words] fp32
-    accumulator reduced once after the loop (the layout of kernels/gemv.py)."""
+    """One row: BLOCK_N weight rows x the whole of K per program, [BLOCK_N, words] fp32
+    accumulators reduced once after the loop (the layout of kernels/gemv.py)."""
     WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
@@ -175,14 +190,32 @@ def _int_gemv_kernel(
     s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
     o_rows = o_ptr + cols.to(tl.int64)[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    acc_x = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        acc += int_words_times_x(
-            q_rows, s_rows, o_rows, x_ptr, k0, hidden, col_mask, BITS, GROUP, HAS_OFFSET, BLOCK_N, WORDS, EVEN
-        )
-    out = tl.sum(acc, axis=1)
+        a, b = int_words_times_x(
+            q_rows, s_rows, o_rows, x_ptr, k0, hidden, col_mask,
+            BITS, GROUP, HAS_OFFSET, BLOCK_N, WORDS, EVEN, X_PAIRS,
+        )  # fmt: skip
+        acc += a
+        acc_x += b
+    if HAS_OFFSET:
+        out = tl.sum(acc * (1 << BITS) - acc_x, axis=1)
+    else:
+        out = tl.sum(acc * (1 << BITS) - acc_x * ((1 << BITS) + (1 << (BITS - 1))), axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def x_pairs(x: torch.Tensor) -> bool:
+    """Whether the GEMV may read x's bf16 values as int32 pairs (bf16, 4-byte aligned rows, K even)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.shape[-1] % 2 == 0
+        and x.data_ptr() % 4 == 0
+        and (x.dim() == 1 or x.stride(0) % 2 == 0)
+    )
+
 
 def check_int_weights(packed, scales, offsets, bits: int, group_size: int, hidden: int) -> None:
     """Raises ValueError naming the tensor whose shape or dtype does not fit the layout above."""
@@ -245,6 +278,6 @@ def int_linear_triton(
         num_cols, hidden, packed.stride(0), scales.stride(0),
         BITS=bits, GROUP=group_size, HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN=num_cols % tile.block_n == 0 and hidden % block_k == 0,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        X_PAIRS=x_pairs(x), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out

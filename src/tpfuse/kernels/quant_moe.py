@@ -22,7 +22,7 @@ import triton.language as tl
 
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_times_x, gemv_steps
-from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word
+from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word, x_pairs
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ def _rows_dot_x(
     SUBS: tl.constexpr,
     PER_ROW: tl.constexpr,
     EVEN: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):
     """[BLOCK_N] float32: the expert rows at w_rows ([BLOCK_N, 1] pointers; scales at s_rows, [BLOCK_N]
     pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
@@ -81,12 +82,15 @@ def _rows_dot_x(
     else:
         WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        acc_x = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
-            acc += int_words_times_x(
+            a, b = int_words_times_x(
                 w_rows, s_rows[:, None], s_rows[:, None], x_row, k0, hidden, col_mask,
-                BITS, GROUP, False, BLOCK_N, WORDS, EVEN,
+                BITS, GROUP, False, BLOCK_N, WORDS, EVEN, X_PAIRS,
             )  # fmt: skip
-        out = tl.sum(acc, axis=1)
+            acc += a
+            acc_x += b
+        out = tl.sum(acc * (1 << BITS) - acc_x * ((1 << BITS) + (1 << (BITS - 1))), axis=1)
     return out
 
 
@@ -96,7 +100,7 @@ def _slot_gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, X_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1."""
@@ -109,9 +113,9 @@ def _slot_gate_up_kernel(
     g_scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
     x_row = x_ptr + token * stride_x
     g = _rows_dot_x(g_rows, g_scales, x_row, hidden, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
     u = _rows_dot_x(g_rows + inter * stride_wn, g_scales + inter * stride_sn, x_row, hidden, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
@@ -122,6 +126,7 @@ def _slot_down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
     slot = tl.program_id(0).to(tl.int64)
@@ -131,7 +136,7 @@ def _slot_down_kernel(
     rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
     y = _rows_dot_x(rows, scales, act_ptr + slot * stride_act, inter, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN)  # fmt: skip
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
     y = y * tl.load(weights_ptr + slot)
     tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -154,9 +159,10 @@ def slots_ref(x, gate_up: torch.Tensor, down: torch.Tensor, topk_weights, topk_i
     return out.to(x.dtype)
 
 
-def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_block_k: int) -> dict:
+def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_block_k: int, pairs: bool):
     """The constexpr K steps of one projection stack (K = cols_k) for the row kernels above: the
-    largest power-of-two step up to max_block_k that divides K (masked steps where none of 64+ does)."""
+    largest power-of-two step up to max_block_k that divides K (masked steps where none of 64+ does);
+    pairs: x may be read as bf16 pairs (quant_int.x_pairs)."""
     block_k = min(max_block_k, pow2_part(cols_k))
     if block_k < 64:
         block_k = min(max_block_k, triton.next_power_of_2(cols_k))
@@ -167,14 +173,16 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
         per_row, sub_k, subs = False, block_k, 1
     even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
     return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-                SUBS=subs, PER_ROW=per_row, EVEN=even)  # fmt: skip
+                SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0)  # fmt: skip
 
 
 def quant_slots_triton(
-    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=4, block_k=1024
+    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=None, block_k=1024
 ):
     """Triton quant_slots_ref (the per-slot route). x [T, H] bf16/fp16/fp32 contiguous. Integer
-    stacks need a group size that is a multiple of the values in a packed word."""
+    stacks need a group size that is a multiple of the values in a packed word. block_n: expert rows
+    per program (default 8 for integer codes, whose per-row work is more, 4 for FP8)."""
+    block_n = block_n or (8 if w13.bits else 4)
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.codes.shape[1] // 2
     num_slots = num_tokens * top_k
@@ -193,11 +201,11 @@ def quant_slots_triton(
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, block_n))](
         x, w13.codes, w13.scales, act, ids, hidden, inter, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, **_steps(w13, hidden, block_n, inter, block_k),
+        TOP_K=top_k, **_steps(w13, hidden, block_n, inter, block_k, x_pairs(x)),
     )  # fmt: skip
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, block_n))](
         act, w2.codes, w2.scales, out, weights, ids, hidden, inter, act.stride(0),
         w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        **_steps(w2, inter, block_n, hidden, block_k),
+        **_steps(w2, inter, block_n, hidden, block_k, x_pairs(act)),
     )  # fmt: skip
     return out

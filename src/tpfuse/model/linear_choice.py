@@ -235,11 +235,12 @@ def reset() -> None:
 # timed the same way over the model's own layers of that shape; there is no cuBLAS route to race.
 # A method that takes part exposes product(layer, x, bias, tile) and tile_key(layer) (its name and
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
-# are few (each is a compile per K at start-up): bucket 1 the GEMV at 4-16 rows per program and
-# 4-8 KB of codes per step; 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows,
+# are few (each is a compile at start-up): bucket 1 the GEMV at 8-32 rows per program and 4-8 KB
+# of codes per step (16 rows x 128 words: about 5.3 instructions per weight on sm_90, 8 rows: 6.2);
+# 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows,
 # swap) or x (32 columns, twice the programs for the 4096-row projections).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
-    1: (IntTile(1, 8, 1024, 1, 4), IntTile(1, 4, 2048, 1, 4), IntTile(1, 16, 512, 1, 4)),
+    1: (IntTile(1, 16, 1024, 1, 4), IntTile(1, 32, 512, 1, 4), IntTile(1, 8, 1024, 1, 4)),
     16: (IntTile(16, 64, 128, 3, 4, swap=True), IntTile(16, 32, 128, 3, 4)),
     32: (IntTile(32, 64, 128, 3, 4, swap=True), IntTile(32, 32, 128, 3, 4)),
     64: (IntTile(64, 64, 128, 3, 4, swap=True), IntTile(64, 32, 128, 3, 4)),
