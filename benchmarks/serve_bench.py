@@ -5,6 +5,11 @@ swept the same way, then the crossover of B / A.
 GPU: python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy
      python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy --single-tokens 0 \
          --server-args-b="--speculative-algorithm ngram"   (use = so argparse takes the flags as a value)
+     python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy --single-tokens 0 \
+         --concurrency 256 --input-len 1024 --sweep-tokens 512 --repeats 1 --requests-per-level 512 \
+         --warmup-requests 16 --server-args="--max-prefill-tokens-per-step 8192" --server-args-b=""
+         (the prefill budget's old behaviour, A = the whole 8192-token batch budget, against the
+         default, B = 2048: ITL p99 and TPOT at C = 256 with 1024-token prompts and 512 outputs)
 CPU smoke: python benchmarks/serve_bench.py --device cpu --model tiny --single-tokens 16 --runs 2 \
          --concurrency 1,2 --sweep-tokens 4 --repeats 1
 Results: $OUT/serve_bench/{single_a,sweep_a,sweep_b,compare}/ (summary.json, CSV, PNG); tables on stdout.
@@ -18,12 +23,22 @@ import shlex
 import sys
 from pathlib import Path
 
+from tpfuse.bench import SweepConfig
+
+
+class ExactSweepConfig(SweepConfig):
+    """A sweep whose requests_per_level is taken as given (a time-bounded A/B at high concurrency),
+    not raised to tpfuse bench's floor of 5 x C; None keeps the floor."""
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.requests_per_level or super().requests_at(concurrency)
+
 
 def serve_and_bench(args, server_args: list[str], label: str, out: Path, single: bool) -> Path:
     """Starts `tpfuse serve` with args' model/device/load format plus server_args, runs the single
     method (when `single`; into out/single_LABEL) and the sweep (into out/sweep_LABEL), stops the
     server; returns the sweep directory. args: warmups, runs, single_tokens, concurrency (text),
-    repeats, sweep_tokens, input_len, seed, start_timeout."""
+    repeats, sweep_tokens, requests_per_level, warmup_requests, input_len, seed, start_timeout."""
     from rich.console import Console
 
     from tpfuse.bench import (
@@ -31,7 +46,6 @@ def serve_and_bench(args, server_args: list[str], label: str, out: Path, single:
         ClientConfig,
         PromptConfig,
         SingleConfig,
-        SweepConfig,
         print_single,
         print_sweep,
         run_single,
@@ -55,7 +69,13 @@ def serve_and_bench(args, server_args: list[str], label: str, out: Path, single:
         prompts = PromptConfig("random", input_len=args.input_len, seed=args.seed)
         options = BenchOptions(ClientConfig(url=server.url), prompts, label=label)
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
-        config = SweepConfig(concurrencies, repeats=args.repeats, max_tokens=args.sweep_tokens)
+        config = ExactSweepConfig(
+            concurrencies,
+            requests_per_level=args.requests_per_level,
+            repeats=args.repeats,
+            max_tokens=args.sweep_tokens,
+            warmup_requests=args.warmup_requests,
+        )
         sweep = run_sweep(options, config)
         print_sweep(sweep, console)
         sweep_dir = out / f"sweep_{label}"
@@ -76,6 +96,13 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sweep-tokens", type=int, default=128)
+    p.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=None,
+        help="measured requests per repeat and level, exactly (default: 5 x C)",
+    )
+    p.add_argument("--warmup-requests", type=int, default=None, help="per level (default: C)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)

@@ -1,7 +1,8 @@
 """What the HTTP server costs: decode throughput through `tpfuse serve` vs the same engine in-process.
 
-For each concurrency c: c streamed requests (random prompt token ids, ignore_eos, max_tokens L) sent at
-once through the server, then the same workload on an LLMEngine in this process (after the server has
+For each concurrency c: c streamed requests (random prompt token ids, ignore_eos, min_tokens = max_tokens
+= L: the body tpfuse bench sends) sent at once through the server, then the same workload (same
+sampling parameters) on an LLMEngine in this process (after the server has
 stopped, so both get the whole GPU). Reports output tok/s of both, their ratio, and TTFT / inter-token
 latency seen by the HTTP client. The server's goal: ratio >= 0.97 at every concurrency (HTTP,
 tokenization and detokenization never stall the engine loop).
@@ -45,6 +46,7 @@ async def _http_batch(url: str, model: str, prompts, max_tokens: int) -> dict:
             "model": model,
             "prompt": prompt,
             "max_tokens": max_tokens,
+            "min_tokens": max_tokens,  # as tpfuse bench sends it (nothing to ban with ignore_eos)
             "ignore_eos": True,
             "temperature": 0,
             "stream": True,
@@ -107,7 +109,7 @@ def _loop_counters(url: str) -> dict:
 def _engine_batch(engine, prompts, max_tokens: int, tag: str) -> dict:
     from tpfuse.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)

@@ -9,7 +9,9 @@ min_tokens = max_tokens, usage in every chunk) records when each token arrived. 
 reports:
   srv tok/s / eng tok/s  per-stream rate through the server vs the same stand-in stepped in-process;
   outside us             the engine loop's mean time per step outside engine.step() (loop_* stats);
-  http CPU us/tok        the HTTP process's CPU time (user + system) per token;
+  CPU us/tok http/eng    CPU time (user + system) per token of the HTTP and the engine process;
+  switches/tok           their context switches (every thread's) per token: the wake-ups a token
+                         costs, which is what a per-token cost on a VM's CPUs mostly is;
   added p50 / p99 us     the arrival time of each token at the client minus when it left step();
   tok/chunk              tokens per SSE chunk (outputs that queued up are merged into one chunk).
 
@@ -129,6 +131,25 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _context_switches(pid: int) -> int:
+    """Voluntary + involuntary context switches of every thread of a process (its wake-ups)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    return total
+
+
+def _engine_pid(http_pid: int) -> int:
+    """The engine process: the HTTP process's child."""
+    for task in os.listdir(f"/proc/{http_pid}/task"):
+        with open(f"/proc/{http_pid}/task/{task}/children") as f:
+            children = f.read().split()
+        if children:
+            return int(children[-1])
+    raise RuntimeError(f"process {http_pid} has no engine process")
+
+
 def _loop_counters(url: str) -> dict:
     import httpx
 
@@ -193,12 +214,14 @@ def _measure_server(cadence_us: float, tokens: int, concurrency: int) -> dict:
             return await asyncio.gather(*(_stream(server.url, length) for _ in range(n)))
 
         asyncio.run(run(1, 32))  # warm-up
+        pids = {"http": server.proc.pid, "engine": _engine_pid(server.proc.pid)}
         before = _loop_counters(server.url)
-        cpu_before = _cpu_seconds(server.proc.pid)
+        usage = {name: (_cpu_seconds(pid), _context_switches(pid)) for name, pid in pids.items()}
         started = time.perf_counter()
         results = asyncio.run(run(concurrency, tokens))
         wall = time.perf_counter() - started
-        cpu = _cpu_seconds(server.proc.pid) - cpu_before
+        for name, pid in pids.items():
+            usage[name] = (_cpu_seconds(pid) - usage[name][0], _context_switches(pid) - usage[name][1])
         after = _loop_counters(server.url)
     added, per_stream, chunks = [], [], 0
     for response_id, arrivals in results:
@@ -217,7 +240,10 @@ def _measure_server(cadence_us: float, tokens: int, concurrency: int) -> dict:
     return {
         "tok_s": statistics.median(per_stream),
         "outside_us": 1e6 * (after["outside_s"] - before["outside_s"]) / steps,
-        "http_cpu_us_per_token": 1e6 * cpu / total,
+        "http_cpu_us_per_token": 1e6 * usage["http"][0] / total,
+        "engine_cpu_us_per_token": 1e6 * usage["engine"][0] / total,
+        "http_switches_per_token": usage["http"][1] / total,
+        "engine_switches_per_token": usage["engine"][1] / total,
         "added_p50_us": 1e6 * added[len(added) // 2],
         "added_p99_us": 1e6 * added[int(len(added) * 0.99)],
         "tokens_per_chunk": total / chunks,
@@ -257,14 +283,16 @@ def main() -> None:
     print(f"\nserver path on the CPU: stand-in engine, {args.concurrency} stream(s) x {args.tokens} tokens")
     print(
         f"{'cadence us':>10} {'srv tok/s':>10} {'eng tok/s':>10} {'ratio':>6} {'outside us':>11} "
-        f"{'http CPU us/tok':>16} {'added p50 us':>13} {'added p99 us':>13} {'tok/chunk':>10}"
+        f"{'CPU us/tok http/eng':>20} {'switches/tok http/eng':>22} {'added p50/p99 us':>17} "
+        f"{'tok/chunk':>10}"
     )
     for r in rows:
         print(
             f"{r['cadence_us']:>10.0f} {r['tok_s']:>10.1f} {r['engine_tok_s']:>10.1f} "
             f"{r['tok_s'] / r['engine_tok_s']:>6.3f} {r['outside_us']:>11.1f} "
-            f"{r['http_cpu_us_per_token']:>16.1f} {r['added_p50_us']:>13.0f} {r['added_p99_us']:>13.0f} "
-            f"{r['tokens_per_chunk']:>10.2f}"
+            f"{r['http_cpu_us_per_token']:>11.0f}/{r['engine_cpu_us_per_token']:<8.0f} "
+            f"{r['http_switches_per_token']:>12.2f}/{r['engine_switches_per_token']:<9.2f} "
+            f"{r['added_p50_us']:>8.0f}/{r['added_p99_us']:<8.0f} {r['tokens_per_chunk']:>10.2f}"
         )
 
 

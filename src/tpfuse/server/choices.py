@@ -100,30 +100,12 @@ class Choices:
         chunk when asked for, then [DONE]. The caller turns an EngineDied into an error event."""
         req = self.req
         created = responses.now()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, gen: Generation):
-            try:
-                async for piece in gen.pieces():
-                    await queue.put((index, piece, None))
-            except Exception as exc:  # EngineDied: ends the whole stream
-                await queue.put((index, None, exc))
-                return
-            await queue.put((index, None, None))
-
-        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self.gens)]
         held = ["" for _ in self.gens]
         first = [True for _ in self.gens]
         offsets = [0 for _ in self.gens]
-        running = len(tasks)
+        pieces = self._pieces()
         try:
-            while running:
-                index, piece, error = await queue.get()
-                if error is not None:
-                    raise error
-                if piece is None:
-                    running -= 1
-                    continue
+            async for index, piece in pieces:
                 text, reason = piece.text, piece.finish_reason
                 if req.tools is not None:  # calls are known only at the end
                     held[index] += text
@@ -151,13 +133,46 @@ class Choices:
             if req.include_usage:
                 yield sse(responses.usage_chunk(req.kind, response_id, created, req.model, self.usage()))
         finally:
+            await pieces.aclose()
+            for gen in self.gens:
+                gen._abort()
+
+    async def _pieces(self):
+        """(choice index, Piece) as each choice's pieces arrive. One choice is read directly (no
+        task or queue between the engine's outputs and the stream); n choices are pumped by one task
+        each into a shared queue. An EngineDied of any choice ends the whole stream."""
+        if len(self.gens) == 1:
+            async for piece in self.gens[0].pieces():
+                yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, gen: Generation):
+            try:
+                async for piece in gen.pieces():
+                    await queue.put((index, piece, None))
+            except Exception as exc:  # EngineDied
+                await queue.put((index, None, exc))
+                return
+            await queue.put((index, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self.gens)]
+        running = len(tasks)
+        try:
+            while running:
+                index, piece, error = await queue.get()
+                if error is not None:
+                    raise error
+                if piece is None:
+                    running -= 1
+                    continue
+                yield index, piece
+        finally:
             for task in tasks:
                 task.cancel()
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            for gen in self.gens:
-                gen._abort()
 
     def _chunk(self, response_id, created, index, delta, reason, first, logprobs=None) -> dict:
         req = self.req

@@ -56,9 +56,9 @@ class _EngineProcess:
 
 
 class EngineClient:
-    """`start()` spawns the engine; a reader thread turns pipe messages into per-request asyncio queues
-    on the event loop given to `attach(loop)`; sends go through a writer thread so a busy engine
-    never blocks the event loop. Each request's queue receives StepOutput objects, then nothing
+    """`start()` spawns the engine; once it is ready, the event loop given to `attach(loop)` reads its
+    pipe and puts each output on its request's asyncio queue; sends go through a writer thread so
+    a busy engine never blocks the event loop. Each request's queue receives StepOutput objects, then nothing
     more once one is finished; a rejection arrives as a ValueError instance, a lost engine (or a
     failed step of that request) as EngineDied.
 
@@ -86,6 +86,7 @@ class EngineClient:
         self.ready = threading.Event()  # the first start is over (ready or failed)
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._attached = threading.Event()
         self._engine: _EngineProcess | None = None
         self._lock = threading.Lock()
         self._last_heard = time.monotonic()
@@ -104,7 +105,9 @@ class EngineClient:
         threading.Thread(target=self._write, args=(engine,), name="tpfuse-engine-writer", daemon=True).start()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that serves the requests (and reads the engine's pipe once it is ready)."""
         self._loop = loop
+        self._attached.set()
 
     @property
     def is_ready(self) -> bool:
@@ -222,6 +225,9 @@ class EngineClient:
                 return
 
     def _read(self, engine: _EngineProcess) -> None:
+        """The start-up reader (a thread): the engine's messages until it is ready; from then on the
+        event loop reads the pipe itself (_on_readable), so no thread stands between the engine's
+        outputs and the streams."""
         while True:
             try:
                 message = engine.conn.recv()
@@ -229,25 +235,57 @@ class EngineClient:
                 self._lost(engine, "the engine process exited")
                 return
             self._last_heard = time.monotonic()
-            kind = message[0]
-            if kind == "ready":
-                self.info = message[1]
-                self.state = "ready"
-                self.stats = {}
-                if self.num_engine_deaths:
-                    log("the engine is serving again")
-                self.ready.set()
-            elif kind == "failed":
-                engine.lost_reason = f"start-up failed: {message[1]}"
-            elif kind == "crashed":
-                engine.lost_reason = f"the engine loop crashed:\n{message[1]}"
-            elif kind == "stats":
-                self.stats = message[1]
-            elif kind == "step_failed":
-                log(f"a step failed; its {len(message[1])} request(s) were aborted:\n{message[2]}")
-                self._call_soon(self._fail_some, message[1])
-            elif kind in ("outputs", "rejected"):
-                self._call_soon(self._dispatch, message)
+            self._take(engine, message, [])  # nothing for the loop comes before "ready"
+            if message[0] == "ready":
+                break
+        self._attached.wait()
+        self._call_soon(self._start_reading, engine)
+
+    def _start_reading(self, engine: _EngineProcess) -> None:
+        if engine is self._engine:  # else it was lost meanwhile
+            self._loop.add_reader(engine.conn.fileno(), self._on_readable, engine)
+
+    def _on_readable(self, engine: _EngineProcess) -> None:
+        """On the event loop: every message that is ready, acted on in order (outputs queued up while
+        the loop was busy are taken in one wake-up). An exited engine is handled in a thread."""
+        messages: list = []
+        try:
+            while True:
+                message = engine.conn.recv()
+                self._last_heard = time.monotonic()
+                self._take(engine, message, messages)
+                if not engine.conn.poll():
+                    break
+        except (EOFError, OSError):
+            self._loop.remove_reader(engine.conn.fileno())
+            self._dispatch_all(messages)
+            reason = "the engine process exited"
+            threading.Thread(target=self._lost, args=(engine, reason), daemon=True).start()
+            return
+        self._dispatch_all(messages)
+
+    def _take(self, engine: _EngineProcess, message, for_loop: list) -> None:
+        """Acts on one message where it was read, or appends it to for_loop (what the event loop's
+        queues get: outputs, rejections, failed steps)."""
+        kind = message[0]
+        if kind == "ready":
+            self.info = message[1]
+            self.state = "ready"
+            self.stats = {}
+            if self.num_engine_deaths:
+                log("the engine is serving again")
+            self.ready.set()
+        elif kind == "failed":
+            engine.lost_reason = f"start-up failed: {message[1]}"
+        elif kind == "crashed":
+            engine.lost_reason = f"the engine loop crashed:\n{message[1]}"
+        elif kind == "stats":
+            self.stats = message[1]
+        elif kind == "step_failed":
+            log(f"a step failed; its {len(message[1])} request(s) were aborted:\n{message[2]}")
+            for_loop.append(message)
+        elif kind in ("outputs", "rejected"):
+            for_loop.append(message)
 
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -264,6 +302,13 @@ class EngineClient:
             q = self._queues.pop(request_id, None)
             if q is not None:
                 q.put_nowait(EngineDied("the engine failed while running this request; it was aborted"))
+
+    def _dispatch_all(self, messages: list) -> None:
+        for message in messages:
+            if message[0] == "step_failed":
+                self._fail_some(message[1])
+            else:
+                self._dispatch(message)
 
     def _dispatch(self, message) -> None:
         if message[0] == "rejected":
