@@ -6,7 +6,7 @@ GPU: python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy
      python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy --single-tokens 0 \
          --server-args-b="--speculative-algorithm ngram"   (use = so argparse takes the flags as a value)
      python benchmarks/serve_bench.py --model llama-3.1-8b --load-format dummy --single-tokens 0 \
-         --concurrency 256 --input-len 1024 --sweep-tokens 512 --repeats 1 --requests-per-level 512 \
+         --concurrency 256 --input-len 1024 --sweep-tokens 512 --repeats 1 --requests-per-level 256 \
          --warmup-requests 16 --server-args="--max-prefill-tokens-per-step 8192" --server-args-b=""
          (the prefill budget's old behaviour, A = the whole 8192-token batch budget, against the
          default, B = 2048: ITL p99 and TPOT at C = 256 with 1024-token prompts and 512 outputs)
