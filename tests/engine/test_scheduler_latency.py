@@ -155,3 +155,21 @@ def test_prefill_budget_flag_reaches_the_scheduler_and_is_checked():
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_prefill_tokens_per_step=96))
     assert engine.scheduler.max_prefill_tokens_per_step == 96
     engine.shutdown()
+
+
+def test_the_engine_keeps_every_stream_decoding_while_a_long_prompt_is_prefilled_under_the_budget():
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_prefill_tokens_per_step=16))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"s{i}", [10 + i, 20, 30], params)
+    engine.step()  # the three prompts
+    engine.add_request("long", [(7 * j) % 200 + 40 for j in range(200)], params)
+    steps = 0
+    while True:
+        got = {o.request_id for o in engine.step()}
+        if "long" in got:
+            break
+        assert got == {"s0", "s1", "s2"}  # every stream, every step
+        steps += 1
+    engine.shutdown()
+    assert steps == 200 // 16  # 12 steps of 16 prompt tokens, then the last 8 with its first token
