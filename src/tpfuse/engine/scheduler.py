@@ -265,16 +265,23 @@ class Scheduler:
         that finished (or was aborted) after batch was launched ahead gets nothing."""
         updated = []
         bm = self.block_manager
-        sealing = bm.enable_prefix_caching
+        sealing, block_size = bm.enable_prefix_caching, bm.block_size
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, emitted, strict=True):
             if seq.is_finished:
                 continue
-            drafts = len(tokens) - 1 if tokens else 0
-            seq.num_computed_tokens += n + drafts
-            if sealing and not drafts and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
-                bm.seal_computed_blocks(seq)
-            if not tokens:
+            if not tokens or len(tokens) == 1:  # no drafts accepted: every plain step's rows
+                seq.num_computed_tokens += n
+                if sealing and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                    bm.seal_computed_blocks(seq)
+                if tokens:
+                    token = tokens[0]
+                    seq.token_ids.append(token)
+                    updated.append((seq, tokens))
+                    reason = self._finish_reason(seq, token)
+                    if reason is not None:
+                        self.finish(seq, reason)
                 continue
+            seq.num_computed_tokens += n + len(tokens) - 1
             taken = []
             for token in tokens:
                 seq.token_ids.append(token)
@@ -284,7 +291,7 @@ class Scheduler:
                     self.finish(seq, reason)
                     break
             # Accepted drafts' positions are computed, but their ids were appended only now.
-            if sealing and drafts and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            if sealing and seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 bm.seal_computed_blocks(seq)
             updated.append((seq, taken))
         return updated
