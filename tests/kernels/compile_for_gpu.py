@@ -223,7 +223,7 @@ def _quant_variants(p: str):
     for kernel, bits, group, cols_k, n in experts:
         codes = {"w_ptr": i32 if bits else fp8, "s_ptr": p if bits else "*fp32"}
         stack = quant_moe.QuantExperts(None, None, bits, group, cols_k)
-        steps = quant_moe._steps(stack, cols_k, 8 if bits else 4, n, 1024, True)
+        steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
         extra = dict(TOP_K=8) if kernel is gate_up else {}
         yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
 

@@ -171,18 +171,22 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
     else:
         block_k = gemv_block_k(block_k, cols_k, stack.bits)
         per_row, sub_k, subs = False, block_k, 1
+    # a short K step (the down projection's K is the intermediate size) takes more rows per program,
+    # so each thread still has about as many weights per step to amortise the x loads over
+    block_n = min(64, max(block_n, block_n * max_block_k // block_k))
     even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
     return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                 SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0)  # fmt: skip
 
 
 def quant_slots_triton(
-    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=None, block_k=1024
+    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=16, block_k=None
 ):
     """Triton quant_slots_ref (the per-slot route). x [T, H] bf16/fp16/fp32 contiguous. Integer
-    stacks need a group size that is a multiple of the values in a packed word. block_n: expert rows
-    per program (default 8 for integer codes, whose per-row work is more, 4 for FP8)."""
-    block_n = block_n or (8 if w13.bits else 4)
+    stacks need a group size that is a multiple of the values in a packed word. block_n / block_k:
+    expert rows per program and the widest K step (default 1024 for integer codes, 512 for FP8: the
+    GEMV shapes with the fewest instructions per weight on sm_90, kernels/quant_int.py, quant_fp8.py)."""
+    block_k = block_k or (1024 if w13.bits else 512)
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.codes.shape[1] // 2
     num_slots = num_tokens * top_k
@@ -198,14 +202,16 @@ def quant_slots_triton(
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, block_n))](
+    up = _steps(w13, hidden, block_n, inter, block_k, x_pairs(x))
+    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13.codes, w13.scales, act, ids, hidden, inter, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, **_steps(w13, hidden, block_n, inter, block_k, x_pairs(x)),
+        TOP_K=top_k, **up,
     )  # fmt: skip
-    _slot_down_kernel[(num_slots, triton.cdiv(hidden, block_n))](
+    down = _steps(w2, inter, block_n, hidden, block_k, x_pairs(act))
+    _slot_down_kernel[(num_slots, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, w2.codes, w2.scales, out, weights, ids, hidden, inter, act.stride(0),
         w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        **_steps(w2, inter, block_n, hidden, block_k, x_pairs(act)),
+        **down,
     )  # fmt: skip
     return out
