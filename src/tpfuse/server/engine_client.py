@@ -57,10 +57,10 @@ class _EngineProcess:
 
 class EngineClient:
     """`start()` spawns the engine; once it is ready, the event loop given to `attach(loop)` reads its
-    pipe and puts each output on its request's asyncio queue; sends go through a writer thread so
-    a busy engine never blocks the event loop. Each request's queue receives StepOutput objects, then nothing
-    more once one is finished; a rejection arrives as a ValueError instance, a lost engine (or a
-    failed step of that request) as EngineDied.
+    pipe and puts each output on its request's asyncio queue; sends go through a writer thread so a
+    busy engine never blocks the event loop. Each request's queue receives StepOutput objects, then
+    nothing more once one is finished; a rejection arrives as a ValueError instance, a lost engine
+    (or a failed step of that request) as EngineDied.
 
     state: "starting" | "ready" | "restarting" | "failed"; failure: why it failed (for the log).
     """
@@ -174,7 +174,7 @@ class EngineClient:
                     f"the engine sent nothing for {silent:.0f} s while it held {len(self._queues)} "
                     f"request(s) (--engine-step-timeout {self.step_timeout_s:g}): a hung step or rank; killed"
                 )
-                engine.process.kill()  # the reader then sees EOF and calls _lost
+                engine.process.kill()  # the pipe's reader then sees EOF and calls _lost
 
     # ---- requests -----------------------------------------------------------------------------
 
