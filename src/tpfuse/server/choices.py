@@ -16,13 +16,15 @@ from tpfuse.server.protocol import GenerateRequest
 
 # JSON leaves these raw, and clients that split lines on them (NEL, LINE/PARAGRAPH SEPARATOR) break.
 _SSE_ESCAPES = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # built once, not per event
 
 
 def sse(obj) -> str:
     """One SSE event whose data is obj as JSON on one line, whatever the text holds."""
-    return (
-        "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_SSE_ESCAPES) + "\n\n"
-    )
+    data = _encode(obj)
+    if "\u0085" in data or "\u2028" in data or "\u2029" in data:
+        data = data.translate(_SSE_ESCAPES)
+    return "data: " + data + "\n\n"
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
