@@ -176,7 +176,7 @@ def _quant_variants(p: str):
     from tpfuse.model.linear_choice import QUANT_TILES
 
     fp8, i32 = "*fp8e4nv", "*i32"
-    ints = {"num_rows": "i32", "num_cols": "i32"}
+    ints = {"num_rows": "i32", "num_cols": "i32", "k_per_split": "i32"}
     for group in (128, 32):
         tile = QUANT_TILES[1][0]
         yield (
@@ -197,16 +197,18 @@ def _quant_variants(p: str):
     fp8_tiles = quant_fp8.FP8_TILES
     dots = [(4, 128, QUANT_TILES[16][0], False), (4, 128, QUANT_TILES[64][1], False),
             (0, 128, fp8_tiles[16][0], False), (0, 128, fp8_tiles[64][1], False),
-            (0, 4096, fp8_tiles[32][0], False), (4, 128, quant_dot.default_tile(65), True)]  # fmt: skip
+            (0, 4096, fp8_tiles[32][0], False), (4, 128, quant_dot.default_tile(65), True),
+            (0, 128, fp8_tiles[64][2], False), (4, 128, QUANT_TILES[16][2], False)]  # fmt: skip
     for bits, scale_k, tile, offsets in dots:
         block_k, mode = quant_dot.scale_plan(tile.block_k, scale_k, 4096, offsets)
         scales = "*fp32" if bits == 0 else p
         yield (
             quant_dot._quant_dot_kernel,
-            {"*": p, "w_ptr": fp8 if bits == 0 else i32, "s_ptr": scales, "o_ptr": "*fp32"}, ints,
+            {"*": p, "w_ptr": fp8 if bits == 0 else i32, "s_ptr": scales, "o_ptr": "*fp32",
+             "partials_ptr": "*fp32", "counter_ptr": i32}, ints,
             dict(BITS=bits, SCALE_N=1, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets,
                  HAS_BIAS=offsets, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-                 SWAP=tile.swap, EVEN_K=not offsets, DOT_PRECISION="tf32"),
+                 SWAP=tile.swap, SPLIT_K=tile.split_k, EVEN_K=not offsets, DOT_PRECISION="tf32"),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
     for per_block in (True, False):

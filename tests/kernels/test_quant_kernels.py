@@ -188,6 +188,7 @@ def _int_expected(x, packed, values, scales, offsets, bits, group):
         (3, 40, 96, 4, 32, False, IntTile(16, 32, 32, 1, 4, swap=True)),  # tl.dot, scale per step
         (5, 24, 120, 4, 40, True, IntTile(16, 16, 64, 1, 4)),  # group 40: scale per element
         (4, 24, 200, 4, 200, False, IntTile(16, 16, 64, 1, 4, swap=True)),  # one group: after the loop
+        (5, 24, 192, 4, 32, True, IntTile(16, 16, 32, 1, 4, split_k=4)),  # split-K, offsets per step
     ],
 )
 def test_int_linear_tiles_and_scale_modes_match_float64(rows, n, k, bits, group, asymmetric, tile):
@@ -218,6 +219,8 @@ def test_int_linear_refuses_a_group_that_splits_a_packed_word():
         (6, 48, 160, (1, 160), IntTile(16, 32, 64, 1, 4, swap=True)),  # tl.dot, row scale after the loop
         (5, 20, 100, (3, 24), IntTile(16, 16, 32, 1, 4)),  # scale per element
         (17, 40, 256, (1, 128), IntTile(32, 32, 128, 1, 4, swap=True)),  # scale per K step
+        (9, 40, 320, (1, 320), IntTile(16, 32, 64, 1, 4, swap=True, split_k=3)),  # 128+128+64, row scale
+        (9, 40, 320, (1, 64), IntTile(16, 16, 64, 1, 4, split_k=2)),  # split-K, scale per K step
     ],
 )
 def test_fp8_linear_tiles_and_scale_modes_match_float64(rows, n, k, block, tile):
@@ -265,3 +268,15 @@ def test_fp8_per_channel_expert_slots_match_float64():
     expected = quant_moe.slots_ref(x.double(), gate_up, down, weights.double(), ids)
     out = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, block_n=16)
     _close(out, expected.double(), torch.float32)
+
+
+def test_split_k_sums_in_split_order_and_leaves_its_counters_at_zero():
+    from tpfuse.kernels.decode_merge import arrival_counters
+
+    gen = torch.Generator().manual_seed(10)
+    weight, scale = _fp8_weights(40, 320, (1, 64), gen)
+    x = torch.randn(9, 320, generator=gen)
+    tile = IntTile(16, 16, 64, 1, 4, split_k=3)
+    first = quant_fp8.fp8_linear_triton(x, weight, scale, (1, 64), tile=tile)
+    assert torch.equal(first, quant_fp8.fp8_linear_triton(x, weight, scale, (1, 64), tile=tile))
+    assert not arrival_counters(x.device, 1).any()

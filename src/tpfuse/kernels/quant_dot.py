@@ -9,10 +9,14 @@ constant (SCALE_MODE):
   STEP  constant over each K step (the step divides the scale block: FP8 128-column blocks, integer
         groups of 32 / 128): the step's product is scaled (and offset by o * sum(x)) as it is added;
   ELEMENT any other layout: each weight element is scaled before the product (rounded to x's dtype).
-The grid is (row blocks, column blocks) with rows fastest, so at prefill sizes consecutive programs
-share a weight tile (read once from memory) while x stays in L2; at decode sizes there is one row
-block and each weight byte is read once. SWAP computes the transposed product (weight tile as the
-MMA's M side), which suits 16-64 rows. Which tile runs each shape is timed at start-up
+The grid is (row blocks, column blocks, K splits) with rows fastest, so at prefill sizes consecutive
+programs share a weight tile (read once from memory) while x stays in L2; at decode sizes there is
+one row block and each weight byte is read once. SWAP computes the transposed product (weight tile
+as the MMA's M side), which suits 16-64 rows. SPLIT_K > 1 divides K among programs for weights with
+few rows (4096-row o_proj / down: 64 programs of 64 rows leave half the SMs idle): each stores its
+fp32 partial and the last to arrive (an arrival counter per output tile, reset by it: graph-safe)
+sums them in split order, so results do not depend on arrival order (kernels/skinny_linear.py's
+scheme, and its buffers). Which tile runs each shape is timed at start-up
 (model/linear_choice.py).
 """
 
@@ -24,13 +28,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.decode_merge import arrival_counters
+from tpfuse.kernels.skinny_linear import partials_buffer
+
 ROW, STEP, ELEMENT = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class IntTile:
     """Launch configuration of the weight-only kernels; block_m 1 is the GEMV form (no tl.dot).
-    swap: the transposed product in the tensor-core form."""
+    swap: the transposed product in the tensor-core form; split_k: K divided among that many
+    programs per output tile (tensor-core form only)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -38,12 +46,13 @@ class IntTile:
     num_stages: int = 3
     num_warps: int = 4
     swap: bool = False
+    split_k: int = 1
 
     def label(self) -> str:
         form = "gemv " if self.block_m == 1 else ""
-        swap = " swap" if self.swap else ""
+        extra = (" swap" if self.swap else "") + (f" split{self.split_k}" if self.split_k > 1 else "")
         size = f"m{self.block_m} n{self.block_n} k{self.block_k}"
-        return f"{form}{size} s{self.num_stages} w{self.num_warps}{swap}"
+        return f"{form}{size} s{self.num_stages} w{self.num_warps}{extra}"
 
 
 def default_tile(rows: int) -> IntTile:
@@ -96,9 +105,12 @@ def _quant_dot_kernel(
     o_ptr,
     bias_ptr,
     out_ptr,
+    partials_ptr,
+    counter_ptr,
     num_rows,
     num_cols,
     hidden,
+    k_per_split,
     stride_xm,
     stride_wn,
     stride_sn,
@@ -113,7 +125,8 @@ def _quant_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP: tl.constexpr,
-    EVEN_K: tl.constexpr,  # BLOCK_K divides hidden: K unmasked
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # BLOCK_K divides hidden (and k_per_split): K unmasked
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit inputs ignore it)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,7 +145,8 @@ def _quant_dot_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_start = tl.program_id(2) * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, hidden), BLOCK_K):
         ks = k0 + lanes
         if EVEN_K:
             x_mask = row_mask[:, None]
@@ -191,12 +205,29 @@ def _quant_dot_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if SWAP:
         acc = tl.trans(acc)
-    if SCALE_MODE == 0:
-        acc *= tl.load(s_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    last = True
+    if SPLIT_K > 1:
+        tile = rows[:, None] * num_cols + cols[None, :]
+        tl.store(partials_ptr + tl.program_id(2) * num_rows * num_cols + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stores before the release below
+        counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        if last:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(partials_ptr + split * num_rows * num_cols + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+            tl.atomic_xchg(counter, 0)
+    if last:
+        if SCALE_MODE == 0:
+            acc *= tl.load(s_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def quant_dot(x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scale_k: int, tile: IntTile):
@@ -209,13 +240,21 @@ def quant_dot(x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scal
     if num_rows == 0 or num_cols == 0:
         return out
     block_k, mode = scale_plan(tile.block_k, scale_k, hidden, offsets is not None)
-    grid = (triton.cdiv(num_rows, tile.block_m), triton.cdiv(num_cols, tile.block_n))
+    split_k = max(1, min(tile.split_k, triton.cdiv(hidden, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k
+    split_k = triton.cdiv(hidden, k_per_split)  # no empty split
+    grid = (triton.cdiv(num_rows, tile.block_m), triton.cdiv(num_cols, tile.block_n), split_k)
+    partials = counters = out
+    if split_k > 1:
+        partials = partials_buffer(x.device, split_k * num_rows * num_cols)
+        counters = arrival_counters(x.device, grid[0] * grid[1])
     _quant_dot_kernel[grid](
         x, weight, scales, offsets if offsets is not None else scales, bias if bias is not None else x, out,
-        num_rows, num_cols, hidden, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
+        partials, counters, num_rows, num_cols, hidden, k_per_split,
+        x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, SCALE_N=scale_n, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets is not None,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        SWAP=tile.swap, EVEN_K=hidden % block_k == 0,
+        SWAP=tile.swap, SPLIT_K=split_k, EVEN_K=hidden % block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

@@ -28,11 +28,18 @@ FP8_DTYPE = torch.float8_e4m3fn
 # Bucket 1: the GEMV with 8-16 KB of weight per program step (per-channel: about 3.3 instructions
 # per weight on sm_90 at 8 x 1024; 128-column blocks: 5.6 there, 4.8 at 16 x 512, 4.3 at 32 x 512,
 # which has fewer programs); 16-64 rows: tl.dot, the weight as the MMA's M side (swap, 64 weight
-# rows) or 32 weight rows a program (twice the programs on 4096 rows).
+# rows), 32 weight rows a program (twice the programs on 4096 rows), or split-K (as the integer
+# tiles, model/linear_choice.py).
 FP8_TILES = {
     1: (Fp8Tile(1, 8, 1024, 1, 4), Fp8Tile(1, 16, 512, 1, 4), Fp8Tile(1, 32, 512, 1, 4)),
-    **{b: (Fp8Tile(b, 64, 128, 4, 4, swap=True), Fp8Tile(b, 32, 128, 4, 4)) for b in (16, 32, 64)},
-}
+    **{
+        b: (Fp8Tile(b, 64, 128, 4, 4, swap=True), Fp8Tile(b, 32, 128, 4, 4),
+            Fp8Tile(b, 64, 128, 4, 4, swap=True, split_k=2))
+        for b in (16, 32)
+    },
+    64: (Fp8Tile(64, 64, 128, 4, 4, swap=True), Fp8Tile(64, 32, 128, 4, 4),
+         Fp8Tile(64, 128, 128, 4, 8, swap=True, split_k=4)),
+}  # fmt: skip
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -237,14 +237,19 @@ def reset() -> None:
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
 # are few (each is a compile at start-up): bucket 1 the GEMV at 8-32 rows per program and 4-8 KB
 # of codes per step (16 rows x 128 words: about 5.3 instructions per weight on sm_90, 8 rows: 6.2);
-# 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows,
-# swap) or x (32 columns, twice the programs for the 4096-row projections).
+# 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows, swap), x (32 columns,
+# twice the programs for the 4096-row projections), or split-K (o_proj / down: 64 of 132 SMs busy
+# otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
     1: (IntTile(1, 16, 1024, 1, 4), IntTile(1, 32, 512, 1, 4), IntTile(1, 8, 1024, 1, 4)),
-    16: (IntTile(16, 64, 128, 3, 4, swap=True), IntTile(16, 32, 128, 3, 4)),
-    32: (IntTile(32, 64, 128, 3, 4, swap=True), IntTile(32, 32, 128, 3, 4)),
-    64: (IntTile(64, 64, 128, 3, 4, swap=True), IntTile(64, 32, 128, 3, 4)),
-}
+    **{
+        b: (IntTile(b, 64, 128, 3, 4, swap=True), IntTile(b, 32, 128, 3, 4),
+            IntTile(b, 64, 128, 3, 4, swap=True, split_k=2))
+        for b in (16, 32)
+    },
+    64: (IntTile(64, 64, 128, 3, 4, swap=True), IntTile(64, 32, 128, 3, 4),
+         IntTile(64, 128, 128, 3, 8, swap=True, split_k=4)),
+}  # fmt: skip
 _QUANT_TILES: dict[tuple, IntTile] = {}
 
 
