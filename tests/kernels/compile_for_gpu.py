@@ -211,13 +211,13 @@ def _quant_variants(p: str):
                  SWAP=tile.swap, SPLIT_K=tile.split_k, EVEN_K=not offsets, DOT_PRECISION="tf32"),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
-    for per_block in (True, False):
+    for per_block, (block_m, warps) in ((True, (64, 4)), (False, (128, 8))):
         yield (
             quant_fp8_w8a8._fp8_w8a8_kernel,
             {"*": p, "xq_ptr": fp8, "w_ptr": fp8, "xs_ptr": "*fp32", "s_ptr": "*fp32"}, ints,
-            dict(HIDDEN=4096, SCALE_N=1, PER_BLOCK=per_block, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128,
+            dict(HIDDEN=4096, SCALE_N=1, PER_BLOCK=per_block, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=128,
                  BLOCK_K=128),
-            {"num_warps": 8, "num_stages": 3},
+            {"num_warps": warps, "num_stages": 3},
         )  # fmt: skip
     gate_up, down = quant_moe._slot_gate_up_kernel, quant_moe._slot_down_kernel
     experts = ((gate_up, 4, 128, 2048, 768), (down, 4, 128, 768, 2048),
