@@ -108,6 +108,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sweep-tokens", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--requests-per-level", type=int, default=None, help="default: 5 x C per repeat")
+    p.add_argument("--warmup-requests", type=int, default=None, help="default: C per level")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=1800.0)
     args = p.parse_args()
