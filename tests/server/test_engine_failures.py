@@ -88,7 +88,9 @@ def test_hung_engine_is_killed_after_the_step_timeout_and_restarted(server):
     assert response.status_code == 503 and time.monotonic() - started < 20
     _wait_health(server.url, 200)
     assert _served(server.url)
-    assert "a hung step or rank" in server.output()
+    output = server.output()
+    assert "a hung step or rank" in output and "running," in output
+    assert "fake_engine.py" in output and "in step" in output  # the hung thread's stack, from faulthandler
 
 
 def test_sigterm_ends_an_open_stream_with_an_error_event_and_exits_non_zero_after_an_engine_death(server):

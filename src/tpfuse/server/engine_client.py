@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
 import queue
 import sys
 import threading
@@ -19,9 +20,10 @@ import time
 from collections.abc import Callable
 
 from tpfuse.config import EngineConfig
-from tpfuse.server.engine_process import EngineInfo, make_llm_engine, run_engine_loop
+from tpfuse.server.engine_process import STACKS_SIGNAL, EngineInfo, make_llm_engine, run_engine_loop
 
 WATCHDOG_INTERVAL_S = 0.5
+STACKS_WAIT_S = 1.0  # for a hung engine to write its stacks before it is killed
 
 
 class EngineDied(RuntimeError):
@@ -170,10 +172,16 @@ class EngineClient:
                 continue
             silent = time.monotonic() - self._last_heard
             if silent > self.step_timeout_s:
+                running, waiting = self.stats.get("num_running", "?"), self.stats.get("num_waiting", "?")
                 engine.lost_reason = (
                     f"the engine sent nothing for {silent:.0f} s while it held {len(self._queues)} "
-                    f"request(s) (--engine-step-timeout {self.step_timeout_s:g}): a hung step or rank; killed"
+                    f"request(s) (--engine-step-timeout {self.step_timeout_s:g}; its last stats: {running} "
+                    f"running, {waiting} waiting): a hung step or rank; its threads' stacks are above; killed"
                 )
+                log(f"the engine sent nothing for {silent:.0f} s; its threads' stacks follow")
+                with contextlib.suppress(OSError):
+                    os.kill(engine.process.pid, STACKS_SIGNAL)
+                time.sleep(STACKS_WAIT_S)
                 engine.process.kill()  # the pipe's reader then sees EOF and calls _lost
 
     # ---- requests -----------------------------------------------------------------------------

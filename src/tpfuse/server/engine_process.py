@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import signal
 import time
@@ -91,12 +92,16 @@ def _set_cpu_threads(config: EngineConfig) -> None:
             torch.set_num_threads(cpu_threads())
 
 
+STACKS_SIGNAL = signal.SIGUSR1  # on it the engine process writes every thread's stack to stderr
+
+
 def run_engine_loop(conn, config: EngineConfig, engine_factory: Callable = make_llm_engine) -> None:
     """Process target: builds the engine, reports ready, then serves the pipe until shutdown or EOF.
     Ctrl-C and SIGTERM reach the whole process group; only the HTTP process acts on them (it sends
     "shutdown", or kills this process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the watchdog asks before it kills a hung engine
     _set_cpu_threads(config)
     try:
         engine = engine_factory(config)
