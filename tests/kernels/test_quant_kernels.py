@@ -189,6 +189,8 @@ def _int_expected(x, packed, values, scales, offsets, bits, group):
         (5, 24, 120, 4, 40, True, IntTile(16, 16, 64, 1, 4)),  # group 40: scale per element
         (4, 24, 200, 4, 200, False, IntTile(16, 16, 64, 1, 4, swap=True)),  # one group: after the loop
         (5, 24, 192, 4, 32, True, IntTile(16, 16, 32, 1, 4, split_k=4)),  # split-K, offsets per step
+        (6, 20, 200, 8, 20, False, IntTile(16, 16, 64, 1, 4)),  # 8-bit tl.dot: per element, words masked
+        (3, 20, 100, 4, 100, False, IntTile(16, 16, 64, 1, 4, swap=True)),  # last word half used
     ],
 )
 def test_int_linear_tiles_and_scale_modes_match_float64(rows, n, k, bits, group, asymmetric, tile):

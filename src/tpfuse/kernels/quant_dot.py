@@ -3,8 +3,9 @@ tile of x on tl.dot, for integer group codes (kernels/quant_int.py) and FP8 e4m3
 
 Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile in registers, exactly: FP8 is cast to x's
 dtype, integer codes become the small integers q - 2^(bits-1) (or q with offsets) through the float
-bit pattern 1 + q / 2^bits, so no int-to-float conversion runs. Scales are applied where they are
-constant (SCALE_MODE):
+bit pattern 1 + q / 2^bits, so no int-to-float conversion runs; each packed word is loaded once (a
+[BLOCK_N, BLOCK_K / values per word] tile) and spread to its lanes in registers. Scales are applied
+where they are constant (SCALE_MODE):
   ROW   one scale per output column (per-channel FP8, one group over K): once after the K loop;
   STEP  constant over each K step (the step divides the scale block: FP8 128-column blocks, integer
         groups of 32 / 128): the step's product is scaled (and offset by o * sum(x)) as it is added;
@@ -100,6 +101,17 @@ def code_as_float(words, shift, BITS: tl.constexpr):
 
 
 @triton.jit
+def spread_words(words, PER_WORD: tl.constexpr):
+    """[R, W] int32 -> [R, W * PER_WORD] (PER_WORD 4 or 8), column i * PER_WORD + j holding word i:
+    each word repeated in the registers of the thread that loaded it (no shared-memory exchange)."""
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    if PER_WORD == 8:
+        words = tl.interleave(words, words)
+    return words
+
+
+@triton.jit
 def _quant_dot_kernel(
     x_ptr,
     w_ptr,
@@ -141,7 +153,8 @@ def _quant_dot_kernel(
     lanes = tl.arange(0, BLOCK_K)
     if BITS > 0:
         PER_WORD: tl.constexpr = 32 // BITS
-        word_of = lanes // PER_WORD
+        WORDS: tl.constexpr = BLOCK_K // PER_WORD
+        num_words = (hidden + PER_WORD - 1) // PER_WORD
         shift = (lanes % PER_WORD) * BITS
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -164,10 +177,14 @@ def _quant_dot_kernel(
             else:
                 w = raw.to(xt.dtype)
         else:
-            PER_WORD2: tl.constexpr = 32 // BITS
-            words = tl.load(w_rows + (k0 // PER_WORD2 + word_of)[None, :], mask=w_mask, other=0,
-                            eviction_policy="evict_first")  # fmt: skip
-            f = code_as_float(words, shift[None, :], BITS)
+            # each word once ([BLOCK_N, WORDS], contiguous), its codes split in registers: a tile of
+            # per-lane word pointers would copy every word PER_WORD times through shared memory
+            wk = k0 // PER_WORD + tl.arange(0, WORDS)
+            word_mask = col_mask[:, None]
+            if not EVEN_K:
+                word_mask = word_mask & (wk < num_words)[None, :]
+            words = tl.load(w_rows + wk[None, :], mask=word_mask, other=0, eviction_policy="evict_first")
+            f = code_as_float(spread_words(words, PER_WORD), shift[None, :], BITS)
             if HAS_OFFSET:
                 w = (f - 1.0) * (1 << BITS)  # q
             else:
