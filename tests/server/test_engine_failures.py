@@ -69,7 +69,12 @@ def test_a_failed_step_errors_its_request_and_the_engine_keeps_serving(server):
 
 
 def test_killed_engine_is_reported_and_restarted(server):
+    restarts = server.output().count("the engine is serving again")
     os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+    # /health answers 200 until the HTTP process has seen the pipe's EOF: wait for the restart itself
+    deadline = time.monotonic() + 60
+    while server.output().count("the engine is serving again") == restarts and time.monotonic() < deadline:
+        time.sleep(0.05)
     _wait_health(server.url, 200)
     assert _served(server.url)
     assert "the engine process died" in server.output() and "restarting it" in server.output()

@@ -226,11 +226,24 @@ class EngineClient:
     # ---- threads ------------------------------------------------------------------------------
 
     def _write(self, engine: _EngineProcess) -> None:
+        """The writer thread: blocking sends, in order. A message that cannot be pickled rejects its
+        request; a pipe that fails while the engine process lives loses the engine (its requests get
+        EngineDied at once, not after the watchdog's step timeout); an exited engine is the reader's."""
         while (message := engine.outbox.get()) is not None:
             try:
                 engine.conn.send(message)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
+                process = getattr(engine, "process", None)
+                if engine.lost_reason is None and process is not None and process.is_alive():
+                    reason = f"the pipe to the engine failed: {type(exc).__name__}: {exc}"
+                    log(reason)
+                    self._lost(engine, reason)
                 return
+            except Exception as exc:  # noqa: BLE001 - the pickler's errors are of any type
+                log(f"a {message[0]!r} message could not be sent to the engine: {type(exc).__name__}: {exc}")
+                if message[0] == "add":
+                    rejected = ("rejected", message[1], "the request could not be passed to the engine")
+                    self._call_soon(self._dispatch, rejected)
 
     def _read(self, engine: _EngineProcess) -> None:
         """The start-up reader (a thread): the engine's messages until it is ready; from then on the
@@ -250,8 +263,14 @@ class EngineClient:
         self._call_soon(self._start_reading, engine)
 
     def _start_reading(self, engine: _EngineProcess) -> None:
+        """add_reader on the pipe, which must stay blocking: the writer thread sends on the same
+        socket (a non-blocking send raises BlockingIOError once the engine is a socket buffer behind)
+        and Connection.recv must read a whole message. uvloop (libuv's uv_poll_init) sets the fd
+        non-blocking; the selector loop leaves it as it is."""
         if engine is self._engine:  # else it was lost meanwhile
-            self._loop.add_reader(engine.conn.fileno(), self._on_readable, engine)
+            fd = engine.conn.fileno()
+            self._loop.add_reader(fd, self._on_readable, engine)
+            os.set_blocking(fd, True)
 
     def _on_readable(self, engine: _EngineProcess) -> None:
         """On the event loop: every message that is ready, acted on in order (outputs queued up while
