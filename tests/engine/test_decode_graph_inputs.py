@@ -4,10 +4,10 @@ at any table width, and leave each row's argmax in token_ids."""
 
 import torch
 
+from tpfuse.engine.batch import Ban, Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Ban, Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import decode_capacity, pack_step, read_header, unpack_step
 

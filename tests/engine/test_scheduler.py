@@ -4,9 +4,10 @@ A fake model stands in for the runner: the next token is a fixed function of the
 any bookkeeping mistake (a lost or repeated chunk, a wrong order) changes the outputs.
 """
 
+from tpfuse.engine.batch import Ban
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Ban, Scheduler
+from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 4

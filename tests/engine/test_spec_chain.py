@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tpfuse.config import EngineConfig
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Batch, Scheduler
+from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.spec_chain import TEMPLATE_TOKEN, continued_results, shift_by_accepted, template_batch
 from tpfuse.engine.spec_inputs import pack_spec_step, read_spec_header, unpack_spec

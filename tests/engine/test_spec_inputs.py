@@ -1,9 +1,10 @@
 """Packing a speculative step: verify rows of k + 1 tokens, per-row draft limits, drafter catch-up
 ranges, min_tokens bans at every verified position; the scheduler's lookahead blocks."""
 
+from tpfuse.engine.batch import Ban, Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Ban, Batch, Scheduler
+from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.spec_inputs import pack_spec_step, read_spec_header, unpack_spec
 from tpfuse.engine.step_inputs import read_header, unpack_step

@@ -2,9 +2,9 @@
 
 import torch
 
+from tpfuse.engine.batch import Ban, Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Ban, Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_inputs import pack_next_decode, pack_step, read_header, row_seed, unpack_step
 

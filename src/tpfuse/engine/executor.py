@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from tpfuse.engine.batch import Batch
     from tpfuse.engine.runner import ModelRunner
-    from tpfuse.engine.scheduler import Batch
     from tpfuse.engine.spec_chain import ChainLink
     from tpfuse.engine.spec_forward import SpecForward
     from tpfuse.engine.token_readback import PendingStep

@@ -18,8 +18,8 @@ import torch
 from tpfuse.comm.communicator import Communicator, SingleRankCommunicator
 from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import DecodeGraphs
-from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_chain import ChainLink
 from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
 from tpfuse.engine.spec_worker import SpecWorker

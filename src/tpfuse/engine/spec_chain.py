@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.spec_inputs import SpecInputs
 from tpfuse.engine.step_inputs import StepInputs

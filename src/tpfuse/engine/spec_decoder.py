@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from tpfuse.config import EngineConfig
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
-from tpfuse.engine.scheduler import Batch
 from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
 from tpfuse.engine.spec_inputs import pack_spec_step
 from tpfuse.engine.spec_rows import draft_limit, is_decode_row, lags_after_plain_steps

@@ -23,7 +23,7 @@ from itertools import pairwise
 
 import torch
 
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.spec_rows import catch_up_limit, draft_limit, is_decode_row, window_step_ok
 from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
 

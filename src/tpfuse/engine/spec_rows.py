@@ -3,7 +3,7 @@ run as a window step (spec_inputs.py packs by these rules; spec_decoder.py choos
 
 from __future__ import annotations
 
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.sequence import Sequence
 
 

@@ -11,7 +11,8 @@ The policy's clocks (plain_step_finished / step_finished) hear of each completed
 from __future__ import annotations
 
 from tpfuse.config import EngineConfig
-from tpfuse.engine.scheduler import Batch, Scheduler
+from tpfuse.engine.batch import Batch
+from tpfuse.engine.scheduler import Scheduler
 from tpfuse.engine.spec_decoder import SpecDecoder
 from tpfuse.engine.step_strategy import LaunchedStep, PlainSteps
 

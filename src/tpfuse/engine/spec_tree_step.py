@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.batch import Batch
 from tpfuse.engine.spec_rows import is_decode_row
 from tpfuse.spec.tree_verify import (
     TreeVerifyResult,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse.engine.scheduler import Batch
+from tpfuse.engine.batch import Batch
 from tpfuse.model.attention import AttentionMetadata
 
 HEADER_LEN = 9

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from tpfuse.engine.batch import Batch
     from tpfuse.engine.executor import Executor
     from tpfuse.engine.logits_processing import LogitsProcessing
-    from tpfuse.engine.scheduler import Batch, Scheduler
+    from tpfuse.engine.scheduler import Scheduler
 
 
 @dataclass(slots=True)
