@@ -30,30 +30,22 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
-from tpfuse.kernels.skinny_linear import partials_buffer
+from tpfuse.kernels.skinny_linear import Tile, partials_buffer
 
 ROW, STEP, ELEMENT = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class IntTile:
-    """Launch configuration of the weight-only kernels; block_m 1 is the GEMV form (no tl.dot).
-    swap: the transposed product in the tensor-core form; split_k: K divided among that many
-    programs per output tile (tensor-core form only)."""
+class IntTile(Tile):
+    """skinny_linear.Tile for the weight-only kernels, with their defaults; block_m 1 is the GEMV form
+    (no tl.dot); split_k applies to the tensor-core form only."""
 
-    block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_stages: int = 3
-    num_warps: int = 4
-    swap: bool = False
-    split_k: int = 1
 
     def label(self) -> str:
-        form = "gemv " if self.block_m == 1 else ""
-        extra = (" swap" if self.swap else "") + (f" split{self.split_k}" if self.split_k > 1 else "")
-        size = f"m{self.block_m} n{self.block_n} k{self.block_k}"
-        return f"{form}{size} s{self.num_stages} w{self.num_warps}{extra}"
+        return ("gemv " if self.block_m == 1 else "") + super().label()
 
 
 def default_tile(rows: int) -> IntTile:
