@@ -70,11 +70,11 @@ async def _http_batch(url: str, model: str, prompts, max_tokens: int) -> dict:
         itl = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)
         return ttft, itl, tokens
 
-    before = _loop_counters(url)
+    before = loop_counters(url)
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - start
-    after = _loop_counters(url)
+    after = loop_counters(url)
     tokens = sum(r[2] for r in results)
     steps = max(after["steps"] - before["steps"], 1)
     return {
@@ -88,11 +88,11 @@ async def _http_batch(url: str, model: str, prompts, max_tokens: int) -> dict:
     }
 
 
-def _loop_counters(url: str) -> dict:
+def loop_counters(url: str) -> dict:
     """The engine loop's cumulative counters from /metrics (stats are sent every 0.25 s and on idle)."""
     import httpx
 
-    time.sleep(0.3)
+    time.sleep(0.35)
     names = {
         "tpfuse_engine_loop_steps_total": "steps",
         "tpfuse_engine_loop_step_seconds_total": "step_s",

@@ -150,22 +150,6 @@ def _engine_pid(http_pid: int) -> int:
     raise RuntimeError(f"process {http_pid} has no engine process")
 
 
-def _loop_counters(url: str) -> dict:
-    import httpx
-
-    time.sleep(0.35)  # stats arrive every 0.25 s and on going idle
-    names = {
-        "tpfuse_engine_loop_steps_total": "steps",
-        "tpfuse_engine_loop_outside_step_seconds_total": "outside_s",
-    }
-    values = {v: 0.0 for v in names.values()}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            values[names[name]] = float(value)
-    return values
-
-
 async def _stream(url: str, max_tokens: int) -> tuple[str, list[tuple[float, int]]]:
     """One streamed completion; returns its id and (arrival time, cumulative tokens) per chunk."""
     import httpx
@@ -203,6 +187,8 @@ async def _stream(url: str, max_tokens: int) -> tuple[str, list[tuple[float, int
 
 
 def _measure_server(cadence_us: float, tokens: int, concurrency: int) -> dict:
+    from benchmarks.server_overhead import loop_counters
+
     from tpfuse.server.launcher import ServerSubprocess
 
     emit_dir = tempfile.mkdtemp(prefix="server-path-")
@@ -215,14 +201,14 @@ def _measure_server(cadence_us: float, tokens: int, concurrency: int) -> dict:
 
         asyncio.run(run(1, 32))  # warm-up
         pids = {"http": server.proc.pid, "engine": _engine_pid(server.proc.pid)}
-        before = _loop_counters(server.url)
+        before = loop_counters(server.url)
         usage = {name: (_cpu_seconds(pid), _context_switches(pid)) for name, pid in pids.items()}
         started = time.perf_counter()
         results = asyncio.run(run(concurrency, tokens))
         wall = time.perf_counter() - started
         for name, pid in pids.items():
             usage[name] = (_cpu_seconds(pid) - usage[name][0], _context_switches(pid) - usage[name][1])
-        after = _loop_counters(server.url)
+        after = loop_counters(server.url)
     added, per_stream, chunks = [], [], 0
     for response_id, arrivals in results:
         with open(os.path.join(emit_dir, f"{response_id}-0.json")) as f:
