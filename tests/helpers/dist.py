@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import traceback
 
 import torch
@@ -41,7 +42,9 @@ def _entry(rank, world_size, port, fn, args, queue, backend):
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle bytes: tensors in a queue are shared by file descriptor, which fails once this
+        # process has exited (FileNotFoundError in the parent's get)
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -67,7 +70,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

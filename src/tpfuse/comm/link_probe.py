@@ -25,21 +25,24 @@ from tpfuse.comm.workspace import RankWorkspace
 
 COPY_BLOCK = 2048  # int32 words per program per step (8 KiB)
 COPY_PROGRAMS = 64
+COPY_BYTES_PER_LAUNCH = 32 << 20  # passes over the transfer per launch: launch overhead stays < ~5 %
 LATENCY_ITERS = 1000
 DEFAULT_BYTES = 8 << 20
 
 
 @triton.jit
-def _copy_kernel(src_table, dst_table, nwords, BLOCK: tl.constexpr):
+def _copy_kernel(src_table, dst_table, nwords, passes, BLOCK: tl.constexpr):
     """grid (programs, targets): programs of axis 1 = t copy nwords int32 words from the address
-    src_table[t] to dst_table[t], each program a strided share; all targets at once (fan-out)."""
+    src_table[t] to dst_table[t], `passes` times, each program a strided share; all targets at once
+    (fan-out). Volatile loads: every pass reads the source again."""
     target = tl.program_id(1)
     src = tl.load(src_table + target).to(tl.pointer_type(tl.int32))
     dst = tl.load(dst_table + target).to(tl.pointer_type(tl.int32))
     offs = tl.arange(0, BLOCK)
-    for start in range(tl.program_id(0) * BLOCK, nwords, tl.num_programs(0) * BLOCK):
-        m = start + offs < nwords
-        tl.store(dst + start + offs, tl.load(src + start + offs, mask=m, volatile=True), mask=m)
+    for _ in range(passes):
+        for start in range(tl.program_id(0) * BLOCK, nwords, tl.num_programs(0) * BLOCK):
+            m = start + offs < nwords
+            tl.store(dst + start + offs, tl.load(src + start + offs, mask=m, volatile=True), mask=m)
 
 
 @triton.jit
@@ -62,21 +65,29 @@ def _table(addresses: list[int], device) -> torch.Tensor:
     return torch.tensor(addresses, dtype=torch.int64, device=device)
 
 
+def copy_passes(nbytes: int, num_targets: int) -> int:
+    """Passes over an nbytes transfer per launch so that one launch moves about COPY_BYTES_PER_LAUNCH
+    in all: a 1 MB copy over a fast link takes microseconds, no longer than the launch itself."""
+    return max(1, COPY_BYTES_PER_LAUNCH // max(nbytes * num_targets, 1))
+
+
 def copy_gbps(sources: list[int], targets: list[int], nbytes: int, device, launches: int = 5) -> float:
-    """Aggregate GB/s of copying nbytes from each sources[t] to targets[t] concurrently (one launch)."""
+    """Aggregate GB/s of copying nbytes from each sources[t] to targets[t] concurrently (one launch,
+    copy_passes times over the data)."""
     src, dst = _table(sources, device), _table(targets, device)
     nwords = nbytes // 4
+    passes = copy_passes(nbytes, len(targets))
     grid = (COPY_PROGRAMS, len(targets))
-    _copy_kernel[grid](src, dst, nwords, BLOCK=COPY_BLOCK)
+    _copy_kernel[grid](src, dst, nwords, 1, BLOCK=COPY_BLOCK)
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(launches):
-        _copy_kernel[grid](src, dst, nwords, BLOCK=COPY_BLOCK)
+        _copy_kernel[grid](src, dst, nwords, passes, BLOCK=COPY_BLOCK)
     end.record()
     end.synchronize()
     seconds = start.elapsed_time(end) / 1e3
-    return nwords * 4 * len(targets) * launches / seconds / 1e9
+    return nwords * 4 * len(targets) * passes * launches / seconds / 1e9
 
 
 def latency_us(address: int, device, write: bool, iters: int = LATENCY_ITERS) -> float:
