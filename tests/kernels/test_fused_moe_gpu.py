@@ -147,3 +147,41 @@ def test_start_up_choice_keeps_the_fastest_measured_tile_and_records_it():
         assert (d.tile in fused_moe_tiles.DECODE_TILES) == decode
     x = torch.empty(1, H, device=CUDA, dtype=torch.bfloat16)
     assert isinstance(moe_choice.fuse_finalize(x, K), bool)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_one_launch_router_matches_float64_and_replays_from_a_graph(num_tokens):
+    from tpfuse.kernels.moe_router import moe_route_ref, moe_route_triton
+
+    g = torch.Generator(device=CUDA).manual_seed(num_tokens)
+    gate = (torch.randn(E, H, device=CUDA, generator=g) * 0.02).bfloat16()
+    x = torch.randn(num_tokens, H, device=CUDA, generator=g).bfloat16()
+    weights, ids = moe_route_triton(x, gate, K, True)
+    want_w, want_ids = moe_route_ref(x.double(), gate.double(), K, True)
+    # the logits are rounded to bf16 as the router linear's are; ids differ only at bf16 ties
+    same = (ids == want_ids).all(dim=1)
+    assert same.float().mean() >= 0.9, (ids, want_ids)
+    torch.testing.assert_close(weights[same].double(), want_w[same], rtol=2e-2, atol=1e-3)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = moe_route_triton(static_x, gate, K, True)
+    for seed in range(3):  # fresh inputs each replay: the arrival counters were reset by the last program
+        static_x.copy_(torch.randn(num_tokens, H, device=CUDA, generator=g.manual_seed(seed)).bfloat16())
+        graph.replay()
+        eager = moe_route_triton(static_x, gate, K, True)
+        assert torch.equal(graphed[1], eager[1]) and torch.equal(graphed[0], eager[0])
+
+
+def test_start_up_choice_times_the_router_routes_per_token_bucket():
+    from tpfuse.model import moe_choice
+    from tpfuse.model.layers import ParallelContext
+    from tpfuse.model.moe import SparseMoeBlock
+
+    block = SparseMoeBlock(H, E, K, I, True, ParallelContext(0, 1, None), torch.bfloat16).to(CUDA)
+    torch.nn.init.normal_(block.gate.weight, std=0.02)
+    moe_choice.choose(block, max_decode_rows=16, max_prefill_tokens=16, tp_size=1)
+    for tokens in (1, 2, 4, 8, 16):
+        assert isinstance(moe_choice.fuse_route(torch.empty(tokens, H, device=CUDA, dtype=torch.bfloat16),
+                                                block.gate.weight), bool)  # fmt: skip
+    assert not moe_choice.fuse_route(torch.empty(65, H, device=CUDA, dtype=torch.bfloat16), block.gate.weight)

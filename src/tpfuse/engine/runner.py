@@ -85,7 +85,7 @@ class ModelRunner:
             )
             linear_choice.choose_quantized(models, max_rows=max_step_rows(config), agree=agree_routes)
             moe_choice.choose(
-                self.model, max_step_rows(config), config.max_num_batched_tokens, config.tp_size
+                self.model, max_step_rows(config), config.max_num_batched_tokens, config.tp_size, agree_routes
             )
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)

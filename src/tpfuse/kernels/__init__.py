@@ -25,6 +25,7 @@ from tpfuse.kernels import (
     mla_rope_store,
     mla_store,
     moe_finalize,
+    moe_router,
     moe_routing,
     prefill_attention,
     quant_fp8,
@@ -53,6 +54,7 @@ __all__ = [
     "mla_rope_op",
     "moe_combine",
     "moe_finalize_op",
+    "moe_route",
     "moe_topk",
     "prefill_attention_op",
     "rmsnorm_op",
@@ -234,6 +236,12 @@ def moe_topk(router_logits, top_k: int, renormalize: bool):
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): softmax, the k
     largest (ties: lower id), renormalised to sum 1 when asked (kernels/moe_routing.py)."""
     return _pick(moe_routing, "moe_topk", router_logits)(router_logits, top_k, renormalize)
+
+
+def moe_route(x, gate, top_k: int, renormalize: bool):
+    """x [T, H], router weight gate [E, H] -> moe_topk(x @ gate.T rounded to x.dtype, ...) in one launch
+    (kernels/moe_router.py): for decode-sized T; model/moe_choice.py measures where it wins."""
+    return _pick(moe_router, "moe_route", x)(x, gate, top_k, renormalize)
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids):

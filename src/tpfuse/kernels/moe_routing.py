@@ -29,14 +29,11 @@ def moe_topk_ref(
 
 
 @triton.jit
-def _moe_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    valid = cols < num_experts
-    x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=-float("inf")).to(tl.float32)
+def topk_of_row(x, valid, cols, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """x [BLOCK_E] float32 logits (masked by valid, cols = arange(BLOCK_E)) -> (weights [BLOCK_K]
+    float32, ids [BLOCK_K] int32, ks = arange(BLOCK_K)): softmax, then the TOP_K largest by repeated
+    arg-max (ties: lower id), renormalised when asked; entries past TOP_K are 0."""
     e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
     remaining = tl.where(valid, e / tl.sum(e, axis=0), -1.0)
     ks = tl.arange(0, BLOCK_K)
@@ -50,6 +47,19 @@ def _moe_topk_kernel(
         remaining = tl.where(cols == best_id, -2.0, remaining)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)
+    return top_w, top_id, ks
+
+
+@triton.jit
+def _moe_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < num_experts
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=-float("inf")).to(tl.float32)
+    top_w, top_id, ks = topk_of_row(x, valid, cols, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + ks, top_w, mask=ks < TOP_K)
     tl.store(ids_ptr + row * TOP_K + ks, top_id, mask=ks < TOP_K)
 

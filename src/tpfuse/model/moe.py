@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_topk
+from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_route, moe_topk
 from tpfuse.model import moe_choice
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 from tpfuse.model.linear_method import expert_method_for
@@ -138,7 +138,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, parallel, dtype, names)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): router linear and top-k, in
+        one launch where model/moe_choice.py measured that faster (decode-sized steps)."""
+        if moe_choice.fuse_route(x, self.gate.weight):
+            return moe_route(x, self.gate.weight, self.top_k, self.renormalize)
         return moe_topk(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

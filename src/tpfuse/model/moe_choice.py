@@ -9,8 +9,12 @@ every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above)
 CUDA-graph replay on uniformly random routing over the model's own weights, and the fastest is
 recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
 finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
-fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). On CPU nothing is timed: the
-default tiles run, and the fused finalize.
+fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
+bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py)
+against the router linear followed by the top-k kernel (fuse_route). At TP > 1 every rank applies
+rank 0's decisions (`agree`): the routing must be bit-identical on every rank, or ranks would run
+different experts for the same token. On CPU nothing is timed: the default tiles run, the fused
+finalize and the fused route.
 """
 
 from __future__ import annotations
@@ -24,15 +28,36 @@ from torch import nn
 from triton.runtime.errors import OutOfResources
 
 from tpfuse.gpu_timing import graph_us
-from tpfuse.kernels import fused_moe
+from tpfuse.kernels import fused_moe, moe_router
 from tpfuse.kernels import fused_moe_tiles as tiles
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
+from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
 
 log = logging.getLogger("tpfuse")
 
 _FUSED_FINALIZE: dict[tuple, bool] = {}  # (hidden, dtype, device, slots bucket) -> fused is faster
+_FUSED_ROUTE: dict[tuple, bool] = {}  # (gate shape, dtype, device, tokens bucket) -> one launch is faster
+
+
+def fuse_route(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether the router of x [T, H] with weight gate [E, H] runs as one launch (kernels/moe_router.py):
+    never above moe_router.MAX_TOKENS tokens; measured at start-up; True where nothing was measured."""
+    if x.shape[0] > moe_router.MAX_TOKENS:
+        return False
+    key = (tuple(gate.shape), gate.dtype, gate.device, tiles.slots_bucket(x.shape[0]))
+    return _FUSED_ROUTE.get(key, True)
+
+
+def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bool) -> tuple[float, float]:
+    """(one-launch us, linear + top-k us) of the router at num_tokens tokens."""
+    from tpfuse.model.layers import linear
+
+    x = torch.randn(num_tokens, gate.shape[1], device=gate.device).to(gate.dtype)
+    fused = graph_us([lambda: moe_router.moe_route_triton(x, gate, top_k, renormalize)], 16, 5, 3)
+    plain = graph_us([lambda: moe_topk_triton(linear(x, gate, None), top_k, renormalize)], 16, 5, 3)
+    return fused, plain
 
 
 def fuse_finalize(x: torch.Tensor, num_slots: int) -> bool:
@@ -103,12 +128,14 @@ def _graph_time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> flo
 
 @torch.inference_mode()
 def choose(
-    model: nn.Module, max_decode_rows: int, max_prefill_tokens: int, tp_size: int = 1
+    model: nn.Module, max_decode_rows: int, max_prefill_tokens: int, tp_size: int = 1, agree=None
 ) -> list[MoeChoice]:
-    """Times and records the tile of every distinct FusedMoE shape of model at each slot bucket (and
-    at tp_size 1 the finalize route). Runs on the GPU before any CUDA graph is captured; returns the
-    tile decisions (none on CPU)."""
-    seen, decided = set(), []
+    """Times and records the tile of every distinct FusedMoE shape of model at each slot bucket, the
+    router route at each token bucket, and at tp_size 1 the finalize route. Runs on the GPU before any
+    CUDA graph is captured; returns the tile decisions (none on CPU). agree(decisions) -> decisions:
+    for tensor-parallel ranks, rank 0's list for every rank (engine/tp_rank.py)."""
+    seen, measured, decisions = set(), [], []  # decisions: (table, key without the device, value)
+    tensors: dict[tuple, torch.Tensor] = {}  # (table, key) -> the weight whose device it is recorded for
     for block in model.modules():  # MoE blocks: a top_k and experts with unquantized w13 / w2
         experts = getattr(block, "experts", None)
         if not hasattr(block, "top_k") or not hasattr(experts, "w13"):
@@ -127,13 +154,57 @@ def choose(
             candidates = tiles.DECODE_TILES if decode else tiles.PREFILL_TILES
             times = [(_time_tile(experts, t, num_tokens, block.top_k), i) for i, t in enumerate(candidates)]
             us, best = min(times)
-            tiles.set_tile(experts.w13, bucket, candidates[best])
-            decided.append(MoeChoice(key[0], bucket, candidates[best], us, times[0][0]))
+            decisions.append(("tile", key, candidates[best]))
+            tensors[("tile", key)] = experts.w13
+            measured.append((key, us, times[0][0]))
             if tp_size == 1:
                 hidden, dtype, device = experts.hidden_size, experts.w13.dtype, experts.w13.device
                 fused_us, plain_us = _time_finalize(hidden, dtype, device, num_tokens, block.top_k)
-                _FUSED_FINALIZE[(hidden, dtype, device, bucket)] = fused_us <= plain_us
+                decisions.append(("finalize", (hidden, dtype, bucket), fused_us <= plain_us))
+                tensors[("finalize", (hidden, dtype, bucket))] = experts.w13
                 log.info("MoE finalize <= %d slots: fused %.1f us, plain %.1f us", bucket, fused_us, plain_us)
+        decisions += _route_decisions(block, max_decode_rows, seen, tensors)
+    if agree is not None:
+        agreed = agree(decisions)
+        if [(t, k) for t, k, _ in agreed] != [(t, k) for t, k, _ in decisions]:
+            raise RuntimeError("tensor-parallel ranks measured different MoE cases; they must load one model")
+        decisions = agreed
+    return _apply(decisions, tensors, measured)
+
+
+def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
+    """("route", key, one launch is faster) per token bucket of block's router up to the decode rows."""
+    gate = getattr(getattr(block, "gate", None), "weight", None)
+    if gate is None or getattr(block, "renormalize", None) is None:
+        return []  # not a softmax top-k router (DeepSeek-V3's grouped sigmoid routing, say)
+    out, tokens = [], 1
+    while tokens <= min(max(max_decode_rows, 1), moe_router.MAX_TOKENS):
+        key = (tuple(gate.shape), gate.dtype, tiles.slots_bucket(tokens))
+        if ("route", key) not in seen:
+            seen.add(("route", key))
+            fused_us, plain_us = _time_route(gate, tokens, block.top_k, block.renormalize)
+            out.append(("route", key, fused_us <= plain_us))
+            tensors[("route", key)] = gate
+            log.info("MoE router <= %d tokens: one launch %.1f us, linear + top-k %.1f us",
+                     tokens, fused_us, plain_us)  # fmt: skip
+        tokens *= 2
+    return out
+
+
+def _apply(decisions: list[tuple], tensors: dict, measured: list) -> list[MoeChoice]:
+    """Records every decision for this rank's tensors; the tile choices, described and logged."""
+    timings = {key: (us, default_us) for key, us, default_us in measured}
+    decided = []
+    for table, key, value in decisions:
+        if table == "tile":
+            tiles.set_tile(tensors[("tile", key)], key[2], value)
+            us, default_us = timings[key]
+            decided.append(MoeChoice(key[0], key[2], value, us, default_us))
+        elif table == "finalize":
+            hidden, dtype, bucket = key
+            _FUSED_FINALIZE[(hidden, dtype, tensors[(table, key)].device, bucket)] = value
+        else:
+            _FUSED_ROUTE[(key[0], key[1], tensors[(table, key)].device, key[2])] = value
     if decided:
         log.info("fused-MoE tiles: %s", "; ".join(c.describe() for c in decided))
     return decided

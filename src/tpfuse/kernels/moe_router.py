@@ -1,0 +1,98 @@
+"""MoE router and top-k in one launch: x [T, H] . gate [E, H] -> softmax -> the k largest experts.
+
+For decode-sized steps, where the router GEMV (a few hundred kilobytes) and the top-k kernel are
+two launch-bound kernels of a couple of microseconds each. Program (t, b) computes expert rows
+b * BLOCK_R .. of token t's logits (multiply-adds in float32, one reduction), rounds them to x's
+dtype as the router linear does, and stores them to a float32 scratch row; the last program of the
+token to arrive (an arrival counter per token, reset to 0 by it) reads the whole row and picks the
+top k exactly as kernels/moe_routing.py does. Same results as moe_topk(x @ gate.T): ties go to the
+lower expert id, each logit is summed in a fixed order, so nothing depends on arrival order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.decode_merge import arrival_counters
+from tpfuse.kernels.moe_routing import MAX_EXPERTS, moe_topk_ref, topk_of_row
+
+ROWS_PER_PROGRAM = 2  # experts per program: E = 128 -> 64 programs a token
+MAX_TOKENS = 64  # beyond this the router is a GEMM: the unfused linear + top-k runs
+
+
+def moe_route_ref(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], gate [E, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): the logits
+    x @ gate.T rounded to x.dtype (float64 for float64 inputs), then moe_topk_ref."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    logits = (x.to(compute) @ gate.to(compute).T).to(x.dtype)
+    return moe_topk_ref(logits, top_k, renormalize)
+
+
+@triton.jit
+def _moe_route_kernel(
+    x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, hidden, num_experts, stride_x, stride_g,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_experts
+    hs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_ok = hs + h0 < hidden
+        xh = tl.load(x_ptr + token * stride_x + h0 + hs, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_g + h0 + hs[None, :],
+                    mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
+        acc += w.to(tl.float32) * xh[None, :]
+    logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + token * num_experts + rows, logit, mask=row_ok)
+    tl.debug_barrier()  # every thread's logits stored before the release below
+    counter = counter_ptr + token
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        tl.debug_barrier()
+        cols = tl.arange(0, BLOCK_E)
+        valid = cols < num_experts
+        row = tl.load(logits_ptr + token * num_experts + cols, mask=valid, other=-float("inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        top_w, top_id, ks = topk_of_row(row, valid, cols, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        tl.store(weights_ptr + token * TOP_K + ks, top_w, mask=ks < TOP_K)
+        tl.store(ids_ptr + token * TOP_K + ks, top_id, mask=ks < TOP_K)
+        tl.atomic_xchg(counter, 0)
+
+
+def moe_route_triton(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton moe_route_ref (float32 sums and softmax): new [T, k] float32 weights and int32 ids.
+    x [T, H] with unit column stride, gate [E, H] contiguous, same dtype. Raises ValueError on shapes
+    and unless 1 <= top_k <= E <= MAX_EXPERTS."""
+    num_tokens, hidden = x.shape
+    num_experts = gate.shape[0]
+    if gate.dim() != 2 or gate.shape[1] != hidden or gate.dtype != x.dtype:
+        raise ValueError(
+            f"moe_route: x {list(x.shape)} {x.dtype} and gate {list(gate.shape)} {gate.dtype} disagree"
+        )
+    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS:
+        raise ValueError(f"moe_route needs 1 <= top_k ({top_k}) <= E ({num_experts}) <= {MAX_EXPERTS}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate = gate.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    if num_tokens:
+        logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, num_tokens)
+        block_e = max(triton.next_power_of_2(num_experts), 16)
+        grid = (num_tokens, triton.cdiv(num_experts, ROWS_PER_PROGRAM))
+        _moe_route_kernel[grid](
+            x, gate, logits, counters, weights, ids, hidden, num_experts, x.stride(0), gate.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=ROWS_PER_PROGRAM,
+            BLOCK_H=min(triton.next_power_of_2(hidden), 1024), BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        )  # fmt: skip
+    return weights, ids
