@@ -9,6 +9,7 @@ and gemv.py (each puts benchmarks/ on sys.path first).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -41,6 +42,8 @@ def load_moe_model(engine_config, max_rows: int):
     model, config = load_model(engine_config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     linear_choice.choose(projections(model), max_rows=max_rows)
     linear_choice.choose_quantized([model], max_rows=max_rows)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("tpfuse").setLevel(logging.INFO)  # the router and finalize timings
     for choice in moe_choice.choose(model, max_rows, 0):
         print(choice.describe())
     return model, config

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tpfuse.kernels.decode_merge import arrival_counters
-from tpfuse.kernels.moe_router import moe_route_ref, moe_route_triton
+from tpfuse.kernels.moe_router import ROUTE_TILES, moe_route_ref, moe_route_triton
 from tpfuse.kernels.moe_routing import moe_topk_triton
 
 
@@ -16,10 +16,11 @@ def test_route_matches_float64_router_and_topk(num_tokens, num_experts, hidden, 
     g = torch.Generator().manual_seed(num_experts + hidden)
     x = torch.randn(num_tokens, hidden, generator=g)
     gate = torch.randn(num_experts, hidden, generator=g) / hidden**0.5
-    weights, ids = moe_route_triton(x, gate, top_k, renormalize)
     want_w, want_ids = moe_route_ref(x.double(), gate.double(), top_k, renormalize)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights.double(), want_w, rtol=1e-5, atol=1e-6)
+    for tile in ROUTE_TILES:
+        weights, ids = moe_route_triton(x, gate, top_k, renormalize, tile)
+        assert torch.equal(ids, want_ids), tile
+        torch.testing.assert_close(weights.double(), want_w, rtol=1e-5, atol=1e-6)
     assert not arrival_counters(x.device, num_tokens)[:num_tokens].any(), "counters left non-zero"
     again = moe_route_triton(x, gate, top_k, renormalize)  # the counters were reset: same answer
     assert torch.equal(again[1], ids) and torch.equal(again[0], weights)

@@ -238,10 +238,13 @@ def moe_topk(router_logits, top_k: int, renormalize: bool):
     return _pick(moe_routing, "moe_topk", router_logits)(router_logits, top_k, renormalize)
 
 
-def moe_route(x, gate, top_k: int, renormalize: bool):
+def moe_route(x, gate, top_k: int, renormalize: bool, tile=None):
     """x [T, H], router weight gate [E, H] -> moe_topk(x @ gate.T rounded to x.dtype, ...) in one launch
-    (kernels/moe_router.py): for decode-sized T; model/moe_choice.py measures where it wins."""
-    return _pick(moe_router, "moe_route", x)(x, gate, top_k, renormalize)
+    (kernels/moe_router.py) of launch shape `tile` (a RouteTile; None: the default); for decode-sized T,
+    model/moe_choice.py measures where it wins."""
+    if not use_triton(x):
+        return moe_router.moe_route_ref(x, gate, top_k, renormalize)
+    return moe_router.moe_route_triton(x, gate, top_k, renormalize, tile or moe_router.ROUTE_TILES[0])
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids):

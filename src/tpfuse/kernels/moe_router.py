@@ -11,6 +11,8 @@ lower expert id, each logit is summed in a fixed order, so nothing depends on ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -18,8 +20,22 @@ import triton.language as tl
 from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.moe_routing import MAX_EXPERTS, moe_topk_ref, topk_of_row
 
-ROWS_PER_PROGRAM = 2  # experts per program: E = 128 -> 64 programs a token
 MAX_TOKENS = 64  # beyond this the router is a GEMM: the unfused linear + top-k runs
+
+
+@dataclass(frozen=True)
+class RouteTile:
+    """Launch shape: experts per program and warps per program. One warp keeps every reduction of
+    the top-k tail (which the last program runs alone) in warp shuffles."""
+
+    rows: int = 1
+    num_warps: int = 1
+
+    def label(self) -> str:
+        return f"route {self.rows} rows w{self.num_warps}"
+
+
+ROUTE_TILES = (RouteTile(1, 1), RouteTile(2, 1), RouteTile(2, 4), RouteTile(4, 4))
 
 
 def moe_route_ref(
@@ -67,11 +83,11 @@ def _moe_route_kernel(
 
 
 def moe_route_triton(
-    x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, tile: RouteTile = ROUTE_TILES[0]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton moe_route_ref (float32 sums and softmax): new [T, k] float32 weights and int32 ids.
-    x [T, H] with unit column stride, gate [E, H] contiguous, same dtype. Raises ValueError on shapes
-    and unless 1 <= top_k <= E <= MAX_EXPERTS."""
+    x [T, H] with unit column stride, gate [E, H] contiguous, same dtype; tile: the launch shape (any
+    gives the same result). Raises ValueError on shapes and unless 1 <= top_k <= E <= MAX_EXPERTS."""
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     if gate.dim() != 2 or gate.shape[1] != hidden or gate.dtype != x.dtype:
@@ -88,11 +104,11 @@ def moe_route_triton(
         logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, num_tokens)
         block_e = max(triton.next_power_of_2(num_experts), 16)
-        grid = (num_tokens, triton.cdiv(num_experts, ROWS_PER_PROGRAM))
+        grid = (num_tokens, triton.cdiv(num_experts, tile.rows))
         _moe_route_kernel[grid](
             x, gate, logits, counters, weights, ids, hidden, num_experts, x.stride(0), gate.stride(0),
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=ROWS_PER_PROGRAM,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=tile.rows,
             BLOCK_H=min(triton.next_power_of_2(hidden), 1024), BLOCK_E=block_e,
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=tile.num_warps,
         )  # fmt: skip
     return weights, ids

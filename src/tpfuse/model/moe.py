@@ -140,8 +140,9 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): router linear and top-k, in
         one launch where model/moe_choice.py measured that faster (decode-sized steps)."""
-        if moe_choice.fuse_route(x, self.gate.weight):
-            return moe_route(x, self.gate.weight, self.top_k, self.renormalize)
+        tile = moe_choice.route_tile(x, self.gate.weight)
+        if tile is not None:
+            return moe_route(x, self.gate.weight, self.top_k, self.renormalize, tile)
         return moe_topk(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

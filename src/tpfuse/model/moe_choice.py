@@ -10,11 +10,11 @@ CUDA-graph replay on uniformly random routing over the model's own weights, and 
 recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
 finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
 fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
-bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py)
-against the router linear followed by the top-k kernel (fuse_route). At TP > 1 every rank applies
-rank 0's decisions (`agree`): the routing must be bit-identical on every rank, or ranks would run
-different experts for the same token. On CPU nothing is timed: the default tiles run, the fused
-finalize and the fused route.
+bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
+each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). At
+TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
+rank, or ranks would run different experts for the same token. On CPU nothing is timed: the default
+tiles run, the fused finalize and the fused route.
 """
 
 from __future__ import annotations
@@ -32,32 +32,37 @@ from tpfuse.kernels import fused_moe, moe_router
 from tpfuse.kernels import fused_moe_tiles as tiles
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
+from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
 
 log = logging.getLogger("tpfuse")
 
 _FUSED_FINALIZE: dict[tuple, bool] = {}  # (hidden, dtype, device, slots bucket) -> fused is faster
-_FUSED_ROUTE: dict[tuple, bool] = {}  # (gate shape, dtype, device, tokens bucket) -> one launch is faster
+# (gate shape, dtype, device, tokens bucket) -> the one-launch tile, None where linear + top-k is faster
+_ROUTE_TILES: dict[tuple, RouteTile | None] = {}
 
 
-def fuse_route(x: torch.Tensor, gate: torch.Tensor) -> bool:
-    """Whether the router of x [T, H] with weight gate [E, H] runs as one launch (kernels/moe_router.py):
-    never above moe_router.MAX_TOKENS tokens; measured at start-up; True where nothing was measured."""
+def route_tile(x: torch.Tensor, gate: torch.Tensor) -> RouteTile | None:
+    """The launch shape of the one-launch router for x [T, H] and weight gate [E, H], or None for the
+    router linear + top-k: None above moe_router.MAX_TOKENS tokens; measured at start-up; the default
+    tile where nothing was measured."""
     if x.shape[0] > moe_router.MAX_TOKENS:
-        return False
+        return None
     key = (tuple(gate.shape), gate.dtype, gate.device, tiles.slots_bucket(x.shape[0]))
-    return _FUSED_ROUTE.get(key, True)
+    return _ROUTE_TILES.get(key, moe_router.ROUTE_TILES[0])
 
 
-def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bool) -> tuple[float, float]:
-    """(one-launch us, linear + top-k us) of the router at num_tokens tokens."""
+def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bool) -> dict:
+    """us of the router at num_tokens tokens per route: each RouteTile, and None (linear + top-k)."""
     from tpfuse.model.layers import linear
 
     x = torch.randn(num_tokens, gate.shape[1], device=gate.device).to(gate.dtype)
-    fused = graph_us([lambda: moe_router.moe_route_triton(x, gate, top_k, renormalize)], 16, 5, 3)
-    plain = graph_us([lambda: moe_topk_triton(linear(x, gate, None), top_k, renormalize)], 16, 5, 3)
-    return fused, plain
+    times = {None: graph_us([lambda: moe_topk_triton(linear(x, gate, None), top_k, renormalize)], 16, 5, 3)}
+    for tile in moe_router.ROUTE_TILES:
+        times[tile] = graph_us([lambda t=tile: moe_router.moe_route_triton(x, gate, top_k, renormalize, t)],
+                               16, 5, 3)  # fmt: skip
+    return times
 
 
 def fuse_finalize(x: torch.Tensor, num_slots: int) -> bool:
@@ -173,7 +178,8 @@ def choose(
 
 
 def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
-    """("route", key, one launch is faster) per token bucket of block's router up to the decode rows."""
+    """("route", key, the fastest RouteTile or None) per token bucket of block's router up to the
+    decode rows."""
     gate = getattr(getattr(block, "gate", None), "weight", None)
     if gate is None or getattr(block, "renormalize", None) is None:
         return []  # not a softmax top-k router (DeepSeek-V3's grouped sigmoid routing, say)
@@ -182,11 +188,12 @@ def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> l
         key = (tuple(gate.shape), gate.dtype, tiles.slots_bucket(tokens))
         if ("route", key) not in seen:
             seen.add(("route", key))
-            fused_us, plain_us = _time_route(gate, tokens, block.top_k, block.renormalize)
-            out.append(("route", key, fused_us <= plain_us))
+            times = _time_route(gate, tokens, block.top_k, block.renormalize)
+            best = min(times, key=lambda t: (times[t], t is not None))  # a tie keeps linear + top-k
+            out.append(("route", key, best))
             tensors[("route", key)] = gate
-            log.info("MoE router <= %d tokens: one launch %.1f us, linear + top-k %.1f us",
-                     tokens, fused_us, plain_us)  # fmt: skip
+            described = (f"{t.label() if t else 'linear + top-k'} {us:.1f} us" for t, us in times.items())
+            log.info("MoE router <= %d tokens: %s", tokens, ", ".join(described))
         tokens *= 2
     return out
 
@@ -204,7 +211,7 @@ def _apply(decisions: list[tuple], tensors: dict, measured: list) -> list[MoeCho
             hidden, dtype, bucket = key
             _FUSED_FINALIZE[(hidden, dtype, tensors[(table, key)].device, bucket)] = value
         else:
-            _FUSED_ROUTE[(key[0], key[1], tensors[(table, key)].device, key[2])] = value
+            _ROUTE_TILES[(key[0], key[1], tensors[(table, key)].device, key[2])] = value
     if decided:
         log.info("fused-MoE tiles: %s", "; ".join(c.describe() for c in decided))
     return decided
