@@ -30,6 +30,7 @@ from tpfuse.kernels import (
     kv_store,
     moe_align,
     moe_finalize,
+    moe_router,
     moe_routing,
     prefill_attention,
     quant_dot,
@@ -239,6 +240,13 @@ def _moe_variants(p: str):
             {},
             dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_E=block_e, BLOCK_K=top_k),
         )
+    router = {"*": p, "logits_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
+    for tile in moe_router.ROUTE_TILES:
+        yield (
+            moe_router._moe_route_kernel, router, {},
+            dict(TOP_K=8, RENORMALIZE=True, BLOCK_R=tile.rows, BLOCK_H=1024, BLOCK_E=128, BLOCK_K=8),
+            {"num_warps": tile.num_warps},
+        )  # fmt: skip
     i32 = {"*": "*i32"}
     yield moe_align._count_kernel, i32, {}, dict(BLOCK=256)
     yield moe_align._offsets_kernel, i32, {}, dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=32)
