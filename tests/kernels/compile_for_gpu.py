@@ -33,6 +33,7 @@ from tpfuse.kernels import (
     moe_router,
     moe_routing,
     prefill_attention,
+    qk_norm_rope_store_kv,
     quant_dot,
     quant_fp8,
     quant_fp8_w8a8,
@@ -88,6 +89,13 @@ def _variants(dtype: str):
         {"*": p, "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"},
         {"num_q_heads": "i32", "num_kv_heads": "i32"},
         dict(HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, BLOCK_SIZE=16),
+    )
+    yield (
+        qk_norm_rope_store_kv._qk_norm_rope_store_kv_kernel,
+        {"*": p, "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"},
+        {"num_q_heads": "i32", "eps": "fp32"},
+        dict(HALF=64, BLOCK_D=128, BLOCK_HALF=64, BLOCK_SIZE=16),
+        {"num_warps": 1},
     )
     yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024)
     yield (

@@ -1,13 +1,16 @@
 """The decode-step kernels on CUDA at llama-3.1-8b shapes: fused rope + KV store, the split rule of
-decode attention, one-row norms (device machine only)."""
+decode attention, one-row norms; and the qk-norm + rope + KV store launch at qwen3-30b-a3b shapes
+(device machine only)."""
 
 import pytest
 import torch
 
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
+from tests.kernels.test_qk_norm_rope_store_kv import float64_expected
 from tpfuse.kernels.decode_attention import decode_attention_launch, decode_attention_ref
 from tpfuse.kernels.kv_store import store_kv_triton
-from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_ref
+from tpfuse.kernels.qk_norm_rope_store_kv import qk_norm_rope_store_kv_triton
+from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_ref, rmsnorm_triton
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_ref, rope_triton
 from tpfuse.kernels.rope_store_kv import rope_store_kv_triton
 
@@ -54,6 +57,57 @@ def test_rope_store_kv_on_cuda_gives_the_bits_of_rope_then_store_kv(dtype, token
     assert_close_to_float64(q, q_expected, dtype)
     assert torch.equal(k_cache.nan_to_num(9.0), k_cache_two.nan_to_num(9.0))
     assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64, 777])
+def test_qk_norm_rope_store_kv_on_cuda_gives_the_bits_of_rmsnorm_then_rope_store_kv(dtype, tokens):
+    heads, kv_heads, eps = 32, 4, 1e-6  # qwen3-30b-a3b attention (head_dim 128)
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 40960, 1000000.0).to(CUDA)
+    positions = torch.randint(0, 40960, (tokens,), generator=_gen(11)).to(CUDA)
+    slots = torch.randperm(128 * BLOCK, generator=_gen(12))[:tokens].to(CUDA)
+    slots[1::5] = -1
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * HEAD_DIM, generator=_gen(13)) * 4).to(CUDA, dtype)
+    q, k, v = qkv.split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1)
+    q, k = q.view(tokens, heads, HEAD_DIM), k.view(tokens, kv_heads, HEAD_DIM)
+    v = v.view(tokens, kv_heads, HEAD_DIM)
+    q_w = (1 + 0.5 * torch.randn(HEAD_DIM, generator=_gen(14))).to(CUDA, dtype)
+    k_w = (1 + 0.5 * torch.randn(HEAD_DIM, generator=_gen(15))).to(CUDA, dtype)
+    k_cache = torch.full((128, BLOCK, kv_heads, HEAD_DIM), float("nan"), dtype=dtype, device=CUDA)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache_two, v_cache_two = k_cache.clone(), v_cache.clone()
+    q_two = rmsnorm_triton(q.reshape(-1, HEAD_DIM), q_w, eps).view(q.shape)
+    k_two = rmsnorm_triton(k.reshape(-1, HEAD_DIM), k_w, eps).view(k.shape)
+    q_expected, k_expected, _ = float64_expected(
+        positions, q, k, v, q_w, k_w, cos_sin, k_cache, v_cache, slots, eps
+    )
+    rope_store_kv_triton(positions, q_two, k_two, v, cos_sin, k_cache_two, v_cache_two, slots)
+    k_before = k.clone()
+
+    def fused():
+        qk_norm_rope_store_kv_triton(positions, q, k, v, q_w, k_w, eps, cos_sin, k_cache, v_cache, slots)
+
+    if tokens == 1:  # the decode step runs it inside a CUDA graph
+        q_in = q.clone()
+        fused()  # compile outside the capture
+        q.copy_(q_in)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused()
+        q.copy_(q_in)
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+        graph.replay()
+    else:
+        fused()
+    assert torch.equal(k, k_before)
+    assert torch.equal(q, q_two)
+    assert_close_to_float64(q, q_expected, dtype)
+    assert torch.equal(k_cache.nan_to_num(9.0), k_cache_two.nan_to_num(9.0))
+    assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
+    assert torch.equal(k_cache.isnan(), k_expected.isnan())
+    assert_close_to_float64(k_cache[~k_expected.isnan()], k_expected[~k_expected.isnan()], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,6 +7,7 @@ import pytest
 
 from tests.model.harness import build_hf_checkpoint, load_for_test, relative_error, run_prefill_then_decode
 from tpfuse import knobs
+from tpfuse.model import attention, layers
 
 PROMPTS = [[5, 17, 99, 3, 42], [1, 2]]
 DECODE_TOKENS = [[7, 8]]
@@ -25,3 +26,26 @@ def test_triton_kernels_match_torch_references_inside_the_model(kind, tmp_path, 
     assert relative_error(triton[0], reference[0]) <= 1e-4
     for got, want in zip(triton[1], reference[1], strict=True):
         assert relative_error(got, want) <= 1e-4
+
+
+def test_a_qk_norm_layer_norms_rotates_and_stores_in_one_op(tmp_path, monkeypatch):
+    build_hf_checkpoint(tmp_path, "qwen3_moe")
+    model, _ = load_for_test(tmp_path)
+    fused_calls, normed_widths = [], []
+    real_fused, real_rmsnorm = attention.qk_norm_rope_store_kv_op, layers.rmsnorm_op
+
+    def fused(*args):
+        fused_calls.append(args[1].shape)
+        return real_fused(*args)
+
+    def rmsnorm(x, weight, eps):
+        normed_widths.append(x.shape[-1])
+        return real_rmsnorm(x, weight, eps)
+
+    monkeypatch.setattr(attention, "qk_norm_rope_store_kv_op", fused)
+    monkeypatch.setattr(layers, "rmsnorm_op", rmsnorm)
+    prefill, decode = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    assert prefill.isfinite().all() and all(d.isfinite().all() for d in decode)
+    layer_count = model.config.num_layers
+    assert len(fused_calls) == 2 * layer_count  # one prefill pass and one decode pass
+    assert model.config.head_dim not in normed_widths, "q or k was normed by a separate RMSNorm launch"

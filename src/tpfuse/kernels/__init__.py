@@ -28,6 +28,7 @@ from tpfuse.kernels import (
     moe_router,
     moe_routing,
     prefill_attention,
+    qk_norm_rope_store_kv,
     quant_fp8,
     quant_fp8_w8a8,
     quant_int,
@@ -57,6 +58,7 @@ __all__ = [
     "moe_route",
     "moe_topk",
     "prefill_attention_op",
+    "qk_norm_rope_store_kv_op",
     "rmsnorm_op",
     "rope_op",
     "rope_store_kv_op",
@@ -104,6 +106,16 @@ def rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_m
     """Rotates q in place and returns it; writes the rotated k and v into their cache slots."""
     return _pick(rope_store_kv, "rope_store_kv", q)(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+
+
+def qk_norm_rope_store_kv_op(
+    positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
+):
+    """rope_store_kv_op after a per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), in one launch: q is
+    normalised and rotated in place and returned; k is normalised, rotated and stored with v."""
+    return _pick(qk_norm_rope_store_kv, "qk_norm_rope_store_kv", q)(
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
 
 

@@ -100,22 +100,9 @@ def _rope_store_kv_kernel(
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_store_kv_triton(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Triton rope_store_kv_ref (same shapes and dtypes). q, k, v may be strided views of a fused qkv
-    output but their last dim must be contiguous; q is rotated in place and returned, k and v are only
-    read, k_cache and v_cache are written at slot_mapping (negative slots skipped).
-
-    Raises ValueError on an odd head_dim, head_dims or KV head counts that differ, caches of different
-    shapes or layouts, or a last dim that is not contiguous."""
+def check_rope_store_kv_args(q, k, v, cos_sin_cache, k_cache, v_cache) -> None:
+    """Raises ValueError on an odd head_dim, head_dims or KV head counts that differ, caches of different
+    shapes or layouts, or a last dim that is not contiguous (shared by the fused variants)."""
     head_dim = q.shape[-1]
     if head_dim % 2 or {k.shape[-1], v.shape[-1], k_cache.shape[-1], cos_sin_cache.shape[-1]} != {head_dim}:
         raise ValueError(
@@ -134,6 +121,25 @@ def rope_store_kv_triton(
             "rope_store_kv needs q, k, v, the caches and cos_sin contiguous in the last dim; "
             "pass views of a contiguous qkv output"
         )
+
+
+def rope_store_kv_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Triton rope_store_kv_ref (same shapes and dtypes). q, k, v may be strided views of a fused qkv
+    output but their last dim must be contiguous; q is rotated in place and returned, k and v are only
+    read, k_cache and v_cache are written at slot_mapping (negative slots skipped).
+
+    Raises ValueError as check_rope_store_kv_args does."""
+    check_rope_store_kv_args(q, k, v, cos_sin_cache, k_cache, v_cache)
+    head_dim = q.shape[-1]
     if q.shape[0] == 0:
         return q
     half = head_dim // 2

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpfuse.kernels import decode_attention_op, prefill_attention_op, rope_store_kv_op
+from tpfuse.kernels import (
+    decode_attention_op,
+    prefill_attention_op,
+    qk_norm_rope_store_kv_op,
+    rope_store_kv_op,
+)
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear, ShardSlot
 
@@ -32,17 +37,36 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
 
 
-def paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn: AttentionMetadata, scale: float):
-    """Rotary embedding, KV-cache store and attention over the paged cache, for one layer.
+def paged_attention(
+    positions,
+    q,
+    k,
+    v,
+    kv_cache,
+    cos_sin_cache,
+    attn: AttentionMetadata,
+    scale: float,
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+):
+    """(Per-head q/k RMSNorm,) rotary embedding, KV-cache store and attention over the paged cache, for
+    one layer.
 
-    positions: [T]; q: [T, Hq, D] (rotated in place); k, v: [T, Hk, D] (not modified; their rotated k
-    and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping). Returns [T, Hq, D]:
-    decode attention when every sequence has one query token, else prefill attention (causal, or the
+    positions: [T]; q: [T, Hq, D] (normed and rotated in place); k, v: [T, Hk, D] (not modified; the
+    normed, rotated k and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping).
+    qk_norm: (q_norm, k_norm) over head_dim, of one eps (Qwen3), or None. Returns [T, Hq, D]: decode
+    attention when every sequence has one query token, else prefill attention (causal, or the
     speculative tree mask).
     """
     k_cache, v_cache = kv_cache
-    # One launch: q rotated in place, rotated k and v written to their slots (k itself untouched).
-    rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
+    # One launch: q (normed and) rotated in place, rotated k and v written to their slots (k untouched).
+    if qk_norm is None:
+        rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
+    else:
+        q_norm, k_norm = qk_norm
+        qk_norm_rope_store_kv_op(
+            positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache, k_cache, v_cache,
+            attn.slot_mapping,
+        )  # fmt: skip
     if attn.is_decode:
         return decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
     return prefill_attention_op(
@@ -61,8 +85,9 @@ def paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn: Attention
 class Attention(nn.Module):
     """Self-attention of one decoder layer over the paged KV cache, heads split over ranks.
 
-    qkv projection -> (Qwen3: per-head RMSNorm of q and k) -> rotary embedding fused with the K/V store
-    into the cache -> paged decode or prefill attention -> o_proj, whose output is this rank's partial sum.
+    qkv projection -> (Qwen3: per-head RMSNorm of q and k, in the same launch as) rotary embedding fused
+    with the K/V store into the cache -> paged decode or prefill attention -> o_proj, whose output is this
+    rank's partial sum.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext):
@@ -114,8 +139,6 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, d)
         k = k.view(num_tokens, self.num_kv_heads, d)
         v = v.view(num_tokens, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d)
-        out = paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn, self.scale)
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        out = paged_attention(positions, q, k, v, kv_cache, cos_sin_cache, attn, self.scale, qk_norm)
         return self.o_proj(out.view(num_tokens, self.num_heads * d))
