@@ -80,7 +80,7 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "tokens,head_dim,num_q_heads,num_kv_heads",
-    [(1, 128, 8, 2), (5, 64, 3, 1), (5, 128, 4, 2), (33, 64, 1, 1), (33, 128, 4, 1)],
+    [(1, 128, 8, 2), (5, 64, 3, 1), (5, 128, 4, 2), (33, 64, 1, 1), (33, 128, 4, 1), (5, 96, 3, 2)],
 )
 def test_fused_matches_float64_and_gives_the_bits_of_the_unfused_path(
     tokens, head_dim, num_q_heads, num_kv_heads, dtype
@@ -103,9 +103,10 @@ def test_fused_matches_float64_and_gives_the_bits_of_the_unfused_path(
     assert _same_bits(k_cache, k_cache_two) and _same_bits(v_cache, v_cache_two)
 
 
-def test_negative_slots_store_nothing_but_q_is_still_normed_and_rotated():
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_negative_slots_store_nothing_but_q_is_still_normed_and_rotated(index_dtype):
     positions, q, k, v, q_w, k_w, k_cache, v_cache, _ = _case(5, 3, 2, 64, torch.float32, seed=4)
-    slots = torch.tensor([-1, 9, -5, 0, -1])
+    positions, slots = positions.to(index_dtype), torch.tensor([-1, 9, -5, 0, -1], dtype=index_dtype)
     cos_sin = rope_cos_sin_cache(64, 512, 10000.0)
     q_expected, k_expected, v_expected = float64_expected(
         positions, q, k, v, q_w, k_w, cos_sin, k_cache, v_cache, slots
