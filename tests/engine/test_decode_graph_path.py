@@ -25,9 +25,9 @@ class ReplayingGraphs(DecodeGraphs):
     replays = [0]
     copied_steps = [0]  # steps that went through run (copied into the static buffers)
 
-    def run(self, step, num_draft_tokens=0):
+    def run(self, step, extra_rows=0):
         self.copied_steps[0] += 1
-        return super().run(step, num_draft_tokens)
+        return super().run(step, extra_rows)
 
     def _capture_graph(self, body, pool):
         return EagerReplay(body, self.replays), pool

@@ -26,9 +26,9 @@ class RecordingGraphs(DecodeGraphs):
 
         return Replay(), pool
 
-    def run(self, step, num_draft_tokens=0):
-        self.last_key = (step.header.num_seqs, num_draft_tokens)
-        return super().run(step, num_draft_tokens)
+    def run(self, step, extra_rows=0):
+        self.last_key = (step.header.num_seqs, extra_rows)
+        return super().run(step, extra_rows)
 
 
 @pytest.mark.parametrize("graph_logits", [True, False])
@@ -39,11 +39,12 @@ def test_verify_graphs_per_bucket_and_k_give_the_eager_greedy_tokens(tmp_path, d
     path = write_eagle3_head(str(tmp_path)) if drafter == "eagle3" else None
     llm = LLM(config=EngineConfig(**kw, speculative=spec_config(drafter, path, adaptive=False)))
     runner = llm.engine.executor
-    spec = runner.spec
-    width = -(-(runner.max_model_len + spec.position_margin) // runner.block_size)
+    hook = runner.hook  # the SpecWorker: verify graphs for k = 1..3, window drafting inside (eagle3)
+    assert hook.max_extra_query_rows == 3 and hook.fills_extra_rows == (drafter == "eagle3")
+    width = -(-(runner.max_model_len + hook.position_margin) // runner.block_size)
     graphs = RecordingGraphs(
         runner.model, runner.kv_caches, 4, width, runner.max_model_len, runner.vocab_size, graph_logits,
-        max_num_draft_tokens=3, write_features=spec.write_features, drafter=spec.window_drafter,
+        hook=hook,
     )  # fmt: skip
     graphs.replayed = []
     graphs.capture()
@@ -77,14 +78,14 @@ def test_window_drafting_proposes_what_extending_only_the_lagging_positions_prop
     prompts = [PROMPTS[0], PROMPTS[2]]
     window = LLM(config=EngineConfig(**kw, speculative=spec))
     window_steps = []
-    original = window.engine.spec_decoder.executor.execute_spec
+    original = window.engine.spec_decoder.execute_spec
 
     def counting(packed, *shift):  # shift: a chained step's (spec_chain.py)
         forward = original(packed, *shift)
         window_steps.append(forward.spec.header.ext_window)
         return forward
 
-    window.engine.spec_decoder.executor.execute_spec = counting
+    window.engine.spec_decoder.execute_spec = counting
     lagged = LLM(config=EngineConfig(**kw, speculative=spec))
     lagged.engine.spec_decoder.ext_window = 0  # every step extends exactly the lagging positions
     window_out, window_drafts = _drafts_per_step(window, prompts, greedy(24))

@@ -142,12 +142,12 @@ def test_a_first_decode_step_outside_the_window_is_not_timed_for_the_policy(tmp_
     time; every window step's is."""
     path = write_eagle3_head(str(tmp_path))
     llm = LLM(config=EngineConfig(**ENGINE, speculative=spec_config("eagle3", path, adaptive=True)))
-    decoder, runner = llm.engine.spec_decoder, llm.engine.executor
+    decoder = llm.engine.spec_decoder
     decoder.policy.choose = lambda num_decode: 3
     told = []
     decoder.policy.record_step = lambda rows, k, seconds: told.append(k)
     windows = []  # ext_window of every speculative step with decode rows
-    execute = runner.execute_spec
+    execute = decoder.execute_spec
 
     def recording(packed, *shift):
         forward = execute(packed, *shift)
@@ -155,7 +155,7 @@ def test_a_first_decode_step_outside_the_window_is_not_timed_for_the_policy(tmp_
             windows.append(forward.spec.header.ext_window)
         return forward
 
-    runner.execute_spec = recording
+    decoder.execute_spec = recording
     llm.generate(PROMPTS[0], greedy(30))
     assert windows[0] == 0 and all(windows[1:]), windows
     assert told == [3] * (len(windows) - 1)

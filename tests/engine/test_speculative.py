@@ -54,7 +54,7 @@ def test_speculative_greedy_equals_plain_greedy_in_mixed_batches_with_a_late_arr
     from tpfuse.spec.drafter import Drafter
 
     engine = spec_engine(drafter, head_dir, adaptive)
-    device_drafter = engine.executor.spec.drafter  # n-gram drafts on rank 0's host instead
+    device_drafter = engine.executor.hook.drafter  # n-gram drafts on rank 0's host instead
     assert device_drafter is None if drafter == "ngram" else isinstance(device_drafter, Drafter)
     assert run_with_late_arrival(engine, greedy()) == plain_tokens
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

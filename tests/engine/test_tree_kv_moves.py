@@ -45,7 +45,7 @@ def cache_rows(engine: LLMEngine, block_table: list[int], positions: int) -> tor
 def feature_rows(engine: LLMEngine, block_table: list[int], positions: int) -> torch.Tensor:
     bs = engine.config.block_size
     slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(positions)])
-    return engine.executor.spec.features[slots].clone()
+    return engine.executor.hook.features[slots].clone()
 
 
 def prefill(engine: LLMEngine, tokens: list[int]):

@@ -1,11 +1,12 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket (and per number of draft tokens).
+"""Decode steps captured as CUDA graphs, one per batch-size bucket (and per number of extra query rows).
 
-Plain decode graphs (k = 0) read the packed step itself: the runner copies the packed step into the
+Plain decode graphs (r = 0) read the packed step itself: the runner copies the packed step into the
 static buffer `packed` (one host-to-device copy), and the graph takes the input ids, positions and KV
 slots as views of it, converts the context lengths and gathers the block table (at the step's width,
 read from the packed header on the device) inside the graph, runs the forward and compute_logits,
 and writes the argmax of every row to `token_ids`. So a greedy decode step is: H2D copy, replay, D2H
-copy of the ids. Verify graphs (k > 0) read static input buffers that `run` fills from a step.
+copy of the ids. Graphs with r > 0 extra query rows per sequence (a runner hook's, runner_hook.py)
+read static input buffers that `run` fills from a step.
 All graphs share one memory pool and one logits buffer. Capture happens after the KV cache is
 allocated and after the communicator has made its per-size choices, so the fused all-reduce is
 captured inside.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.engine.runner_hook import RunnerHook
 from tpfuse.engine.step_inputs import MAX_BLOCKS_INDEX, StepInputs, decode_capacity, decode_offsets
 from tpfuse.model.attention import AttentionMetadata
 
@@ -27,18 +29,18 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps for batch sizes up to max_batch_size, per number of draft tokens k.
+    """Captured decode steps for batch sizes up to max_batch_size, per number of extra query rows r.
 
-    k = 0 is a plain decode (one query token per sequence, decode attention); with speculation every
-    k in 1..max_num_draft_tokens gets verify graphs where each sequence brings k + 1 query tokens
-    (prefill attention over static query offsets (k + 1) * b). kv_caches: the model's per-layer
-    caches; max_blocks_per_seq: the block-table width every graph is captured with (a step's
-    narrower table fills its left part; columns past a sequence's length are never read).
-    write_features(aux, slot_mapping): called inside each graph on the model's aux output (EAGLE-3).
-    drafter: an Eagle3WindowDrafter whose window extension and k drafts run inside every verify graph
-    (k > 0) before the target forward (the drafts go into the verify rows' input ids); its window
-    must be loaded before each replay. k = 0 graphs stay plain decodes. None: the caller places
-    drafts before `run`.
+    r = 0 is a plain decode (one query token per sequence, decode attention); with a hook every r in
+    1..hook.max_extra_query_rows gets graphs where each sequence brings r + 1 query tokens (prefill
+    attention over static query offsets (r + 1) * b). kv_caches: the model's per-layer caches;
+    max_blocks_per_seq: the block-table width every graph is captured with (a step's narrower table
+    fills its left part; columns past a sequence's length are never read).
+    hook (runner_hook.py): hook.after_forward(aux, slot_mapping) runs inside every graph on the
+    model's aux output; with hook.fills_extra_rows, hook.fill_extra_rows runs inside every graph of
+    r > 0 before the forward and its ids go into query rows 1..r of each sequence (whatever it reads
+    must be in place before each replay); r = 0 graphs stay plain decodes. Without fills_extra_rows
+    the caller writes those rows' ids before `run`.
     max_banned: room in `packed` for a step's banned (row, token) pairs (min_tokens); a step that
     does not fit goes through `run`.
     """
@@ -52,37 +54,35 @@ class DecodeGraphs:
         max_model_len: int,
         vocab_size: int,
         graph_logits: bool = True,
-        max_num_draft_tokens: int = 0,
-        write_features=None,
+        hook: RunnerHook | None = None,
         max_banned: int = 4096,
-        drafter=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
-        self.max_num_draft_tokens = max_num_draft_tokens
-        self.write_features = write_features
-        self.drafter = drafter
+        self.hook = hook
+        self.max_extra_rows = hook.max_extra_query_rows if hook is not None else 0
+        self.fills_extra_rows = hook is not None and hook.fills_extra_rows
+        max_extra_rows = self.max_extra_rows
         device = kv_caches[0][0].device
         n = self.sizes[-1]
-        tokens = n * (max_num_draft_tokens + 1)
+        tokens = n * (max_extra_rows + 1)
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        # Every context must hold its k + 1 queries, also in the warm-up and capture passes.
-        self.seq_lens = torch.full((n,), max_num_draft_tokens + 1, dtype=torch.int32, device=device)
+        # Every context must hold its r + 1 queries, also in the warm-up and capture passes.
+        self.seq_lens = torch.full((n,), max_extra_rows + 1, dtype=torch.int32, device=device)
         self.query_start_locs = [
-            torch.arange(n + 1, dtype=torch.int32, device=device) * (k + 1)
-            for k in range(max_num_draft_tokens + 1)
+            torch.arange(n + 1, dtype=torch.int32, device=device) * (r + 1) for r in range(max_extra_rows + 1)
         ]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
-        # The packed step of a plain decode (k = 0) graph; its rows never outgrow the static address.
+        # The packed step of a plain decode (r = 0) graph; its rows never outgrow the static address.
         self.packed = torch.zeros(
             decode_capacity(n, max_blocks_per_seq, max_banned), dtype=torch.int64, device=device
         )
-        self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)  # argmax of each row (k = 0)
+        self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)  # argmax of each row (r = 0)
         self._table_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_logits = graph_logits
         self.logits = (
@@ -98,9 +98,9 @@ class DecodeGraphs:
                 return size
         return None
 
-    def has(self, batch_size: int, num_draft_tokens: int = 0) -> bool:
-        """Whether a graph for exactly this (padded) batch size and k was captured."""
-        return (batch_size, num_draft_tokens) in self.graphs
+    def has(self, batch_size: int, extra_rows: int = 0) -> bool:
+        """Whether a graph for exactly this (padded) batch size and r was captured."""
+        return (batch_size, extra_rows) in self.graphs
 
     def _packed_views(self, batch_size: int) -> dict[str, torch.Tensor]:
         """Views of `packed` laid out as a decode step of batch_size rows."""
@@ -109,7 +109,7 @@ class DecodeGraphs:
         return {name: self.packed[at[name] : at[name] + batch_size] for name in names}
 
     def _load_from_packed(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inside a k = 0 graph: context lengths and block table from `packed` into the static
+        """Inside an r = 0 graph: context lengths and block table from `packed` into the static
         int32 buffers; returns (input_ids, positions, slot_mapping), views of `packed`."""
         views = self._packed_views(batch_size)
         self.seq_lens[:batch_size].copy_(views["seq_lens"])
@@ -126,62 +126,62 @@ class DecodeGraphs:
         self.block_tables[:batch_size].copy_(self.packed.take(index))
         return views["input_ids"], views["positions"], views["slot_mapping"]
 
-    def _forward(self, batch_size: int, k: int, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch_size * (k+1), vocab], written into `logits` when given (hidden [.., H] when
-        logits are computed after replay)."""
-        tokens = batch_size * (k + 1)
-        if k == 0:
+    def _forward(self, batch_size: int, r: int, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch_size * (r+1), vocab] of r extra query rows per sequence, written into `logits`
+        when given (hidden [.., H] when logits are computed after replay)."""
+        tokens = batch_size * (r + 1)
+        if r == 0:
             input_ids, positions, slot_mapping = self._load_from_packed(batch_size)
         else:
             input_ids = self.input_ids[:tokens]
             positions = self.positions[:tokens]
             slot_mapping = self.slot_mapping[:tokens]
-        if self.drafter is not None and k:
-            drafts = self.drafter.draft(batch_size, k, self.block_tables[:batch_size])
-            input_ids.view(batch_size, k + 1)[:, 1:].copy_(drafts)
+        if self.fills_extra_rows and r:
+            ids = self.hook.fill_extra_rows(batch_size, r, self.block_tables[:batch_size])
+            input_ids.view(batch_size, r + 1)[:, 1:].copy_(ids)
         attn = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=self.block_tables[:batch_size],
             seq_lens=self.seq_lens[:batch_size],
-            query_start_loc=self.query_start_locs[k][: batch_size + 1],
-            max_query_len=k + 1,
-            max_seq_len=self.max_model_len + k,
-            is_decode=k == 0,
+            query_start_loc=self.query_start_locs[r][: batch_size + 1],
+            max_query_len=r + 1,
+            max_seq_len=self.max_model_len + r,
+            is_decode=r == 0,
         )
         hidden, aux = self.model(input_ids, positions, attn, self.kv_caches)
-        if self.write_features is not None:
-            self.write_features(aux, slot_mapping)
+        if self.hook is not None:
+            self.hook.after_forward(aux, slot_mapping)
         return self.model.compute_logits(hidden, logits) if self.graph_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every (bucket, k), largest first (so the shared pool is sized by the first capture)."""
+        """Captures every (bucket, r), largest first (so the shared pool is sized by the first capture)."""
         pool = None
-        for k in reversed(range(self.max_num_draft_tokens + 1)):
+        for r in reversed(range(self.max_extra_rows + 1)):
             for size in reversed(self.sizes):
-                if k == 0:  # warm-up and capture: one-token contexts in block 0 that store no KV
+                if r == 0:  # warm-up and capture: one-token contexts in block 0 that store no KV
                     views = self._packed_views(size)
                     self.packed.zero_()
                     views["seq_lens"].fill_(1)
                     views["slot_mapping"].fill_(-1)
                 out = self._forward(
-                    size, k
+                    size, r
                 )  # warm-up: autotuning and lazy allocations happen outside capture
                 if not self.graph_logits and self.hidden is None:
                     rows = self.input_ids.shape[0]
                     self.hidden = torch.empty(rows, out.shape[-1], dtype=out.dtype, device=out.device)
                 target = self.logits if self.graph_logits else self.hidden
 
-                def body(size=size, k=k, target=target):
-                    out = target[: size * (k + 1)]
+                def body(size=size, r=r, target=target):
+                    out = target[: size * (r + 1)]
                     if not self.graph_logits:
-                        out.copy_(self._forward(size, k))
+                        out.copy_(self._forward(size, r))
                         return
-                    self._forward(size, k, logits=out)  # the logits land in the shared buffer
-                    if k == 0:
+                    self._forward(size, r, logits=out)  # the logits land in the shared buffer
+                    if r == 0:
                         torch.argmax(out, dim=-1, out=self.token_ids[:size])
 
-                self.graphs[(size, k)], pool = self._capture_graph(body, pool)
+                self.graphs[(size, r)], pool = self._capture_graph(body, pool)
         self._synchronize()
 
     def _capture_graph(self, body, pool):
@@ -197,7 +197,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.input_ids.device)
 
     def replay_packed(self, batch_size: int) -> torch.Tensor:
-        """Replays the k = 0 graph of batch_size rows on the decode step already in `packed` (its
+        """Replays the r = 0 graph of batch_size rows on the decode step already in `packed` (its
         first values, as pack_step laid them out). Returns logits [B, vocab] (hidden [B, H] without
         graph_logits), a view of a shared buffer valid until the next replay; with graph_logits,
         token_ids[:B] holds each row's argmax."""
@@ -215,15 +215,15 @@ class DecodeGraphs:
         self.packed[start : start + size * width].copy_(step.block_tables.reshape(-1))
         self.packed[MAX_BLOCKS_INDEX].fill_(width)
 
-    def run(self, step: StepInputs, num_draft_tokens: int = 0) -> torch.Tensor:
-        """Replays the graph of step's (already padded) batch size and k; returns logits
-        [B * (k+1), vocab] (hidden [.., H] without graph_logits), a view of a shared buffer valid
-        until the next replay. Raises ValueError when a k = 0 step's block table is wider than the
+    def run(self, step: StepInputs, extra_rows: int = 0) -> torch.Tensor:
+        """Replays the graph of step's (already padded) batch size and r = extra_rows; returns logits
+        [B * (r+1), vocab] (hidden [.., H] without graph_logits), a view of a shared buffer valid
+        until the next replay. Raises ValueError when an r = 0 step's block table is wider than the
         graphs'."""
         size = step.header.num_seqs
         tokens = step.header.num_tokens
         width = step.header.max_blocks
-        if num_draft_tokens == 0:
+        if extra_rows == 0:
             if width > self.max_blocks_per_seq or tokens != size:
                 raise ValueError(
                     f"decode step of {size} rows, {tokens} tokens and {width} block-table columns does "
@@ -236,5 +236,5 @@ class DecodeGraphs:
         self.slot_mapping[:tokens].copy_(step.slot_mapping)
         self.seq_lens[:size].copy_(step.seq_lens)
         self.block_tables[:size, :width].copy_(step.block_tables)
-        self.graphs[(size, num_draft_tokens)].replay()
+        self.graphs[(size, extra_rows)].replay()
         return self.logits[:tokens] if self.graph_logits else self.hidden[:tokens]

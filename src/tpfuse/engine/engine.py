@@ -64,8 +64,9 @@ class EngineStats:
 def _make_executor(config: EngineConfig) -> Executor:
     if config.tp_size == 1:
         from tpfuse.engine.runner import ModelRunner
+        from tpfuse.engine.spec_worker import speculative_hook
 
-        return ModelRunner(config)
+        return ModelRunner(config, hook=speculative_hook(config))
     from tpfuse.engine.worker import TensorParallelExecutor
 
     return TensorParallelExecutor(config)

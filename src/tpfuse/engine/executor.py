@@ -5,8 +5,8 @@ A step is packed on the host (`pack`, or `pack_next_decode` for a decode step wh
 previous step's sampled ids, still on the device), launched (`launch` enqueues the forward, the
 sampling and the copy of the ids to the host, and returns at once) and read (`wait`). Launches are
 in order: at any TP size the engine may launch step n+1, with previous = step n, before it waits for
-step n. `execute_spec` runs a speculative packed step's forward on every rank (spec_forward.py);
-rank 0's results stay with `runner`.
+step n. Speculative steps are not part of this seam: spec_forward.step_executor runs them on every
+rank (the runner's SpecWorker hook at one rank, TensorParallelExecutor.execute_spec for a group).
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import torch
 if TYPE_CHECKING:
     from tpfuse.engine.batch import Batch
     from tpfuse.engine.runner import ModelRunner
-    from tpfuse.engine.spec_chain import ChainLink
-    from tpfuse.engine.spec_forward import SpecForward
     from tpfuse.engine.token_readback import PendingStep
     from tpfuse.model.config import ModelConfig
 
 
 class Executor(Protocol):
-    runner: ModelRunner  # rank 0's runner (graphs, drafter, readback live there)
+    runner: ModelRunner  # rank 0's runner (graphs, its hook, readback live there)
     model_config: ModelConfig
     vocab_size: int
     max_model_len: int
@@ -44,10 +42,6 @@ class Executor(Protocol):
 
     def wait(self, pending: PendingStep) -> list[int | None]:
         """The sampled id of each batch row of a launched step (None: the row did not sample)."""
-
-    def execute_spec(self, packed: torch.Tensor, link: ChainLink | None = None) -> SpecForward:
-        """Every rank: the forward of a speculative packed step; rank 0's SpecForward. link: the step
-        in flight when packed is a chained template (every rank shifts it by its own verify result)."""
 
     def shutdown(self) -> None:
         """Stops every rank and releases the device memory held; safe to call twice."""

@@ -20,9 +20,7 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
 from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import DecodeGraphs
-from tpfuse.engine.spec_chain import ChainLink
-from tpfuse.engine.spec_forward import SpecForward, run_spec_forward
-from tpfuse.engine.spec_worker import SpecWorker
+from tpfuse.engine.runner_hook import HookFactory, RunnerHook
 from tpfuse.engine.step_inputs import (
     StepHeader,
     StepInputs,
@@ -48,7 +46,8 @@ class ModelRunner:
     agree_num_blocks: for TP, a function turning this rank's KV capacity into the group's (the minimum);
     agree_routes: for TP, a function giving every rank rank 0's projection routes (linear_choice);
     ranks_on_device: ranks sharing this GPU (they split its memory); graph_logits: capture
-    compute_logits in the decode graphs (off when its all-gather cannot be captured).
+    compute_logits in the decode graphs (off when its all-gather cannot be captured); hook: builds
+    this runner's extension (runner_hook.py) from the loaded model, None for a plain runner.
     """
 
     def __init__(
@@ -61,6 +60,7 @@ class ModelRunner:
         agree_routes=None,
         ranks_on_device: int = 1,
         graph_logits: bool = True,
+        hook: HookFactory | None = None,
     ):
         self.config = config
         self.rank = rank
@@ -72,12 +72,11 @@ class ModelRunner:
         parallel = ParallelContext(rank, config.tp_size, comm or SingleRankCommunicator())
         self.comm = parallel.comm
         self.model, self.model_config = load_model(config, parallel, self.device)
-        self.spec: SpecWorker | None = None
-        if config.speculative.enabled:
-            self.spec = SpecWorker(config, self.model, self.model_config, parallel, self.device)
+        self.hook: RunnerHook | None = None
+        if hook is not None:
+            self.hook = hook(self.model, self.model_config, parallel, self.device)
         if self.device.type == "cuda":  # projection routes, timed before any graph is captured
-            drafters = [self.spec.draft_model, self.spec.head] if self.spec is not None else []
-            models = [self.model] + [m for m in drafters if m is not None]
+            models = [self.model] + (self.hook.models() if self.hook is not None else [])
             linear_choice.choose(
                 (p for m in models for p in projections(m)),
                 max_rows=max_step_rows(config),
@@ -89,15 +88,15 @@ class ModelRunner:
             )
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, self.model_config.max_position_embeddings)
-        # Drafts may reach num_draft_tokens + 1 positions past the newest token.
-        margin = self.spec.position_margin if self.spec is not None else 0
+        # A step may reach `margin` positions past the newest token (the hook's extra query rows).
+        margin = self.hook.position_margin if self.hook is not None else 0
         if margin:
-            limit = min(self.model_config.max_position_embeddings, self.spec.max_positions) - margin
+            limit = min(self.model_config.max_position_embeddings, self.hook.max_positions) - margin
             self.max_model_len = min(self.max_model_len, limit)
         self.kv_layout = kv_cache.cache_layout(self.model, self.model_config, config.tp_size)
         block_bytes = self.kv_layout.bytes_per_block(self.block_size)
-        if self.spec is not None:
-            block_bytes += self.spec.bytes_per_block(config.tp_size, self.block_size)
+        if self.hook is not None:
+            block_bytes += self.hook.bytes_per_block(config.tp_size, self.block_size)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -112,12 +111,12 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.max_model_len = min(self.max_model_len, num_blocks * self.block_size - margin)
         self.kv_caches = self.kv_layout.allocate(num_blocks, self.block_size, self.device)
-        if self.spec is not None:
-            self.spec.allocate(
+        if self.hook is not None:
+            self.hook.allocate(
                 num_blocks, self.block_size, config.tp_size, config.max_running_requests,
                 self.max_model_len + margin,
             )  # fmt: skip
-        tree = config.speculative.enabled and config.speculative.eagle_topk > 1
+        tree = self.hook is not None and self.hook.tree_attention
         num_heads = self.model.layers[0].self_attn.num_heads
         self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
         self.logits_processing = None  # rank 0: per-request processing (engine/logits_processing.py)
@@ -134,9 +133,7 @@ class ModelRunner:
                 self.max_model_len,
                 self.model_config.vocab_size,
                 graph_logits,
-                max_num_draft_tokens=self.spec.max_num_draft_tokens if self.spec is not None else 0,
-                write_features=self.spec.write_features if self.spec is not None else None,
-                drafter=self.spec.window_drafter if self.spec is not None else None,
+                hook=self.hook,
             )
             self.graphs.capture()
 
@@ -202,17 +199,11 @@ class ModelRunner:
         step = unpack_step(header, self.upload.to_device(packed))
         _patch_input_ids(step, input_ids)
         hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
-        if self.spec is not None:  # features of plain steps too: the drafter catches up on them later
-            self.spec.write_features(aux, step.slot_mapping)
+        if self.hook is not None:
+            self.hook.after_forward(aux, step.slot_mapping)
         if not header.num_samples:
             return step, None, False
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
-
-    def execute_spec(self, packed: torch.Tensor, link: ChainLink | None = None) -> SpecForward:
-        """Every rank: draft, verify forward and logits of a speculative packed step (spec_forward.py).
-        link: the step in flight when packed is a chained template (spec_chain.py); the device shifts
-        the template by that step's verify result."""
-        return run_spec_forward(self, packed, link.shift() if link is not None else None)
 
     @torch.inference_mode()
     def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
@@ -276,10 +267,10 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drops what this runner holds on its device (CUDA graphs and their pool, the KV cache, the
-        drafter, the weights) and returns the memory to the device. The runner is unusable afterwards."""
+        hook, the weights) and returns the memory to the device. The runner is unusable afterwards."""
         self.graphs = None
         self.kv_caches = []
-        self.spec = None
+        self.hook = None
         self.model = None
         if self.device.type == "cuda":
             gc.collect()

@@ -22,11 +22,13 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import graph_batch_sizes
 from tpfuse.engine.spec_chain import ChainLink, continued_rows, template_batch
+from tpfuse.engine.spec_forward import step_executor
 from tpfuse.engine.spec_inputs import pack_spec_step
 from tpfuse.engine.spec_rows import draft_limit, is_decode_row, lags_after_plain_steps
 from tpfuse.engine.spec_stats import SpecStats
 from tpfuse.engine.spec_tree_step import TreeKvMoves, verify_tree
 from tpfuse.engine.spec_verify import chain_verifier, verify_chain
+from tpfuse.engine.spec_worker import worker_of
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
@@ -51,12 +53,12 @@ class SpecPending:
 
 
 class SpecDecoder:
-    """config: the engine settings; executor: ModelRunner or TensorParallelExecutor (with
-    execute_spec and a rank-0 `runner`); max_model_len: the engine's."""
+    """config: the engine settings; executor: ModelRunner or TensorParallelExecutor (its rank-0
+    `runner` built with spec_worker.speculative_hook); max_model_len: the engine's."""
 
     def __init__(self, config: EngineConfig, executor, max_model_len: int):
         spec = config.speculative
-        self.executor = executor
+        self.execute_spec = step_executor(executor)  # (packed, link) -> SpecForward, every rank
         self.runner = executor.runner
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -70,7 +72,7 @@ class SpecDecoder:
             else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests))
         )
         self.policy_buckets = buckets
-        window_drafter = self.runner.spec.window_drafter if self.runner.spec is not None else None
+        window_drafter = worker_of(self.runner).window_drafter
         self.ext_window = window_drafter.window if window_drafter is not None else 0
         self.tree = spec.eagle_topk > 1
         self.num_tree_nodes = spec.num_draft_tokens
@@ -212,7 +214,7 @@ class SpecDecoder:
         if previous is not None:
             rows = continued_rows(previous.batch, batch)
             link = ChainLink(previous.result, previous.num_draft_tokens, rows)
-        forward = self.executor.execute_spec(packed, link)
+        forward = self.execute_spec(packed, link)
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)

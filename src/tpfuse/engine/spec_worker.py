@@ -8,9 +8,16 @@ The feature store ([num_blocks * block_size + 1, H_head], EAGLE-3 and MTP) holds
 (MTP: the target's final hidden states as they are) at every KV slot the target computed, written by
 every target forward (eager or graph); the drafter reads the positions it has not consumed yet
 through their slots on a later step. The extra last row takes the writes of padding tokens (slot -1).
+
+SpecWorker is the plain runner's hook (engine/runner_hook.py): the runner sizes, allocates and
+captures it without knowing what it is (verify graphs are its extra query rows, the window drafter
+fills them inside the graph, write_features is its after_forward). speculative_hook(config) is what
+the executors pass to ModelRunner, and worker_of(runner) is how the speculative side finds it again.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -25,6 +32,23 @@ from tpfuse.spec.tree import DraftTree, check_tree_settings, num_lookahead_token
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def speculative_hook(config: EngineConfig):
+    """The ModelRunner hook factory of config (runner_hook.HookFactory): a SpecWorker per runner when
+    speculative decoding is on, else None (a plain runner)."""
+    return partial(SpecWorker, config) if config.speculative.enabled else None
+
+
+def worker_of(runner) -> SpecWorker:
+    """runner's SpecWorker. Raises ValueError when the runner was built without one."""
+    hook = runner.hook
+    if not isinstance(hook, SpecWorker):
+        raise ValueError(
+            "this ModelRunner has no speculative worker: build it with "
+            "ModelRunner(config, hook=speculative_hook(config)) and speculative decoding on"
+        )
+    return hook
 
 
 class SpecWorker:
@@ -140,6 +164,24 @@ class SpecWorker:
         """Positions past max_model_len that drafts may occupy (the sizing keeps them in range)."""
         return self.lookahead + 1
 
+    @property
+    def max_extra_query_rows(self) -> int:
+        """Verify graphs are captured for every k in 1..num_steps (k drafts after the newest token)."""
+        return self.max_num_draft_tokens
+
+    @property
+    def fills_extra_rows(self) -> bool:
+        """The window drafter drafts inside the verify graphs (EAGLE-3 chains; known after allocate)."""
+        return self.window_drafter is not None
+
+    @property
+    def tree_attention(self) -> bool:
+        return self.tree_topk is not None
+
+    def models(self) -> list[torch.nn.Module]:
+        """The drafter's modules, routed by the start-up projection timing with the target's."""
+        return [m for m in (self.draft_model, self.head) if m is not None]
+
     def bytes_per_block(self, tp_size: int, block_size: int) -> int:
         """Drafter KV plus feature store for one KV block on this rank."""
         if self.algorithm == "mtp":
@@ -193,6 +235,16 @@ class SpecWorker:
                 self.draft_config, tp_size, num_blocks, block_size, self.device
             )
             self.drafter = DraftModelDrafter(self.draft_model, caches, self.target_vocab_size)
+
+    def fill_extra_rows(
+        self, num_rows: int, num_draft_tokens: int, block_tables: torch.Tensor
+    ) -> torch.Tensor:
+        """Inside a verify graph: the window drafter's [num_rows, k] drafts (its window loaded before)."""
+        return self.window_drafter.draft(num_rows, num_draft_tokens, block_tables)
+
+    def after_forward(self, aux: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """Every target forward, plain steps too (the drafter catches up on them later)."""
+        self.write_features(aux, slot_mapping)
 
     def write_features(self, aux: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         """Stores fc(aux) [T, H_head] at slot_mapping [T] (slot < 0: the spare row). Graph-safe."""

@@ -49,6 +49,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
 
     from tpfuse.comm.factory import create_communicator
     from tpfuse.engine.runner import ModelRunner
+    from tpfuse.engine.spec_worker import speculative_hook
     from tpfuse.engine.step_limits import max_step_rows
     from tpfuse.model.loader import load_model_config
 
@@ -92,6 +93,7 @@ def build_rank(rank: int, config: EngineConfig, port: int, devices: list[torch.d
         agree_routes=agree_routes,
         ranks_on_device=sharing,
         graph_logits=sharing == 1,
+        hook=speculative_hook(config),
     )
 
 
@@ -111,13 +113,15 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
     what a step launched after the one before needs of it: its sampled ids (a plain decode) or its
     verify result (a speculative step that a chained template may follow)."""
     from tpfuse.engine.spec_chain import ChainLink
+    from tpfuse.engine.spec_forward import execute_spec
     from tpfuse.engine.spec_verify import chain_verifier, worker_chain_result
+    from tpfuse.engine.spec_worker import worker_of
 
     verifier = chain_verifier(config.speculative)
     chains = (
         not config.disable_overlap_schedule
-        and runner.spec is not None
-        and runner.spec.window_drafter is not None
+        and config.speculative.enabled
+        and worker_of(runner).window_drafter is not None
     )
     last, ids, verified = 0, None, None
     spin_errors = SpinErrorWatch(runner.comm, rank)
@@ -133,7 +137,7 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
                     raise RuntimeError("a chained step follows a step whose verify result this rank lacks")
                 link = ChainLink(verified, k, packed[2 : 2 + n].tolist() if n >= 0 else None)
                 packed = packed[2 + max(n, 0) :]
-            forward = runner.execute_spec(packed, link)
+            forward = execute_spec(runner, packed, link)
             verified = worker_chain_result(forward, verifier) if chains else None
             ids = None
         else:

@@ -190,7 +190,9 @@ class TensorParallelExecutor:
     def execute_spec(self, packed: torch.Tensor, link=None):
         """Sends a speculative packed step to the workers and runs rank 0's share (SpecForward). With
         link (a chained template) the workers get its k and rows; each shifts by its own result."""
-        run = lambda: self.runner.execute_spec(packed, link)  # noqa: E731
+        from tpfuse.engine.spec_forward import execute_spec
+
+        run = lambda: execute_spec(self.runner, packed, link)  # noqa: E731
         if link is None:
             return self._in_lock_step(run, packed, SPEC_STEP)
         rows = link.rows or []
