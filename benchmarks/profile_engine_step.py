@@ -52,7 +52,7 @@ PHASES = [  # (label, attribute path from the engine, method); a label may wrap 
     ("schedule", "scheduler", "schedule_next_spec_decode"),  # chained speculative steps
     ("spec_launch", "spec_decoder", "launch"),  # with --eagle3-simulate: pack, replay, verify
     ("spec_wait", "spec_decoder", "wait"),  # reads the verified tokens back
-    ("spec_execute", "executor", "execute_spec"),
+    ("spec_execute", "spec_decoder", "execute_spec"),  # every rank's share (spec_forward.step_executor)
 ]
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
