@@ -108,12 +108,10 @@ def flag_slot_offset(flag_off, kind, program, source_rank, max_programs, WS: tl.
 
 
 @triton.jit
-def signal_peers(peer_table, rank, epoch, kind, flag_off, max_programs, WS: tl.constexpr, WS_P2: tl.constexpr,
-                 INTERPRET: tl.constexpr):  # fmt: skip
-    """After this program's pushes: store epoch into this rank's flag slot in every rank's buffer."""
-    lanes = tl.arange(0, WS_P2)
-    peer = tl.where(lanes < WS, lanes, rank)  # spare lanes repeat this rank's own (harmless) store
-    base = tl.load(peer_table + peer)
+def _release_flags(base, rank, epoch, kind, flag_off, max_programs, WS: tl.constexpr, WS_P2: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
+    """Release-store epoch into this rank's flag slot (of this program and kind) in the buffers at the
+    WS_P2 int64 base addresses `base`, after a barrier over this program's data stores."""
     slot = flag_slot_offset(flag_off, kind, tl.program_id(0), rank, max_programs, WS)
     # every thread's data stores must precede the release store (bar.sync, then release is cumulative)
     tl.debug_barrier()
@@ -121,61 +119,10 @@ def signal_peers(peer_table, rank, epoch, kind, flag_off, max_programs, WS: tl.c
 
 
 @triton.jit
-def wait_for_peers(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_programs, timeout,
-                   WS: tl.constexpr, WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """Spin on this rank's own flags of this program until every rank's flag reached epoch.
-
-    Bounded: after `timeout` (ns; iterations under the interpreter) the missing ranks' bits are OR-ed
-    into the error word and the program carries on with whatever is in the buffer.
-    """
-    lanes = tl.arange(0, WS_P2)
-    valid = lanes < WS
-    own_base = tl.load(peer_table + rank)
-    addresses = own_base + flag_slot_offset(flag_off, kind, tl.program_id(0), tl.where(valid, lanes, 0),
-                                            max_programs, WS)  # fmt: skip
-    flags = load_acquire_sys(addresses, INTERPRET)
-    arrived = ((flags - epoch) < ARRIVED_WINDOW) | (lanes >= WS)
-    all_arrived = tl.min(arrived.to(tl.int32), 0)
-    start = clock_ns(INTERPRET)
-    waited = start - start
-    while (all_arrived == 0) & (tl.max(waited, 0) < timeout):
-        flags = load_acquire_sys(addresses, INTERPRET)
-        arrived = ((flags - epoch) < ARRIVED_WINDOW) | (lanes >= WS)
-        all_arrived = tl.min(arrived.to(tl.int32), 0)
-        if INTERPRET:
-            waited = waited + 1
-        else:
-            waited = clock_ns(INTERPRET) - start
-    if all_arrived == 0:
-        missing = tl.sum(tl.where(arrived, 0, 1 << lanes), 0)
-        tl.atomic_or(buffer_ptr + CTRL_ERROR, missing)
-    # the acquire above was done by some threads; the barrier extends it to the whole program
-    tl.debug_barrier()
-
-
-@triton.jit
-def signal_ranks(peer_table, rank, epoch, kind, flag_off, max_programs, targets, WS: tl.constexpr,
-                 WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """signal_peers for the ranks in the bitmask `targets` (a runtime int) only. Lanes of other ranks
-    repeat this rank's store into its own buffer, which no schedule that signals selectively waits on."""
-    lanes = tl.arange(0, WS_P2)
-    chosen = (lanes < WS) & (((targets >> lanes) & 1) == 1)
-    base = tl.load(peer_table + tl.where(chosen, lanes, rank))
-    slot = flag_slot_offset(flag_off, kind, tl.program_id(0), rank, max_programs, WS)
-    tl.debug_barrier()
-    store_release_sys(base + slot, tl.zeros([WS_P2], tl.uint32) + epoch, INTERPRET)
-
-
-@triton.jit
-def wait_for_sources(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_programs, timeout, sources,
-                     WS: tl.constexpr, WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """wait_for_peers for the ranks in the bitmask `sources` (a runtime int) only; bounded the same way,
-    and only those ranks can be named in the error word."""
-    lanes = tl.arange(0, WS_P2)
-    ignored = (lanes >= WS) | (((sources >> lanes) & 1) == 0)
-    own_base = tl.load(peer_table + rank)
-    addresses = own_base + flag_slot_offset(flag_off, kind, tl.program_id(0), tl.where(ignored, 0, lanes),
-                                            max_programs, WS)  # fmt: skip
+def _spin_until_arrived(addresses, lanes, ignored, epoch, timeout, buffer_ptr, INTERPRET: tl.constexpr):
+    """The bounded spin: acquire-load the local flags at `addresses` (one per lane) until every lane not
+    `ignored` reached epoch or `timeout` passed (ns; iterations under the interpreter); on timeout OR the
+    missing lanes' bits into the error word and carry on."""
     flags = load_acquire_sys(addresses, INTERPRET)
     arrived = ((flags - epoch) < ARRIVED_WINDOW) | ignored
     all_arrived = tl.min(arrived.to(tl.int32), 0)
@@ -192,7 +139,58 @@ def wait_for_sources(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_pr
     if all_arrived == 0:
         missing = tl.sum(tl.where(arrived, 0, 1 << lanes), 0)
         tl.atomic_or(buffer_ptr + CTRL_ERROR, missing)
+    # the acquire above was done by some threads; the barrier extends it to the whole program
     tl.debug_barrier()
+
+
+@triton.jit
+def signal_peers(peer_table, rank, epoch, kind, flag_off, max_programs, WS: tl.constexpr, WS_P2: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """After this program's pushes: store epoch into this rank's flag slot in every rank's buffer."""
+    lanes = tl.arange(0, WS_P2)
+    peer = tl.where(lanes < WS, lanes, rank)  # spare lanes repeat this rank's own (harmless) store
+    base = tl.load(peer_table + peer)
+    _release_flags(base, rank, epoch, kind, flag_off, max_programs, WS, WS_P2, INTERPRET)
+
+
+@triton.jit
+def wait_for_peers(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_programs, timeout,
+                   WS: tl.constexpr, WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Spin on this rank's own flags of this program until every rank's flag reached epoch.
+
+    Bounded: after `timeout` (ns; iterations under the interpreter) the missing ranks' bits are OR-ed
+    into the error word and the program carries on with whatever is in the buffer.
+    """
+    lanes = tl.arange(0, WS_P2)
+    valid = lanes < WS
+    own_base = tl.load(peer_table + rank)
+    addresses = own_base + flag_slot_offset(flag_off, kind, tl.program_id(0), tl.where(valid, lanes, 0),
+                                            max_programs, WS)  # fmt: skip
+    _spin_until_arrived(addresses, lanes, lanes >= WS, epoch, timeout, buffer_ptr, INTERPRET)
+
+
+@triton.jit
+def signal_ranks(peer_table, rank, epoch, kind, flag_off, max_programs, targets, WS: tl.constexpr,
+                 WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """signal_peers for the ranks in the bitmask `targets` (a runtime int) only. Lanes of other ranks
+    repeat this rank's store into its own buffer, which no schedule that signals selectively waits on."""
+    lanes = tl.arange(0, WS_P2)
+    chosen = (lanes < WS) & (((targets >> lanes) & 1) == 1)
+    base = tl.load(peer_table + tl.where(chosen, lanes, rank))
+    _release_flags(base, rank, epoch, kind, flag_off, max_programs, WS, WS_P2, INTERPRET)
+
+
+@triton.jit
+def wait_for_sources(peer_table, buffer_ptr, rank, epoch, kind, flag_off, max_programs, timeout, sources,
+                     WS: tl.constexpr, WS_P2: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """wait_for_peers for the ranks in the bitmask `sources` (a runtime int) only; bounded the same way,
+    and only those ranks can be named in the error word."""
+    lanes = tl.arange(0, WS_P2)
+    ignored = (lanes >= WS) | (((sources >> lanes) & 1) == 0)
+    own_base = tl.load(peer_table + rank)
+    addresses = own_base + flag_slot_offset(flag_off, kind, tl.program_id(0), tl.where(ignored, 0, lanes),
+                                            max_programs, WS)  # fmt: skip
+    _spin_until_arrived(addresses, lanes, ignored, epoch, timeout, buffer_ptr, INTERPRET)
 
 
 @triton.jit
