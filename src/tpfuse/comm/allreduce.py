@@ -60,12 +60,38 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _norm_store(s, row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, eps, EPILOGUE: tl.constexpr):
-    """s: the new residual row (float32 of rounded values); writes the normed row to out_ptr."""
-    y = rmsnorm_row(s, weight_ptr, cols, in_row, hidden, eps)
+def _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, eps,
+                  EPILOGUE: tl.constexpr):  # fmt: skip
+    """s_row: the new residual row (activation dtype); stores it, and its RMSNorm (+FP8) to out_ptr."""
+    tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
+    y = rmsnorm_row(s_row.to(tl.float32), weight_ptr, cols, in_row, hidden, eps)
     if EPILOGUE == EPILOGUE_NORM_FP8:
         y = tl.clamp(_round_to_e4m3(y / tl.load(scale_ptr)), -FP8_E4M3_MAX, FP8_E4M3_MAX)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+                scale_ptr, eps, DT: tl.constexpr, EPILOGUE: tl.constexpr):  # fmt: skip
+    """acc: the float32 sum of one row; stores the plain sum, or the residual and the normed row."""
+    if EPILOGUE == EPILOGUE_SUM:
+        tl.store(out_ptr + row * hidden + cols, acc.to(DT), mask=in_row)
+    else:
+        acc += tl.load(residual_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+        _store_normed(acc.to(DT), row, cols, in_row, hidden, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+                      eps, EPILOGUE)  # fmt: skip
+
+
+@triton.jit
+def _sum_slots(peer_table, rank, data_off, parity, slot_bytes, row, hidden, cols, mask, WS: tl.constexpr,
+               BLOCK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """Row `row` (columns `cols`) of the WS data slots in this rank's own buffer, summed in float32 in
+    rank order (volatile loads: peers wrote them; the flag wait before made them visible)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(WS):
+        src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+        acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    return acc
 
 
 # Every rank must run the same compiled binary: an integer argument equal to 1 or divisible by 16 is
@@ -115,20 +141,10 @@ def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
                     v = tl.load(src + row * hidden + cols, mask=in_row, volatile=True)
                     tl.store(out_row + s * gather_source_stride + cols, v, mask=in_row)
             else:
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for s in tl.static_range(WS):
-                    src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
-                    acc += tl.load(src + row * hidden + cols, mask=in_row, other=0.0, volatile=True).to(
-                        tl.float32
-                    )
-                if EPILOGUE == EPILOGUE_SUM:
-                    tl.store(out_ptr + row * hidden + cols, acc.to(DT), mask=in_row)
-                else:
-                    acc += tl.load(residual_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-                    s_row = acc.to(DT)
-                    tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
-                    _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr,
-                                scale_ptr, eps, EPILOGUE)  # fmt: skip
+                acc = _sum_slots(peer_table, rank, data_off, parity, slot_bytes, row, hidden, cols, in_row,
+                                 WS, BLOCK, DT)  # fmt: skip
+                _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr,
+                            residual_out_ptr, scale_ptr, eps, DT, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
 
 
@@ -161,10 +177,8 @@ def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         m = (chunk_cols < chunk) & (cols < hidden)
         gather = gather_off + parity * slot_bytes
         for row in range(pid, num_rows, nprog):
-            acc = tl.zeros([CHUNK_BLOCK], dtype=tl.float32)
-            for s in tl.static_range(WS):
-                src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
-                acc += tl.load(src + row * hidden + cols, mask=m, other=0.0, volatile=True).to(tl.float32)
+            acc = _sum_slots(peer_table, rank, data_off, parity, slot_bytes, row, hidden, cols, m, WS,
+                             CHUNK_BLOCK, DT)  # fmt: skip
             if EPILOGUE != EPILOGUE_SUM:
                 acc += tl.load(residual_ptr + row * hidden + cols, mask=m, other=0.0).to(tl.float32)
             reduced = acc.to(DT)
@@ -182,9 +196,8 @@ def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
             if EPILOGUE == EPILOGUE_SUM:
                 tl.store(out_ptr + row * hidden + cols, s_row, mask=in_row)
             else:
-                tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
-                _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr,
-                            eps, EPILOGUE)  # fmt: skip
+                _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residual_out_ptr,
+                              scale_ptr, eps, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpfuse.comm.allreduce import EPILOGUE_SUM, NO_RANK_SPECIALIZATION, _norm_store, _region
+from tpfuse.comm.allreduce import NO_RANK_SPECIALIZATION, _finish_row, _region
 from tpfuse.comm.sync import (
     FLAG_GATHER,
     FLAG_PUSH,
@@ -44,20 +44,6 @@ PLAN_SEND = tl.constexpr(1)  # bitmask of the ranks this rank sends its island p
 PLAN_RECEIVE = tl.constexpr(2)  # bitmask of the ranks whose island partials this rank receives
 PLAN_ORDER = tl.constexpr(3)  # [WS]: per island in order, the rank its partial comes from; -1 own, -2 none
 OWN_ISLAND = tl.constexpr(-1)
-
-
-@triton.jit
-def _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                scale_ptr, eps, DT: tl.constexpr, EPILOGUE: tl.constexpr):  # fmt: skip
-    """acc: the float32 sum of one row; stores the plain sum, or the residual and the normed row."""
-    if EPILOGUE == EPILOGUE_SUM:
-        tl.store(out_ptr + row * hidden + cols, acc.to(DT), mask=in_row)
-    else:
-        acc += tl.load(residual_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-        s_row = acc.to(DT)
-        tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
-        _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr, scale_ptr, eps,
-                    EPILOGUE)  # fmt: skip
 
 
 @triton.jit

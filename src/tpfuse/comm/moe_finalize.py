@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from tpfuse.comm import launch
-from tpfuse.comm.allreduce import EPILOGUE_NORM, NO_RANK_SPECIALIZATION, _norm_store, _region, num_warps_for
+from tpfuse.comm.allreduce import (
+    EPILOGUE_NORM,
+    NO_RANK_SPECIALIZATION,
+    _finish_row,
+    _region,
+    _sum_slots,
+    num_warps_for,
+)
 from tpfuse.comm.sync import (
     ALL_PHASES,
     FLAG_PUSH,
@@ -70,16 +77,11 @@ def one_shot_moe_finalize_kernel(slot_ptr, residual_ptr, weight_ptr, out_ptr, re
         wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
                        WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for s in tl.static_range(WS):
-                src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
-                part = tl.load(src + row * hidden + cols, mask=in_row, other=0.0, volatile=True)
-                acc += part.to(tl.float32)
-            acc += tl.load(residual_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-            s_row = acc.to(DT)
-            tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
-            _norm_store(s_row.to(tl.float32), row, cols, in_row, hidden, weight_ptr, out_ptr, weight_ptr,
-                        eps, EPILOGUE_NORM)  # fmt: skip
+            acc = _sum_slots(peer_table, rank, data_off, parity, slot_bytes, row, hidden, cols, in_row, WS,
+                             BLOCK, DT)  # fmt: skip
+            # EPILOGUE_NORM never reads the FP8 scale pointer: weight_ptr stands in for it
+            _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+                        weight_ptr, eps, DT, EPILOGUE_NORM)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
 
 
