@@ -50,6 +50,27 @@ def _region(peer_table, peer, byte_offset, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _launch_slots(buffer_ptr):
+    """(epoch, parity): this launch's epoch (sync.load_epoch) and which of the two data slot sets
+    (int64 0 or 1, alternating per launch) it uses."""
+    epoch = load_epoch(buffer_ptr)
+    return epoch, (epoch & 1).to(tl.int64)
+
+
+@triton.jit
+def _slot(data_off, parity, source, slot_bytes, WS: tl.constexpr):
+    """Byte offset of source rank's data slot in the slot set `parity`, in any rank's buffer."""
+    return data_off + (parity * WS + source) * slot_bytes
+
+
+@triton.jit
+def _push_row(peer_table, slot, row, hidden, cols, v, mask, WS: tl.constexpr, DT: tl.constexpr):
+    """Store v as row `row` of `slot` in every rank's buffer (plain stores; a flag release publishes them)."""
+    for j in tl.static_range(WS):
+        tl.store(_region(peer_table, j, slot, DT) + row * hidden + cols, v, mask=mask)
+
+
+@triton.jit
 def _round_to_e4m3(y):
     """Round float32 to the nearest-even float8_e4m3fn value (still float32), so the final conversion is
     exact. Done by hand because the Triton interpreter's float8 conversion loses the mantissa carry."""
@@ -89,7 +110,7 @@ def _sum_slots(peer_table, rank, data_off, parity, slot_bytes, row, hidden, cols
     rank order (volatile loads: peers wrote them; the flag wait before made them visible)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(WS):
-        src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+        src = _region(peer_table, rank, _slot(data_off, parity, s, slot_bytes, WS), DT)
         acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
     return acc
 
@@ -118,16 +139,14 @@ def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     if PHASE_PUSH & PHASES:
-        own_slot = data_off + (parity * WS + rank) * slot_bytes
+        own_slot = _slot(data_off, parity, rank, slot_bytes, WS)
         for row in range(pid, num_rows, nprog):
             v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
-            for j in tl.static_range(WS):
-                tl.store(_region(peer_table, j, own_slot, DT) + row * hidden + cols, v, mask=in_row)
+            _push_row(peer_table, own_slot, row, hidden, cols, v, in_row, WS, DT)
         signal_peers(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, WS, WS_P2, INTERPRET)
     if PHASE_FINISH & PHASES:
         wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
@@ -137,7 +156,7 @@ def one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
                 block_start = (row // gather_rows) * WS * gather_source_stride
                 out_row = out_ptr + block_start + (row % gather_rows) * gather_row_stride
                 for s in tl.static_range(WS):
-                    src = _region(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, DT)
+                    src = _region(peer_table, rank, _slot(data_off, parity, s, slot_bytes, WS), DT)
                     v = tl.load(src + row * hidden + cols, mask=in_row, volatile=True)
                     tl.store(out_row + s * gather_source_stride + cols, v, mask=in_row)
             else:
@@ -158,11 +177,10 @@ def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     chunk_cols = tl.arange(0, CHUNK_BLOCK)
     if PHASE_PUSH & PHASES:
-        own_slot = data_off + (parity * WS + rank) * slot_bytes
+        own_slot = _slot(data_off, parity, rank, slot_bytes, WS)
         for row in range(pid, num_rows, nprog):
             for j in tl.static_range(WS):
                 cols = j * chunk + chunk_cols
@@ -181,9 +199,7 @@ def two_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
                              CHUNK_BLOCK, DT)  # fmt: skip
             if EPILOGUE != EPILOGUE_SUM:
                 acc += tl.load(residual_ptr + row * hidden + cols, mask=m, other=0.0).to(tl.float32)
-            reduced = acc.to(DT)
-            for j in tl.static_range(WS):
-                tl.store(_region(peer_table, j, gather, DT) + row * hidden + cols, reduced, mask=m)
+            _push_row(peer_table, gather, row, hidden, cols, acc.to(DT), m, WS, DT)
         signal_peers(peer_table, rank, epoch, FLAG_GATHER, flag_off, max_programs, WS, WS_P2, INTERPRET)
     if PHASE_FINISH & PHASES:
         wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_GATHER, flag_off, max_programs, timeout,

@@ -28,15 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpfuse.comm.allreduce import NO_RANK_SPECIALIZATION, _finish_row, _region
-from tpfuse.comm.sync import (
-    FLAG_GATHER,
-    FLAG_PUSH,
-    finish_launch,
-    load_epoch,
-    signal_ranks,
-    wait_for_sources,
-)
+from tpfuse.comm.allreduce import NO_RANK_SPECIALIZATION, _finish_row, _launch_slots, _region, _slot
+from tpfuse.comm.sync import FLAG_GATHER, FLAG_PUSH, finish_launch, signal_ranks, wait_for_sources
 
 # plan table of the hierarchical schedule (int32, one per rank; islands.island_plan builds it)
 PLAN_ISLAND = tl.constexpr(0)  # bitmask of this rank's island (itself included)
@@ -62,6 +55,37 @@ def _slot_or_own(peer_table, owner, slot, s, rank, x_ptr, row, hidden, cols, mas
     return tl.where(own, local, remote).to(tl.float32)
 
 
+@triton.jit
+def _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
+               PULL: tl.constexpr, WS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """Every rank's row summed in float32 in rank order, this rank's own from x; the others from slot [s]
+    of this rank's buffer (pushed to it), or with PULL of rank s's own buffer (remote loads)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(WS):
+        slot = _slot(data_off, parity, s, slot_bytes, WS)
+        if PULL:
+            acc += _slot_or_own(peer_table, s, slot, s, rank, x_ptr, row, hidden, cols, in_row, DT)
+        else:
+            acc += _slot_or_own(peer_table, rank, slot, s, rank, x_ptr, row, hidden, cols, in_row, DT)
+    return acc
+
+
+@triton.jit
+def _copy_rows(x_ptr, dst, pid, nprog, num_rows, hidden, cols, in_row):
+    """This program's rows of x (rows pid, pid + nprog, ...) into the same rows at dst."""
+    for row in range(pid, num_rows, nprog):
+        v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
+        tl.store(dst + row * hidden + cols, v, mask=in_row)
+
+
+@triton.jit
+def _push_row_to(peer_table, targets, slot, row, hidden, cols, v, in_row, WS: tl.constexpr, DT: tl.constexpr):
+    """Store v as row `row` of `slot` in the buffers of the ranks in the bitmask `targets` only."""
+    for j in tl.static_range(WS):
+        to_j = in_row & _has_bit(cols, targets, j)
+        tl.store(_region(peer_table, j, slot, DT) + row * hidden + cols, v, mask=to_j)
+
+
 @triton.jit(do_not_specialize=NO_RANK_SPECIALIZATION)
 def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
                   peer_table, buffer_ptr, rank, num_rows, hidden, eps, timeout,
@@ -72,19 +96,16 @@ def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sc
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     one = rank * 0 + 1
-    own_slot = data_off + (parity * WS + rank) * slot_bytes
+    own_slot = _slot(data_off, parity, rank, slot_bytes, WS)
     for stage in tl.static_range(1, WS):
         if (PHASES >> (2 * stage - 2)) & 1:
             target = (rank + stage) % WS
             dst = _region(peer_table, target, own_slot, DT)
-            for row in range(pid, num_rows, nprog):
-                v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
-                tl.store(dst + row * hidden + cols, v, mask=in_row)
+            _copy_rows(x_ptr, dst, pid, nprog, num_rows, hidden, cols, in_row)
             signal_ranks(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, one << target,
                          WS, WS_P2, INTERPRET)  # fmt: skip
         if LOCKSTEP and (PHASES >> (2 * stage - 1)) & 1:
@@ -97,10 +118,8 @@ def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sc
             wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
                              others, WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for s in tl.static_range(WS):
-                acc += _slot_or_own(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, s, rank,
-                                    x_ptr, row, hidden, cols, in_row, DT)  # fmt: skip
+            acc = _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
+                             False, WS, BLOCK, DT)  # fmt: skip
             _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                         scale_ptr, eps, DT, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
@@ -116,25 +135,20 @@ def pull_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scal
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     others = ((rank * 0 + 1) << WS) - 1 - ((rank * 0 + 1) << rank)
     if PHASES & 1:
-        dst = _region(peer_table, rank, data_off + (parity * WS + rank) * slot_bytes, DT)
-        for row in range(pid, num_rows, nprog):
-            v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
-            tl.store(dst + row * hidden + cols, v, mask=in_row)
+        dst = _region(peer_table, rank, _slot(data_off, parity, rank, slot_bytes, WS), DT)
+        _copy_rows(x_ptr, dst, pid, nprog, num_rows, hidden, cols, in_row)
         signal_ranks(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, others, WS, WS_P2, INTERPRET)
     if PHASES & 2:
         wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
                          others, WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for s in tl.static_range(WS):
-                acc += _slot_or_own(peer_table, s, data_off + (parity * WS + s) * slot_bytes, s, rank, x_ptr,
-                                    row, hidden, cols, in_row, DT)  # fmt: skip
+            acc = _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
+                             True, WS, BLOCK, DT)  # fmt: skip
             _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                         scale_ptr, eps, DT, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
@@ -147,7 +161,7 @@ def _island_partial(peer_table, island, rank, x_ptr, row, hidden, cols, in_row, 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(WS):
         member = _has_bit(cols, island, s)
-        v = _slot_or_own(peer_table, rank, data_off + (parity * WS + s) * slot_bytes, s, rank, x_ptr, row,
+        v = _slot_or_own(peer_table, rank, _slot(data_off, parity, s, slot_bytes, WS), s, rank, x_ptr, row,
                          hidden, cols, in_row & member, DT)  # fmt: skip
         acc += tl.where(member, v, 0.0)
     return acc
@@ -163,19 +177,16 @@ def hierarchical_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_p
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     island = tl.load(plan_ptr + PLAN_ISLAND)
     peers = island & ~((rank * 0 + 1) << rank)
-    own_slot = data_off + (parity * WS + rank) * slot_bytes
+    own_slot = _slot(data_off, parity, rank, slot_bytes, WS)
     if PHASES & 1:
         for row in range(pid, num_rows, nprog):
             v = tl.load(x_ptr + row * hidden + cols, mask=in_row)
-            for j in tl.static_range(WS):
-                to_j = in_row & _has_bit(cols, peers, j)
-                tl.store(_region(peer_table, j, own_slot, DT) + row * hidden + cols, v, mask=to_j)
+            _push_row_to(peer_table, peers, own_slot, row, hidden, cols, v, in_row, WS, DT)
         signal_ranks(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, peers, WS, WS_P2, INTERPRET)
     if PHASES & 2:
         wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
@@ -184,10 +195,7 @@ def hierarchical_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_p
         for row in range(pid, num_rows, nprog):
             partial = _island_partial(peer_table, island, rank, x_ptr, row, hidden, cols, in_row, data_off,
                                       parity, slot_bytes, WS, BLOCK, DT)  # fmt: skip
-            for j in tl.static_range(WS):
-                to_j = in_row & _has_bit(cols, send, j)
-                dst = _region(peer_table, j, own_slot, tl.float32)
-                tl.store(dst + row * hidden + cols, partial, mask=to_j)
+            _push_row_to(peer_table, send, own_slot, row, hidden, cols, partial, in_row, WS, tl.float32)
         signal_ranks(peer_table, rank, epoch, FLAG_GATHER, flag_off, max_programs, send, WS, WS_P2, INTERPRET)
     if PHASES & 4:
         wait_for_sources(peer_table, buffer_ptr, rank, epoch, FLAG_GATHER, flag_off, max_programs, timeout,
@@ -199,8 +207,8 @@ def hierarchical_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_p
             for k in tl.static_range(WS):
                 source = tl.load(plan_ptr + PLAN_ORDER + k)
                 remote = (cols * 0 + source) >= 0
-                src = _region(peer_table, rank, data_off + (parity * WS + tl.maximum(source, 0)) * slot_bytes,
-                              tl.float32)  # fmt: skip
+                their_slot = _slot(data_off, parity, tl.maximum(source, 0), slot_bytes, WS)
+                src = _region(peer_table, rank, their_slot, tl.float32)
                 theirs = tl.load(src + row * hidden + cols, mask=in_row & remote, other=0.0, volatile=True)
                 acc += tl.where((cols * 0 + source) == OWN_ISLAND, partial, theirs)
             _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,

@@ -20,7 +20,9 @@ from tpfuse.comm.allreduce import (
     EPILOGUE_NORM,
     NO_RANK_SPECIALIZATION,
     _finish_row,
-    _region,
+    _launch_slots,
+    _push_row,
+    _slot,
     _sum_slots,
     num_warps_for,
 )
@@ -31,7 +33,6 @@ from tpfuse.comm.sync import (
     PHASE_PUSH,
     finish_launch,
     interpreting,
-    load_epoch,
     signal_peers,
     wait_for_peers,
 )
@@ -58,20 +59,17 @@ def one_shot_moe_finalize_kernel(slot_ptr, residual_ptr, weight_ptr, out_ptr, re
     DT: tl.constexpr = residual_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    epoch = load_epoch(buffer_ptr)
-    parity = (epoch & 1).to(tl.int64)
+    epoch, parity = _launch_slots(buffer_ptr)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
     if PHASE_PUSH & PHASES:
-        own_slot = data_off + (parity * WS + rank) * slot_bytes
+        own_slot = _slot(data_off, parity, rank, slot_bytes, WS)
         for row in range(pid, num_rows, nprog):
             combined = tl.zeros([BLOCK], dtype=tl.float32)
             for j in tl.static_range(TOP_K):
                 src = slot_ptr + (row * TOP_K + j) * hidden + cols
                 combined += tl.load(src, mask=in_row, other=0.0).to(tl.float32)
-            v = combined.to(DT)
-            for p in tl.static_range(WS):
-                tl.store(_region(peer_table, p, own_slot, DT) + row * hidden + cols, v, mask=in_row)
+            _push_row(peer_table, own_slot, row, hidden, cols, combined.to(DT), in_row, WS, DT)
         signal_peers(peer_table, rank, epoch, FLAG_PUSH, flag_off, max_programs, WS, WS_P2, INTERPRET)
     if PHASE_FINISH & PHASES:
         wait_for_peers(peer_table, buffer_ptr, rank, epoch, FLAG_PUSH, flag_off, max_programs, timeout,
