@@ -11,6 +11,10 @@ protocol). Sums run in rank order in float32, so every rank computes bit-identic
   to the activation dtype, pushes it into every rank's gather region; every rank then runs the epilogue
   on whole rows. Each rank moves 2 (world-1)/world rows per row instead of world - 1.
 
+The row pieces below the constants (slot offsets, the push of a row to every rank, the rank-order sum
+of the slots, the epilogue) are shared with allreduce_pcie.py and moe_finalize.py, so each schedule's
+kernel holds only its own order of pushes, waits and sums.
+
 Epilogue numerics (as tpfuse.kernels.rmsnorm): s = round(sum_fp32 + residual) is the new residual;
 normed = round(s * rsqrt(mean(s^2) + eps) * weight) in float32; FP8: normed_fp32 / scale rounded to the
 nearest-even float8_e4m3fn value and clamped to +-448 (saturating).

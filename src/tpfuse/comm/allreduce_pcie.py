@@ -57,7 +57,7 @@ def _slot_or_own(peer_table, owner, slot, s, rank, x_ptr, row, hidden, cols, mas
 
 @triton.jit
 def _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
-               PULL: tl.constexpr, WS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+               WS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PULL: tl.constexpr):  # fmt: skip
     """Every rank's row summed in float32 in rank order, this rank's own from x; the others from slot [s]
     of this rank's buffer (pushed to it), or with PULL of rank s's own buffer (remote loads)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -119,7 +119,7 @@ def staged_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sc
                              others, WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
             acc = _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
-                             False, WS, BLOCK, DT)  # fmt: skip
+                             WS, BLOCK, DT, PULL=False)  # fmt: skip
             _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                         scale_ptr, eps, DT, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
@@ -148,7 +148,7 @@ def pull_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scal
                          others, WS, WS_P2, INTERPRET)  # fmt: skip
         for row in range(pid, num_rows, nprog):
             acc = _sum_ranks(peer_table, rank, x_ptr, row, hidden, cols, in_row, data_off, parity, slot_bytes,
-                             True, WS, BLOCK, DT)  # fmt: skip
+                             WS, BLOCK, DT, PULL=True)  # fmt: skip
             _finish_row(acc, row, cols, in_row, hidden, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                         scale_ptr, eps, DT, EPILOGUE)  # fmt: skip
         finish_launch(buffer_ptr, epoch)
