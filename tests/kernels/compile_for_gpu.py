@@ -271,10 +271,6 @@ def _moe_variants(p: str):
             gemv_blocks = dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
             yield fused_moe_gemv._slot_gate_up_kernel, slot, {}, dict(gemv_blocks, TOP_K=8), options
             yield fused_moe_gemv._slot_down_kernel, slot, {}, gemv_blocks, options
-            yield (
-                fused_moe_gemv._slot_down_finalize_kernel, {**slot, "counter_ptr": "*i32"}, {"eps": "fp32"},
-                dict(gemv_blocks, TOP_K=8, BLOCK_H=2048), options,
-            )  # fmt: skip
             continue
         yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options
         yield fused_moe._down_kernel, {**grouped, "weights_ptr": "*fp32"}, {}, blocks, options

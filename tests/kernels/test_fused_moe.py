@@ -126,28 +126,3 @@ def test_moe_finalize_combines_adds_residual_and_norms_like_float64(num_tokens, 
     assert relative_error(new_residual, want[1]) <= 1e-6
     assert relative_error(normed, want[0]) <= 1e-5
     assert torch.equal(slots, before[0]) and torch.equal(residual, before[1])  # not written in place
-
-
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (3, 7, 3)])
-def test_finalize_in_the_down_kernel_gives_the_bits_of_the_finalize_kernel(num_tokens, num_experts, top_k):
-    from tpfuse.kernels.decode_merge import arrival_counters
-    from tpfuse.kernels.fused_moe import finalized_experts_ref, finalized_experts_triton
-
-    hidden, inter = 40, 24  # neither a multiple of the tile's 16 output columns
-    w13, w2 = experts(num_experts, hidden, inter, seed=num_tokens + 11)
-    g = torch.Generator().manual_seed(num_tokens)
-    x, residual = torch.randn(num_tokens, hidden, generator=g), torch.randn(num_tokens, hidden, generator=g)
-    norm_weight = torch.rand(hidden, generator=g) + 0.5
-    weights, ids = moe_topk_triton(torch.randn(num_tokens, num_experts, generator=g), top_k, True)
-    args = (x, w13, w2, weights, ids, residual, norm_weight, 1e-6)
-    fused = finalized_experts_triton(*args, tile=SLOT_GEMV_TILE, in_down=True)
-    apart = finalized_experts_triton(*args, tile=SLOT_GEMV_TILE, in_down=False)
-    assert torch.equal(fused[0], apart[0]) and torch.equal(fused[1], apart[1])
-    want = finalized_experts_ref(*(t.double() for t in (x, w13, w2)), weights.double(), ids,
-                                 residual.double(), norm_weight.double(), 1e-6)  # fmt: skip
-    assert relative_error(fused[1], want[1]) <= 1e-5 and relative_error(fused[0], want[0]) <= 1e-5
-    assert not arrival_counters(x.device, num_tokens)[:num_tokens].any(), "counters left non-zero"
-    again = finalized_experts_triton(*args, tile=SLOT_GEMV_TILE, in_down=True)
-    assert torch.equal(again[0], fused[0]) and torch.equal(again[1], fused[1])
-    grouped = finalized_experts_triton(*args, tile=DECODE_TILE, in_down=True)  # not a slot tile: apart
-    assert relative_error(grouped[0], want[0]) <= 1e-5

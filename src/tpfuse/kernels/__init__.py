@@ -46,7 +46,6 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_experts_slots",
-    "finalized_experts",
     "int_linear_op",
     "gemv_op",
     "grouped_topk_op",
@@ -272,15 +271,6 @@ def fused_experts_slots(x, w13, w2, topk_weights, topk_ids):
     if use_triton(x):
         return fused_moe.fused_slots_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe.fused_experts_ref(x, w13, w2, topk_weights, topk_ids, combine=False).flatten(0, 1)
-
-
-def finalized_experts(x, w13, w2, topk_weights, topk_ids, residual, weight, eps):
-    """The TP = 1 MoE layer end: moe_finalize_op(fused_experts_slots(...), k, residual, weight, eps) ->
-    (normed, new_residual), the finalize in the experts' down kernel where that measured faster
-    (kernels/fused_moe.py)."""
-    if use_triton(x):
-        return fused_moe.finalized_experts_triton(x, w13, w2, topk_weights, topk_ids, residual, weight, eps)
-    return fused_moe.finalized_experts_ref(x, w13, w2, topk_weights, topk_ids, residual, weight, eps)
 
 
 def moe_finalize_op(slot_out, top_k, residual, weight, eps):

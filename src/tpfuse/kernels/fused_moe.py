@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fused_moe_gemv import slot_products, slot_products_finalize
-from tpfuse.kernels.fused_moe_tiles import MoeTile, default_tile, finalize_in_down, tile_for
+from tpfuse.kernels.fused_moe_gemv import slot_products
+from tpfuse.kernels.fused_moe_tiles import MoeTile, default_tile, tile_for
 from tpfuse.kernels.moe_align import moe_align_triton
-from tpfuse.kernels.moe_finalize import moe_finalize_ref, moe_finalize_triton
 
 
 def fused_experts_ref(
@@ -145,23 +144,6 @@ def _combine_kernel(slot_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _slot_buffers(x, w13, w2, topk_weights, topk_ids):
-    """Checks the shapes; (x with unit column stride, act [T * k, I], slot_out [T * k, H], flat float32
-    weights [T * k]) for the expert products."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
-    if w2.shape != (num_experts, hidden, inter) or x.shape[1] != hidden:
-        raise ValueError(
-            f"fused_experts: x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} disagree"
-        )
-    num_slots = num_tokens * top_k
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    return x, act, slot_out, topk_weights.reshape(-1).float().contiguous()
-
-
 def expert_slot_outputs(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -175,11 +157,18 @@ def expert_slot_outputs(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    x, act, slot_out, weights = _slot_buffers(x, w13, w2, topk_weights, topk_ids)
+    if w2.shape != (num_experts, hidden, inter) or x.shape[1] != hidden:
+        raise ValueError(
+            f"fused_experts: x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} disagree"
+        )
     num_slots = num_tokens * top_k
     tile = tile or default_tile(num_slots)
+    slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     if num_slots == 0:
         return slot_out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
     if tile.block_m == 1:
         slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile)
         return slot_out
@@ -226,37 +215,6 @@ def combine_slots_triton(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:
 def fused_slots_triton(x, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:
     """expert_slot_outputs at the measured (or default) tile: [T * k, H] of x.dtype."""
     return expert_slot_outputs(x, w13, w2, topk_weights, topk_ids, tile or tile_for(w13, topk_ids.numel()))
-
-
-def finalized_experts_ref(x, w13, w2, topk_weights, topk_ids, residual, norm_weight, eps):
-    """(normed, new_residual) of moe_finalize_ref over fused_experts_ref's slot rows."""
-    slots = fused_experts_ref(x, w13, w2, topk_weights, topk_ids, combine=False).flatten(0, 1)
-    return moe_finalize_ref(slots, topk_ids.shape[1], residual, norm_weight, eps)
-
-
-def finalized_experts_triton(
-    x, w13, w2, topk_weights, topk_ids, residual, norm_weight, eps, tile: MoeTile | None = None, in_down=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TP = 1 MoE layer end, (normed, new_residual) = moe_finalize(slot outputs, residual): in the
-    down kernel's last program per token when the per-slot GEMV tile runs and in_down holds (None: what
-    model/moe_choice.py measured, recorded in fused_moe_tiles), else the slot outputs and then
-    moe_finalize_triton. Both give the same bits. tile: None takes the measured or default tile."""
-    num_slots = topk_ids.numel()
-    tile = tile or tile_for(w13, num_slots)
-    if in_down is None:
-        in_down = finalize_in_down(w13, num_slots)
-    if tile.block_m != 1 or not in_down or num_slots == 0:
-        slots = expert_slot_outputs(x, w13, w2, topk_weights, topk_ids, tile)
-        return moe_finalize_triton(slots, topk_ids.shape[1], residual, norm_weight, eps)
-    if residual.shape != (topk_ids.shape[0], w13.shape[2]) or norm_weight.shape != (w13.shape[2],):
-        raise ValueError(
-            f"finalized_experts: residual {list(residual.shape)} and weight {list(norm_weight.shape)} "
-            f"do not fit x {list(x.shape)}"
-        )
-    x, act, slot_out, weights = _slot_buffers(x, w13, w2, topk_weights, topk_ids)
-    return slot_products_finalize(
-        x, w13, w2, weights, topk_ids, act, slot_out, tile, residual, norm_weight, eps
-    )
 
 
 def fused_experts_triton(x, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:

@@ -8,13 +8,10 @@ grouped route's sorting launches cost more than they save; start-up timing decid
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.fused_moe_tiles import MoeTile
-from tpfuse.kernels.moe_finalize import finalize_token
 
 
 @triton.jit
@@ -50,37 +47,6 @@ def _slot_down_kernel(
     stride_act, stride_we, stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Per-slot GEMV: out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
-    _slot_down(act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_act, stride_we,
-               stride_wn, stride_out, BLOCK_N, BLOCK_K)  # fmt: skip
-
-
-@triton.jit
-def _slot_down_finalize_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, counter_ptr, res_ptr, norm_w_ptr, normed_ptr, new_res_ptr,
-    hidden, inter, eps, stride_act, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """_slot_down_kernel (out: [T * k, hidden] contiguous), then the last of a token's k x column-block
-    programs to arrive (a counter per token, reset to 0 by it) runs moe_finalize's token body on the
-    token's k rows: the TP = 1 layer end without a finalize launch, the same bits."""
-    _slot_down(act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_act, stride_we,
-               stride_wn, hidden, BLOCK_N, BLOCK_K)  # fmt: skip
-    tl.debug_barrier()  # every thread's stores before the release below
-    token = (tl.program_id(0) // TOP_K).to(tl.int64)
-    counter = counter_ptr + token
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K * tl.num_programs(1) - 1:
-        tl.debug_barrier()
-        finalize_token(out_ptr, res_ptr, norm_w_ptr, normed_ptr, new_res_ptr, token, hidden, eps, TOP_K,
-                       BLOCK_H, SLOTS_IN_L2=True)  # fmt: skip
-        tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _slot_down(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
-    stride_act, stride_we, stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,42 +66,16 @@ def _slot_down(
 def slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -> None:
     """The per-slot GEMV route (tile.block_m == 1) of expert_slot_outputs."""
     num_slots, inter = act.shape
-    hidden = x.shape[1]
-    ids, opts = _slot_gate_up(x, w13, topk_ids, act, tile)
-    _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
-        act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        slot_out.stride(0), **opts,
-    )  # fmt: skip
-
-
-def slot_products_finalize(
-    x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile, residual, norm_weight, eps
-):
-    """slot_products, then moe_finalize of slot_out with residual in the down kernel's last program per
-    token: returns (normed, new_residual), new [T, H] of residual.dtype. slot_out [T * k, H] contiguous."""
-    num_slots, inter = act.shape
     hidden, top_k = x.shape[1], topk_ids.shape[1]
-    ids, opts = _slot_gate_up(x, w13, topk_ids, act, tile)
-    residual = residual.contiguous()
-    normed, new_residual = torch.empty_like(residual), torch.empty_like(residual)
-    counters = arrival_counters(x.device, num_slots // top_k)
-    _slot_down_finalize_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
-        act, w2, slot_out, weights, ids, counters, residual, norm_weight, normed, new_residual,
-        hidden, inter, eps, act.stride(0), w2.stride(0), w2.stride(1),
-        TOP_K=top_k, BLOCK_H=triton.next_power_of_2(hidden), **opts,
-    )  # fmt: skip
-    return normed, new_residual
-
-
-def _slot_gate_up(x, w13, topk_ids, act, tile: MoeTile):
-    """Launches the gate/up per-slot GEMV into act; returns (flat ids, the launch options of both)."""
-    num_slots, inter = act.shape
     ids = topk_ids.reshape(-1).contiguous()
     opts = dict(
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages, num_warps=tile.num_warps
     )
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
-        x, w13, act, ids, x.shape[1], inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=topk_ids.shape[1], **opts,
+        x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, **opts,
     )  # fmt: skip
-    return ids, opts
+    _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
+        act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        slot_out.stride(0), **opts,
+    )  # fmt: skip

@@ -76,19 +76,6 @@ def slots_bucket(num_slots: int) -> int:
     return triton.next_power_of_2(max(num_slots, 1))
 
 
-_FINALIZE_IN_DOWN: dict[tuple, bool] = {}
-
-
-def set_finalize_in_down(w13: torch.Tensor, slots_bucket: int, in_down: bool) -> None:
-    """Records whether the TP = 1 finalize measured faster inside the per-slot down kernel."""
-    _FINALIZE_IN_DOWN[(tuple(w13.shape), w13.dtype, w13.device, slots_bucket)] = in_down
-
-
-def finalize_in_down(w13: torch.Tensor, num_slots: int) -> bool:
-    """Whether the TP = 1 finalize runs in the per-slot down kernel (False where nothing was measured)."""
-    return _FINALIZE_IN_DOWN.get((tuple(w13.shape), w13.dtype, w13.device, slots_bucket(num_slots)), False)
-
-
 def tile_for(w13: torch.Tensor, num_slots: int) -> MoeTile:
     key = (tuple(w13.shape), w13.dtype, w13.device, slots_bucket(num_slots))
     return _CHOSEN_TILES.get(key) or default_tile(num_slots)

@@ -29,36 +29,21 @@ def moe_finalize_ref(
 
 
 @triton.jit
-def finalize_token(
-    slot_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, hidden, eps, TOP_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, SLOTS_IN_L2: tl.constexpr = False,
-):  # fmt: skip
-    """Token `row`: the sum of its TOP_K slot rows and its residual row in float32 (slot order), rounded
-    once to the new residual, and that rounded row RMS-normed. SLOTS_IN_L2: read the slot rows from L2
-    (.cg), for a caller whose other programs wrote them in this launch."""
+def _moe_finalize_kernel(
+    slot_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        slot_row = slot_ptr + (row * TOP_K + j) * hidden + cols
-        if SLOTS_IN_L2:
-            acc += tl.load(slot_row, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            acc += tl.load(slot_row, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(slot_ptr + (row * TOP_K + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     acc += tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     s = acc.to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * hidden + cols, s, mask=mask)
     y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _moe_finalize_kernel(
-    slot_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    finalize_token(slot_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, hidden, eps, TOP_K, BLOCK_H)
 
 
 def moe_finalize_triton(

@@ -16,13 +16,7 @@ import torch
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import (
-    finalized_experts,
-    fused_experts,
-    fused_experts_slots,
-    moe_route,
-    moe_topk,
-)
+from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_route, moe_topk
 from tpfuse.model import moe_choice
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 from tpfuse.model.linear_method import expert_method_for
@@ -57,12 +51,6 @@ class ExpertMethod(Protocol):
         """-> [T * k, H], row t * k + j the weighted output of token t's j-th expert (uncombined)."""
         ...
 
-    def apply_finalized(
-        self, experts: FusedMoE, x, topk_weights, topk_ids, residual, weight, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """TP = 1: moe_finalize_op(apply_slots(...), k, residual, weight, eps) -> (normed, new_residual)."""
-        ...
-
 
 class UnquantizedExperts:
     """w13 [E, 2 * I_local, H] and w2 [E, H, I_local] in the model dtype, run by kernels.fused_experts."""
@@ -88,9 +76,6 @@ class UnquantizedExperts:
 
     def apply_slots(self, experts, x, topk_weights, topk_ids):
         return fused_experts_slots(x, experts.w13, experts.w2, topk_weights, topk_ids)
-
-    def apply_finalized(self, experts, x, topk_weights, topk_ids, residual, weight, eps):
-        return finalized_experts(x, experts.w13, experts.w2, topk_weights, topk_ids, residual, weight, eps)
 
 
 class FusedMoE(nn.Module):
@@ -128,10 +113,6 @@ class FusedMoE(nn.Module):
     def slot_outputs(self, x, topk_weights, topk_ids):
         """[T * k, H]: each (token, slot)'s weighted expert output, not yet summed over k."""
         return self.method.apply_slots(self, x, topk_weights, topk_ids)
-
-    def finalized(self, x, topk_weights, topk_ids, residual, weight, eps):
-        """TP = 1: (normed, new_residual), the combined experts added to residual and RMS-normed."""
-        return self.method.apply_finalized(self, x, topk_weights, topk_ids, residual, weight, eps)
 
 
 class SparseMoeBlock(nn.Module):
@@ -181,7 +162,8 @@ class SparseMoeBlock(nn.Module):
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
             return comm.moe_finalize_all_reduce(slots, self.top_k, residual, weight, eps)
         if moe_choice.fuse_finalize(x, topk_ids.numel()):
-            return self.experts.finalized(x, topk_weights, topk_ids, residual, weight, eps)
+            slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
+            return moe_finalize_op(slots, self.top_k, residual, weight, eps)
         partial = self.experts(x, topk_weights, topk_ids)
         return comm.fused_add_rmsnorm_all_reduce(partial, residual, weight, eps)
 

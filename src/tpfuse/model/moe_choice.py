@@ -7,16 +7,14 @@ the routing spread and the GPU, so it is timed, never assumed: for each distinct
 model's FusedMoE layers and each power-of-two bucket of T * k slots up to the engine's largest step,
 every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above) is timed by
 CUDA-graph replay on uniformly random routing over the model's own weights, and the fastest is
-recorded with fused_moe_tiles.set_tile. Also timed, each against its unfused form:
-- at TP = 1, per hidden size and bucket, the MoE finalize (combine + residual + RMSNorm in one
-  kernel) against the combine kernel and fused_add_rmsnorm (fuse_finalize); where the per-slot GEMV
-  tile won, that finalize inside the tile's down kernel (fused_moe_tiles.finalize_in_down);
-- per router shape and token bucket up to moe_router.MAX_TOKENS, the one-launch router + top-k
-  (kernels/moe_router.py, each of its ROUTE_TILES) against the router linear and the top-k kernel
-  (route_tile).
-At TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
+recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
+finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
+fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
+bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
+each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). At
+TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
 rank, or ranks would run different experts for the same token. On CPU nothing is timed: the default
-tiles run, the fused finalize (after the down kernel) and the one-launch router.
+tiles run, the fused finalize and the fused route.
 """
 
 from __future__ import annotations
@@ -53,24 +51,6 @@ def route_tile(x: torch.Tensor, gate: torch.Tensor) -> RouteTile | None:
         return None
     key = (tuple(gate.shape), gate.dtype, gate.device, tiles.slots_bucket(x.shape[0]))
     return _ROUTE_TILES.get(key, moe_router.ROUTE_TILES[0])
-
-
-def _time_finalize_in_down(experts, tile: MoeTile, num_tokens: int, top_k: int) -> tuple[float, float]:
-    """(in the down kernel us, slot outputs + finalize kernel us) of the TP = 1 layer end at tile."""
-    w13, w2 = experts.w13, experts.w2
-    g = torch.Generator(device=w13.device).manual_seed(num_tokens)
-    x = torch.randn(num_tokens, w13.shape[2], device=w13.device, generator=g).to(w13.dtype)
-    residual = torch.randn(num_tokens, w13.shape[2], device=w13.device, generator=g).to(w13.dtype)
-    norm = torch.ones(w13.shape[2], device=w13.device, dtype=w13.dtype)
-    ids = torch.rand(num_tokens, w13.shape[0], device=w13.device, generator=g).topk(top_k, dim=-1).indices
-    weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=w13.device)
-    args = (x, w13, w2, weights, ids.to(torch.int32), residual, norm, 1e-6)
-
-    def timed(in_down: bool) -> float:
-        call = lambda: fused_moe.finalized_experts_triton(*args, tile=tile, in_down=in_down)  # noqa: E731
-        return graph_us([call], min_launches=4, replays=3, samples=3)
-
-    return timed(True), timed(False)
 
 
 def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bool) -> dict:
@@ -188,13 +168,6 @@ def choose(
                 decisions.append(("finalize", (hidden, dtype, bucket), fused_us <= plain_us))
                 tensors[("finalize", (hidden, dtype, bucket))] = experts.w13
                 log.info("MoE finalize <= %d slots: fused %.1f us, plain %.1f us", bucket, fused_us, plain_us)
-                if candidates[best].block_m == 1:
-                    tile = candidates[best]
-                    in_down_us, apart_us = _time_finalize_in_down(experts, tile, num_tokens, block.top_k)
-                    decisions.append(("in_down", key, in_down_us < apart_us))
-                    tensors[("in_down", key)] = experts.w13
-                    log.info("MoE finalize <= %d slots in the down kernel %.1f us, after it %.1f us",
-                             bucket, in_down_us, apart_us)  # fmt: skip
         decisions += _route_decisions(block, max_decode_rows, seen, tensors)
     if agree is not None:
         agreed = agree(decisions)
@@ -234,8 +207,6 @@ def _apply(decisions: list[tuple], tensors: dict, measured: list) -> list[MoeCho
             tiles.set_tile(tensors[("tile", key)], key[2], value)
             us, default_us = timings[key]
             decided.append(MoeChoice(key[0], key[2], value, us, default_us))
-        elif table == "in_down":
-            tiles.set_finalize_in_down(tensors[(table, key)], key[2], value)
         elif table == "finalize":
             hidden, dtype, bucket = key
             _FUSED_FINALIZE[(hidden, dtype, tensors[(table, key)].device, bucket)] = value

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from tpfuse.kernels import moe_combine, moe_finalize_op, use_triton
+from tpfuse.kernels import moe_combine, use_triton
 from tpfuse.kernels.fused_moe import combine_slots_ref
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_int import values_per_word
@@ -48,10 +48,6 @@ class _QuantizedExperts(ABC):
             cached = (w13.dequantize(), w2.dequantize())
             experts.__dict__["reference_weights"] = cached
         return slots_ref(x, *cached, topk_weights, topk_ids)
-
-    def apply_finalized(self, experts, x, topk_weights, topk_ids, residual, weight, eps):
-        slots = self.apply_slots(experts, x, topk_weights, topk_ids)
-        return moe_finalize_op(slots, topk_ids.shape[1], residual, weight, eps)
 
     def apply(self, experts, x, topk_weights, topk_ids):
         slots = self.apply_slots(experts, x, topk_weights, topk_ids)
