@@ -79,7 +79,7 @@ def test_eagle3_on_moe_chained_steps_accept_what_synchronous_steps_accept(moe_wi
 def test_eagle3_on_moe_with_cuda_verify_graphs_gives_plain_greedy_tokens(moe_with_head, adaptive):
     """Device machine: the fused-MoE kernels inside per-(bucket, k) verify graphs, float32."""
     target, head = moe_with_head
-    cuda = dict(device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=1024, cuda_graph_max_bs=8)
+    cuda = dict(device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=1024, cuda_graph_max_bs=8)
     kw = {**engine_kw(target), **cuda}
     plain = [o.token_ids for o in LLM(**kw).generate(PROMPTS, greedy(32))]
     llm = LLM(config=EngineConfig(**kw, speculative=spec_config("eagle3", head, adaptive=adaptive)))

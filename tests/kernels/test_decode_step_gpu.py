@@ -59,9 +59,18 @@ def test_rope_store_kv_on_cuda_gives_the_bits_of_rope_then_store_kv(dtype, token
     assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
 
 
+def _assert_within_ulps(got, want, dtype, ulps: int = 2):
+    spacing = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
+    worst = ((got.double() - want.double()).abs() / spacing).max().item()
+    assert worst <= ulps, f"{worst:.1f} ulps apart"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 64, 777])
-def test_qk_norm_rope_store_kv_on_cuda_gives_the_bits_of_rmsnorm_then_rope_store_kv(dtype, tokens):
+def test_qk_norm_rope_store_kv_on_cuda_agrees_with_rmsnorm_then_rope_store_kv(dtype, tokens):
+    """Within 2 ulps of the unfused kernels (on the H200 the fused variance sum is not always their
+    bits: it differed in some elements at fp16 T = 1 and at T = 64 / 777), v bit for bit, and close to
+    float64."""
     heads, kv_heads, eps = 32, 4, 1e-6  # qwen3-30b-a3b attention (head_dim 128)
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 40960, 1000000.0).to(CUDA)
     positions = torch.randint(0, 40960, (tokens,), generator=_gen(11)).to(CUDA)
@@ -102,9 +111,10 @@ def test_qk_norm_rope_store_kv_on_cuda_gives_the_bits_of_rmsnorm_then_rope_store
     else:
         fused()
     assert torch.equal(k, k_before)
-    assert torch.equal(q, q_two)
+    _assert_within_ulps(q, q_two, dtype)
     assert_close_to_float64(q, q_expected, dtype)
-    assert torch.equal(k_cache.nan_to_num(9.0), k_cache_two.nan_to_num(9.0))
+    stored = ~k_cache_two.isnan()
+    _assert_within_ulps(k_cache[stored], k_cache_two[stored], dtype)
     assert torch.equal(v_cache.nan_to_num(9.0), v_cache_two.nan_to_num(9.0))
     assert torch.equal(k_cache.isnan(), k_expected.isnan())
     assert_close_to_float64(k_cache[~k_expected.isnan()], k_expected[~k_expected.isnan()], dtype)
