@@ -43,6 +43,7 @@ from tpfuse.kernels import (
     rope,
     rope_store_kv,
     sampling,
+    skinny_linear,
 )
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
@@ -77,6 +78,13 @@ def _variants(dtype: str):
     attention = dict(scale_log2e="fp32")
     decode_common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, DOT_PRECISION="tf32")
     yield rmsnorm._rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
+    skinny = dict(HIDDEN=4096, K_PER_SPLIT=2048, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN=True,
+                  HAS_BIAS=False)  # fmt: skip
+    for split, swap in itertools.product((1, 2), (False, True)):
+        yield (
+            skinny_linear._skinny_linear_kernel, {"*": p, "partials_ptr": "*fp32", "counter_ptr": "*i32"},
+            {"num_rows": "i32", "num_cols": "i32"}, dict(skinny, SPLIT_K=split, SWAP=swap),
+        )  # fmt: skip
     yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096)
     yield (
         rope._rope_kernel,
