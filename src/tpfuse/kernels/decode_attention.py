@@ -177,9 +177,8 @@ DECODE_BLOCK_N = 64
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 16
 # The last split program of each (sequence, KV head) can merge the partials instead of a second
-# launch (decode_merge.py). Correct on the H200 (tests/kernels/test_decode_step_gpu.py) but no faster:
-# the llama-3.1-8b batch-1 step at context 1024 took 4.597 ms with it, 4.588 ms without (2026-12-01,
-# benchmarks/model_decode_roofline.py), so the merge launch stays.
+# launch (decode_merge.py): correct on the H200 but measured no faster (docs/PERF.md, the PDL and
+# last-split merge trial), so the merge launch stays.
 DECODE_MERGE_IN_SPLIT_KERNEL = False
 
 
