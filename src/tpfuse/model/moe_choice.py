@@ -142,8 +142,12 @@ def choose(
     seen, measured, decisions = set(), [], []  # decisions: (table, key without the device, value)
     tensors: dict[tuple, torch.Tensor] = {}  # (table, key) -> the weight whose device it is recorded for
     for block in model.modules():  # MoE blocks: a top_k and experts with unquantized w13 / w2
+        if not hasattr(block, "top_k"):
+            continue
+        if any(p.is_cuda for p in block.parameters()):  # the router is timed for quantized experts too
+            decisions += _route_decisions(block, max_decode_rows, seen, tensors)
         experts = getattr(block, "experts", None)
-        if not hasattr(block, "top_k") or not hasattr(experts, "w13"):
+        if not hasattr(experts, "w13"):
             continue
         if experts.w13.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             continue  # FP8 experts (a w13 of e4m3 codes) run kernels/quant_moe.py, not these tiles
@@ -168,7 +172,6 @@ def choose(
                 decisions.append(("finalize", (hidden, dtype, bucket), fused_us <= plain_us))
                 tensors[("finalize", (hidden, dtype, bucket))] = experts.w13
                 log.info("MoE finalize <= %d slots: fused %.1f us, plain %.1f us", bucket, fused_us, plain_us)
-        decisions += _route_decisions(block, max_decode_rows, seen, tensors)
     if agree is not None:
         agreed = agree(decisions)
         if [(t, k) for t, k, _ in agreed] != [(t, k) for t, k, _ in decisions]:
