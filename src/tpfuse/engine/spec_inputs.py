@@ -25,7 +25,7 @@ import torch
 
 from tpfuse.engine.batch import Batch
 from tpfuse.engine.spec_rows import catch_up_limit, draft_limit, is_decode_row, window_step_ok
-from tpfuse.engine.step_inputs import StepHeader, encode_step, packed_length, row_seed
+from tpfuse.engine.step_inputs import StepHeader, encode_rows, encode_step, packed_length, row_seed
 
 
 @dataclass
@@ -232,22 +232,14 @@ def pack_spec_step(
                 ext_pos += range(window)
                 ext_next += [0] * window
                 ext_slots += [-1] * window
-    header = StepHeader(
-        num_seqs=len(seq_lens),
-        num_tokens=len(ids),
-        num_samples=len(sample_idx),
-        max_blocks=max_blocks,
-        is_decode=int(pure_decode and k == 0),
-        max_query_len=max_query_len,
-        max_seq_len=max(seq_lens),
-        num_banned=len(s_brow),
-        all_greedy=int(all(t == 0.0 for t in s_temp)),
-    )
-    values = encode_step(
-        header,
+    values = encode_rows(
         [ids, positions, slots, seq_lens, starts, tables, sample_idx, s_topk, s_seed],
-        s_temp + s_topp,
+        s_temp,
+        s_topp,
         [s_brow, s_bid],
+        max_blocks=max_blocks,
+        is_decode=pure_decode and k == 0,
+        max_query_len=max_query_len,
     )
     spec = SpecHeader(
         num_draft_tokens=k,

@@ -153,22 +153,14 @@ def pack_step(
         seq_lens += [1] * pad
         starts += range(starts[-1] + 1, starts[-1] + 1 + pad)
         tables += [0] * (pad * max_blocks)
-    header = StepHeader(
-        num_seqs=len(seq_lens),
-        num_tokens=len(input_ids),
-        num_samples=len(sample_idx),
-        max_blocks=max_blocks,
-        is_decode=int(batch.is_decode),
-        max_query_len=max(batch.num_new_tokens),
-        max_seq_len=max(seq_lens),
-        num_banned=len(banned_rows),
-        all_greedy=int(all(t == 0.0 for t in temps)),
-    )
-    values = encode_step(
-        header,
+    values = encode_rows(
         [input_ids, positions, slots, seq_lens, starts, tables, sample_idx, top_ks, seeds],
-        temps + top_ps,
+        temps,
+        top_ps,
         [banned_rows, banned_ids],
+        max_blocks=max_blocks,
+        is_decode=batch.is_decode,
+        max_query_len=max(batch.num_new_tokens),
     )
     return torch.frombuffer(values, dtype=torch.int64)
 
@@ -206,20 +198,41 @@ def pack_next_decode(
     slots += [-1] * pad
     seq_lens += [1] * pad
     tables += [0] * (pad * max_blocks)
-    header = StepHeader(
-        num_seqs=num_real + pad,
-        num_tokens=num_real + pad,
-        num_samples=num_real,
-        max_blocks=max_blocks,
-        is_decode=1,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        num_banned=0,
-        all_greedy=int(all(t == 0.0 for t in temps)),
-    )
     starts = list(range(num_real + pad + 1))
     ints = [input_ids, positions, slots, seq_lens, starts, tables, list(range(num_real)), top_ks, seeds]
-    return torch.frombuffer(encode_step(header, ints, temps + top_ps, [[], []]), dtype=torch.int64)
+    values = encode_rows(
+        ints, temps, top_ps, [[], []], max_blocks=max_blocks, is_decode=True, max_query_len=1
+    )
+    return torch.frombuffer(values, dtype=torch.int64)
+
+
+def encode_rows(
+    int_parts: list[list[int]],
+    temperatures: list[float],
+    top_ps: list[float],
+    bans: list[list[int]],
+    *,
+    max_blocks: int,
+    is_decode: bool,
+    max_query_len: int,
+) -> array:
+    """encode_step of a step given as its arrays, the header's counts taken from their lengths.
+
+    int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
+    sample_indices, top_ks, seeds (the order of StepHeader.sizes); bans: [banned_rows, banned_ids]."""
+    input_ids, seq_lens, sample_indices = int_parts[0], int_parts[3], int_parts[6]
+    header = StepHeader(
+        num_seqs=len(seq_lens),
+        num_tokens=len(input_ids),
+        num_samples=len(sample_indices),
+        max_blocks=max_blocks,
+        is_decode=int(is_decode),
+        max_query_len=max_query_len,
+        max_seq_len=max(seq_lens),
+        num_banned=len(bans[0]),
+        all_greedy=int(all(t == 0.0 for t in temperatures)),
+    )
+    return encode_step(header, int_parts, temperatures + top_ps, bans)
 
 
 def encode_step(header: StepHeader, int_parts: list, floats: list[float], tail_parts: list) -> array:
