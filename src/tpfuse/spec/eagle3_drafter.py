@@ -18,7 +18,8 @@ import torch
 from tpfuse.spec.draft_sampling import choose_draft_tokens
 from tpfuse.spec.drafter import DraftInputs, DraftProposal, TreeDrafter
 from tpfuse.spec.eagle3 import Eagle3Head
-from tpfuse.spec.paged import decode_metadata, metadata_for_positions
+from tpfuse.spec.eagle3_extend import extend_verified
+from tpfuse.spec.paged import decode_metadata
 
 if TYPE_CHECKING:
     from tpfuse.spec.tree import DraftTree
@@ -47,17 +48,8 @@ def eagle3_chain_draft(
     Returns target-vocabulary draft ids [B, k]; with inputs.temperatures also their distributions
     [B, k, target_vocab_size] (draft-vocabulary probabilities scattered to target ids).
     """
-    inputs.require("block_tables", drafter="EAGLE-3")
-    if inputs.hidden_states is None:
-        inputs.require("target_features", drafter="EAGLE-3")
+    normed, prenorm = extend_verified(head, embed_tokens, kv_cache, inputs)
     tables, block_size = inputs.block_tables, inputs.block_size
-    attn = metadata_for_positions(
-        tables, block_size, inputs.positions, inputs.query_start_loc, inputs.max_query_len, inputs.max_seq_len
-    )
-    hidden = inputs.hidden_states
-    if hidden is None:
-        hidden = head.combine_features(inputs.target_features)
-    normed, prenorm = head(embed_tokens(inputs.next_token_ids), hidden, inputs.positions, attn, kv_cache)
     if num_draft_tokens == 0:
         return DraftProposal.empty(inputs.batch_size, inputs.positions.device)
     last = inputs.last_index()

@@ -17,7 +17,8 @@ import torch
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.spec.drafter import DraftInputs
 from tpfuse.spec.eagle3 import Eagle3Head
-from tpfuse.spec.paged import metadata_for_positions, slots_of_positions
+from tpfuse.spec.eagle3_extend import extend_verified
+from tpfuse.spec.paged import slots_of_positions
 from tpfuse.spec.tree import DraftTree, TreeCandidates, ancestor_matrix, tree_attention_bits
 
 
@@ -56,21 +57,7 @@ def eagle3_tree_draft(
     """Extends the head's KV with the verified step, then drafts a tree of num_draft_tokens nodes per
     sequence (root = the newest token, next_token_ids' last entry). The engine must have head KV blocks
     up to p + topk * (num_steps - 1). Returns the DraftTree (target-vocabulary ids)."""
-    inputs.require("block_tables", drafter="EAGLE-3")
-    if inputs.hidden_states is None:
-        inputs.require("target_features", drafter="EAGLE-3")
-    attn = metadata_for_positions(
-        inputs.block_tables,
-        inputs.block_size,
-        inputs.positions,
-        inputs.query_start_loc,
-        inputs.max_query_len,
-        inputs.max_seq_len,
-    )
-    hidden = inputs.hidden_states
-    if hidden is None:
-        hidden = head.combine_features(inputs.target_features)
-    normed, prenorm = head(embed_tokens(inputs.next_token_ids), hidden, inputs.positions, attn, kv_cache)
+    normed, prenorm = extend_verified(head, embed_tokens, kv_cache, inputs)
     last = inputs.last_index()
     newest, normed, prenorm = inputs.positions[last], normed[last], prenorm[last]
     batch, width = prenorm.shape
