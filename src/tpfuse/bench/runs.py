@@ -14,7 +14,7 @@ from tpfuse.bench.load import connect
 from tpfuse.bench.metrics import WindowSummary, request_metrics, summarize_window, token_count_warning
 from tpfuse.bench.prompts import load_prompts
 from tpfuse.bench.server_metrics import scrape_spec_metrics, spec_deltas
-from tpfuse.bench.session import BenchOptions, environment, load_tokenizer_for, make_telemetry
+from tpfuse.bench.session import BenchOptions, SavedResult, environment, load_tokenizer_for, make_telemetry
 from tpfuse.bench.stats import Summary, summarize
 from tpfuse.bench.telemetry import GpuSample, GpuTelemetry, energy_summary
 
@@ -54,7 +54,7 @@ class RunResult:
 
 
 @dataclass
-class SingleResult:
+class SingleResult(SavedResult):
     """Everything `tpfuse bench single` measured; `tok_s` is None when no run succeeded."""
 
     label: str
@@ -80,12 +80,7 @@ class SingleResult:
             "mode": "single",
             "label": self.label,
             "valid": self.valid,
-            "interrupted": self.interrupted,
-            "config": self.config,
-            "seed": self.options["prompts"]["seed"],
-            "options": self.options,
-            "environment": self.environment,
-            "notes": self.notes,
+            **self.provenance(),
             "tok_s": self.tok_s.to_dict() if self.tok_s else None,
             "runs": [asdict(r) for r in self.runs],
             "window": self.window.to_dict(),

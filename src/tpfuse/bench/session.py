@@ -45,6 +45,23 @@ class BenchOptions:
         return d
 
 
+class SavedResult:
+    """Base of every mode's result (SingleResult, SweepResult): the summary keys that say how and where
+    it was measured, the same in every mode. Subclasses have the attributes interrupted, config,
+    options (BenchOptions.to_dict()), environment and notes."""
+
+    def provenance(self) -> dict:
+        """interrupted, config, seed, options, environment, notes: in this order in the summary."""
+        return {
+            "interrupted": self.interrupted,
+            "config": self.config,
+            "seed": self.options["prompts"]["seed"],
+            "options": self.options,
+            "environment": self.environment,
+            "notes": self.notes,
+        }
+
+
 def is_local_url(url: str) -> bool:
     """Whether the server at `url` runs on this machine (so its GPUs are ours to read)."""
     host = urlparse(url).hostname or ""

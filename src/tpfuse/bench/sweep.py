@@ -18,7 +18,7 @@ from tpfuse.bench.load import connect, run_closed_loop
 from tpfuse.bench.metrics import WindowSummary, summarize_window, token_count_warning
 from tpfuse.bench.prompts import load_prompts
 from tpfuse.bench.server_metrics import scrape_spec_metrics, spec_deltas
-from tpfuse.bench.session import BenchOptions, environment, load_tokenizer_for, make_telemetry
+from tpfuse.bench.session import BenchOptions, SavedResult, environment, load_tokenizer_for, make_telemetry
 from tpfuse.bench.stats import Summary, summarize
 from tpfuse.bench.telemetry import GpuTelemetry, energy_summary
 
@@ -108,7 +108,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 @dataclass
-class SweepResult:
+class SweepResult(SavedResult):
     label: str
     options: dict
     config: dict
@@ -123,12 +123,7 @@ class SweepResult:
         return {
             "mode": "sweep",
             "label": self.label,
-            "interrupted": self.interrupted,
-            "config": self.config,
-            "seed": self.options["prompts"]["seed"],
-            "options": self.options,
-            "environment": self.environment,
-            "notes": self.notes,
+            **self.provenance(),
             "points": [p.to_dict() for p in self.points],
         }
 
