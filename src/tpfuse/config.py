@@ -222,14 +222,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the parsed flags: --X sets EngineConfig.X (--disable-prefix-caching clears
+    enable_prefix_caching) and --speculative-X sets SpeculativeConfig.X."""
     spec = SpeculativeConfig(
-        algorithm=args.speculative_algorithm,
-        draft_model_path=args.speculative_draft_model_path,
-        num_steps=args.speculative_num_steps,
-        eagle_topk=args.speculative_eagle_topk,
-        num_draft_tokens=args.speculative_num_draft_tokens,
-        adaptive=args.speculative_adaptive,
-        simulate_acceptance_length=args.speculative_simulate_acceptance_length,
+        **{f.name: getattr(args, f"speculative_{f.name}") for f in fields(SpeculativeConfig)}
     )
     names = {f.name for f in fields(EngineConfig)} - {"speculative", "enable_prefix_caching"}
     kwargs = {n: getattr(args, n) for n in names}
