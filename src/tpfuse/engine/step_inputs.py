@@ -220,7 +220,7 @@ def encode_rows(
 
     int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
     sample_indices, top_ks, seeds (the order of StepHeader.sizes); bans: [banned_rows, banned_ids]."""
-    input_ids, seq_lens, sample_indices = int_parts[0], int_parts[3], int_parts[6]
+    input_ids, _, _, seq_lens, _, _, sample_indices, _, _ = int_parts
     header = StepHeader(
         num_seqs=len(seq_lens),
         num_tokens=len(input_ids),
