@@ -223,6 +223,31 @@ def choose_num_splits(
     return num_splits_for(batch, num_kv_heads, max_blocks, block_size, sms, programs_per_sm)
 
 
+def check_paged_attention_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str
+) -> None:
+    """Raises ValueError unless q [rows, Hq, D] and the caches [num_blocks, block_size, Hk, D] have Hq a
+    multiple of Hk, a contiguous head_dim and a power-of-two block_size (what names the caller)."""
+    num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"{what} needs q and the caches contiguous in head_dim")
+    if block_size & (block_size - 1):
+        raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
+
+
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_out [rows, H, num_splits, D], part_lse [rows, H, num_splits]) float32 buffers for the key
+    splits of out [rows, H, D]; with one split the kernel writes out directly, so both are out."""
+    if num_splits <= 1:
+        return out, out
+    rows, num_heads, head_dim = out.shape
+    part_out = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    part_lse = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    return part_out, part_lse
+
+
 def decode_attention_launch(
     q,
     k_cache,
@@ -238,21 +263,12 @@ def decode_attention_launch(
     benchmarks); merge_in_kernel None takes DECODE_MERGE_IN_SPLIT_KERNEL."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("decode attention needs q and the caches contiguous in head_dim")
-    if block_size & (block_size - 1):
-        raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
+    check_paged_attention_args(q, k_cache, v_cache, "decode attention")
     out = torch.empty_like(q)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    if num_splits > 1:
-        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = split_partials(out, num_splits)
     if merge_in_kernel is None:
         merge_in_kernel = DECODE_MERGE_IN_SPLIT_KERNEL
     merge_in_kernel = merge_in_kernel and num_splits > 1

@@ -30,7 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import _gather_kv, _load_kv_tile, choose_num_splits
+from tpfuse.kernels.decode_attention import (
+    _gather_kv,
+    _load_kv_tile,
+    check_paged_attention_args,
+    choose_num_splits,
+    split_partials,
+)
 from tpfuse.kernels.decode_merge import launch_merge
 
 
@@ -209,24 +215,13 @@ def prefill_attention_launch(
     second launch merges (decode_merge.launch_merge, one row per query token)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("prefill attention needs q and the caches contiguous in head_dim")
-    if block_size & (block_size - 1):
-        raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
+    check_paged_attention_args(q, k_cache, v_cache, "prefill attention")
     out = torch.empty_like(q)
     batch = block_tables.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
-    if num_splits > 1:
-        part_out = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = split_partials(out, num_splits)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     grid = (triton.cdiv(max_query_len * group, block_m) * num_splits, num_kv_heads, batch)
     _prefill_kernel[grid](
