@@ -101,6 +101,25 @@ def fp8_rows_times_x(
 
 
 @triton.jit
+def fp8_rows_dot_x(
+    w_rows, s_rows, x_ptr, hidden, col_mask,
+    SCALE_K: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr,
+    SUBS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N] float32: the rows at w_rows (as fp8_rows_times_x) dotted with x over all of K: one
+    [BLOCK_N, SUB_K] accumulator reduced once after the loop, then scaled by the row's scale (PER_ROW)."""
+    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+    for k0 in range(0, hidden, SUB_K * SUBS):
+        acc += fp8_rows_times_x(
+            w_rows, s_rows, x_ptr, k0, hidden, col_mask, SCALE_K, PER_ROW, SUB_K, SUBS, EVEN
+        )
+    out = tl.sum(acc, axis=1)
+    if PER_ROW:
+        out *= tl.load(s_rows, mask=col_mask, other=0.0)
+    return out
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -126,14 +145,9 @@ def _fp8_gemv_kernel(
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-    for k0 in range(0, hidden, SUB_K * SUBS):
-        acc += fp8_rows_times_x(
-            w_rows, s_rows, x_ptr, k0, hidden, col_mask, SCALE_K, PER_ROW, SUB_K, SUBS, EVEN
-        )
-    out = tl.sum(acc, axis=1)
-    if PER_ROW:
-        out *= tl.load(s_rows, mask=col_mask, other=0.0)
+    out = fp8_rows_dot_x(
+        w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
+    )
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)

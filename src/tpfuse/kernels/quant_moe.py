@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.quant_dot import pow2_part
-from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_times_x, gemv_steps
+from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_dot_x, gemv_steps
 from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word, x_pairs
 
 
@@ -71,14 +71,9 @@ def _rows_dot_x(
     pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
     (kernels/quant_fp8.py for BITS 0, kernels/quant_int.py for 4 / 8)."""
     if BITS == 0:
-        acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-        for k0 in range(0, hidden, SUB_K * SUBS):
-            acc += fp8_rows_times_x(
-                w_rows, s_rows, x_row, k0, hidden, col_mask, GROUP, PER_ROW, SUB_K, SUBS, EVEN
-            )
-        out = tl.sum(acc, axis=1)
-        if PER_ROW:
-            out *= tl.load(s_rows, mask=col_mask, other=0.0)
+        out = fp8_rows_dot_x(
+            w_rows, s_rows, x_row, hidden, col_mask, GROUP, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
+        )
     else:
         WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
