@@ -63,6 +63,16 @@ def _block_ids(num_blocks, num_cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexp
 
 
 @triton.jit
+def _block_slots(block_expert_ptr, sorted_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
+    """(expert as int64, slots [BLOCK_M], row_ok [BLOCK_M]) of row block pid_m of the expert-sorted
+    slot order; row_ok is False on the padding that rounds each expert's rows up to BLOCK_M."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    return expert, slots, slots < num_slots
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_slots, num_blocks, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
@@ -73,10 +83,7 @@ def _gate_up_kernel(
     pid_m, pid_n = _block_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_ok = slots < num_slots
+    expert, slots, row_ok = _block_slots(block_expert_ptr, sorted_ptr, pid_m, num_slots, BLOCK_M)
     tokens = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -109,10 +116,7 @@ def _down_kernel(
     pid_m, pid_n = _block_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_ok = slots < num_slots
+    expert, slots, row_ok = _block_slots(block_expert_ptr, sorted_ptr, pid_m, num_slots, BLOCK_M)
     safe = tl.where(row_ok, slots, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
