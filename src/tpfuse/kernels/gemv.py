@@ -29,15 +29,23 @@ BLOCK_K = 2048
 NUM_WARPS = 4
 
 
+def rounded_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) in x's (float) precision, rounded once to dtype: the
+    reference epilogue of every dense and quantized linear."""
+    result = x @ weight.T
+    if bias is not None:
+        result += bias.float()
+    return result.to(dtype)
+
+
 def gemv_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] (nn.Linear layout); bias: [N] or None; all one dtype. Returns [1, N]
     of x.dtype: x.float() @ weight.float().T (+ bias) rounded once; written into out when given."""
-    result = x.float() @ weight.float().T
-    if bias is not None:
-        result += bias.float()
-    result = result.to(x.dtype)
+    result = rounded_linear_ref(x.float(), weight.float(), bias, x.dtype)
     if out is None:
         return result
     out.copy_(result)

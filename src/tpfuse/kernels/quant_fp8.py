@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile as Fp8Tile
 from tpfuse.kernels.quant_dot import launch_tile, pow2_part, quant_dot
 
@@ -51,10 +52,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 def fp8_linear_ref(x, weight, scale, block, bias=None):
     """x [M, K] -> [M, N] of x.dtype: x.float() @ dequantize_fp8(...).T (+ bias), rounded once."""
-    out = x.float() @ dequantize_fp8(weight, scale, block).T
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)
+    return rounded_linear_ref(x.float(), dequantize_fp8(weight, scale, block), bias, x.dtype)
 
 
 @triton.jit

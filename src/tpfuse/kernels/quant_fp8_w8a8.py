@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile as Fp8Tile
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, check_fp8_weights, dequantize_fp8
 
@@ -139,10 +140,7 @@ def fp8_w8a8_ref(x, weight, scale, block, bias=None):
     group = activation_group(block, x.shape[1])
     xq, xs = quantize_fp8_rows_ref(x, group)
     xd = xq.float() * xs.repeat_interleave(group, 1)[:, : x.shape[1]]
-    out = xd @ dequantize_fp8(weight, scale, block).T
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)
+    return rounded_linear_ref(xd, dequantize_fp8(weight, scale, block), bias, x.dtype)
 
 
 def fp8_w8a8_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None = None):

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
 
 __all__ = ["IntTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int", "unpack_int"]
@@ -78,10 +79,7 @@ def dequantize_int(
 def int_linear_ref(x, packed, scales, offsets, bits, group_size, bias=None):
     """x: [M, K] float -> [M, N] of x.dtype: x.float() @ dequantize_int(...).T (+ bias), rounded once."""
     weight = dequantize_int(packed, scales, offsets, bits, group_size, x.shape[1])
-    out = x.float() @ weight.T
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)
+    return rounded_linear_ref(x.float(), weight, bias, x.dtype)
 
 
 @triton.jit
