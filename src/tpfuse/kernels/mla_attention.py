@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.decode_attention import split_partials
 from tpfuse.kernels.decode_merge import launch_merge
 
 
@@ -146,13 +147,7 @@ def mla_attention_launch(
     batch = block_tables.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
-    if num_splits > 1:
-        part_out = torch.empty(
-            (num_tokens, heads, num_splits, rank), dtype=torch.float32, device=q_latent.device
-        )
-        part_lse = torch.empty((num_tokens, heads, num_splits), dtype=torch.float32, device=q_latent.device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = split_partials(out, num_splits)
     block_r = max(triton.next_power_of_2(rank), 16)
     grid = (triton.cdiv(max_query_len * heads, block_m) * num_splits, batch)
     _mla_kernel[grid](

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import device_sms
+from tpfuse.kernels.decode_attention import device_sms, split_partials
 from tpfuse.kernels.decode_merge import launch_chunked_merge
 from tpfuse.kernels.mla_attention import check_mla_inputs
 
@@ -203,11 +203,7 @@ def mla_decode_launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, nu
     if batch == 0:
         return out
     block_r = max(triton.next_power_of_2(rank), 16)
-    if num_splits > 1:
-        part_out = torch.empty((batch, heads, num_splits, rank), dtype=torch.float32, device=q_latent.device)
-        part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q_latent.device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = split_partials(out, num_splits)
     grid = (num_splits, batch, triton.cdiv(heads, block_h))
     _mla_decode_kernel[grid](
         q_latent, q_rope, cache, block_tables, seq_lens, out, part_out, part_lse, scale * 1.4426950408889634,
