@@ -25,6 +25,22 @@ from tpfuse.kernels.decode_attention import split_partials
 from tpfuse.kernels.decode_merge import launch_merge
 
 
+@triton.jit
+def _load_latent_tile(
+    cache_ptr, block_table_row, keys, key_mask, lat, lat_mask, rot, rot_mask, stride_cb, stride_cs,
+    RANK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """(latent c [BLOCK_N, BLOCK_R], rotary k_pe [BLOCK_N, BLOCK_P]) of the paged cache rows of keys
+    (through block_table_row); masked-off keys read zeros."""
+    pages = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    key_rows = cache_ptr + pages * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+    c = tl.load(key_rows[:, None] + lat[None, :], mask=key_mask[:, None] & lat_mask[None, :], other=0.0)
+    k_pe = tl.load(
+        key_rows[:, None] + RANK + rot[None, :], mask=key_mask[:, None] & rot_mask[None, :], other=0.0
+    )
+    return c, k_pe
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _mla_kernel(
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -78,12 +94,10 @@ def _mla_kernel(
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end
-        pages = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        key_rows = cache_ptr + pages * stride_cb + (keys % BLOCK_SIZE) * stride_cs
-        c = tl.load(key_rows[:, None] + lat[None, :], mask=key_mask[:, None] & lat_mask[None, :], other=0.0)
-        k_pe = tl.load(
-            key_rows[:, None] + RANK + rot[None, :], mask=key_mask[:, None] & rot_mask[None, :], other=0.0
-        )
+        c, k_pe = _load_latent_tile(
+            cache_ptr, block_table_row, keys, key_mask, lat, lat_mask, rot, rot_mask, stride_cb, stride_cs,
+            RANK, BLOCK_SIZE,
+        )  # fmt: skip
         s = tl.dot(q_lat, tl.trans(c.to(q_lat.dtype)), input_precision=DOT_PRECISION)
         s += tl.dot(q_rope, tl.trans(k_pe.to(q_rope.dtype)), input_precision=DOT_PRECISION)
         s *= scale_log2e

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from tpfuse.kernels.decode_attention import device_sms, split_partials
 from tpfuse.kernels.decode_merge import launch_chunked_merge
-from tpfuse.kernels.mla_attention import check_mla_inputs
+from tpfuse.kernels.mla_attention import _load_latent_tile, check_mla_inputs
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -72,12 +72,10 @@ def _mla_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end
-        pages = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        key_rows = cache_ptr + pages * stride_cb + (keys % BLOCK_SIZE) * stride_cs
-        c = tl.load(key_rows[:, None] + lat[None, :], mask=key_mask[:, None] & lat_mask[None, :], other=0.0)
-        k_pe = tl.load(
-            key_rows[:, None] + RANK + rot[None, :], mask=key_mask[:, None] & rot_mask[None, :], other=0.0
-        )
+        c, k_pe = _load_latent_tile(
+            cache_ptr, block_table_row, keys, key_mask, lat, lat_mask, rot, rot_mask, stride_cb, stride_cs,
+            RANK, BLOCK_SIZE,
+        )  # fmt: skip
         c = c.to(q_lat.dtype)
         k_pe = k_pe.to(q_rope.dtype)
         if SWAP_AB:
