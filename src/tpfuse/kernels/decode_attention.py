@@ -75,6 +75,15 @@ def _load_kv_tile(cache_ptr, block_table_row, tokens, token_mask, kv_head, dims,
 
 
 @triton.jit
+def split_key_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of the keys 0 .. num_keys - 1 that split `split` of num_splits attends: an equal
+    share of whole BLOCK_N tiles (empty for the last splits of a short context)."""
+    tiles_per_split = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, num_keys)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -111,9 +120,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = split_key_range(seq_len, split, NUM_SPLITS, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)

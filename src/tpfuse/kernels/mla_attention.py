@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import split_partials
+from tpfuse.kernels.decode_attention import split_key_range, split_partials
 from tpfuse.kernels.decode_merge import launch_merge
 
 
@@ -88,9 +88,7 @@ def _mla_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     last_token = tl.minimum((tile + 1) * BLOCK_M - 1, q_len * HEADS - 1) // HEADS
     kv_end = seq_len - q_len + last_token + 1
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_end)
+    start, end = split_key_range(kv_end, split, num_splits, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end

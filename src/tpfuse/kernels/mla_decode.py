@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import device_sms, split_partials
+from tpfuse.kernels.decode_attention import device_sms, split_key_range, split_partials
 from tpfuse.kernels.decode_merge import launch_chunked_merge
 from tpfuse.kernels.mla_attention import _load_latent_tile, check_mla_inputs
 
@@ -58,9 +58,7 @@ def _mla_decode_kernel(
         mask=head_mask[:, None] & rot_mask[None, :], other=0.0,
     )  # fmt: skip
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = split_key_range(seq_len, split, num_splits, BLOCK_N)
     block_table_row = block_tables_ptr + b * stride_bt
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)

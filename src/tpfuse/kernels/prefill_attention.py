@@ -35,6 +35,7 @@ from tpfuse.kernels.decode_attention import (
     _load_kv_tile,
     check_paged_attention_args,
     choose_num_splits,
+    split_key_range,
     split_partials,
 )
 from tpfuse.kernels.decode_merge import launch_merge
@@ -147,10 +148,7 @@ def _prefill_kernel(
     # Causal: the tile's last query token sees keys up to its own position.
     last_token = tl.minimum((tile + 1) * BLOCK_M - 1, q_len * GROUP - 1) // GROUP
     kv_end = seq_len - q_len + last_token + 1
-    # Split s of num_splits takes an equal share of the key tiles (empty for a short context).
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, kv_end)
+    start, end = split_key_range(kv_end, split, num_splits, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
