@@ -1,0 +1,220 @@
+"""INT4 weight-only product at 1-16 rows on the tensor cores, codes dequantized two per 32-bit op.
+
+Same contract and weight layout as kernels/quant_int.py (packed [N, ceil(K / 8)] int32, word j holds
+k = 8j .. 8j + 7, value i in bits [4i, 4i + 4); scales [N, ceil(K / group)] any float; offsets None
+(w = (q - 8) s) or [N, ceil(K / group)] float32 (w = q s + o)); x bf16 or fp16, 1-16 rows.
+
+For a word w, (w >> 4i) & 0x000F000F | MAGIC is two 16-bit floats equal to B + q, exactly, for values
+i and i + 4 (bf16: MAGIC 0x43004300, B = 128; fp16: 0x64006400, B = 1024). One shift and one LOP3
+give two weights ready for the MMA, with no subtraction and no conversion. The [BLOCK_N, BLOCK_K]
+tile of B + q (columns in the order k = 8j + i + 4h, x gathered to match) is the MMA's A operand;
+x, zero-padded to 16 rows and transposed, is its B operand. Each K step lies in one scale group, so
+per (weight row n, x row m) and group g:
+    sum_k x[m, k] w[n, k] = s[n, g] D - (B s[n, g] - o[n, g]) X[m, g]   (symmetric: o = -8 s)
+with D = sum_k x[m, k] (B + q[n, k]) off the MMA and X = sum_k x[m, k] over the step, fp32.
+The grid is one program per BLOCK_N weight rows, whole K; no host sync, graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.decode_merge import arrival_counters
+from tpfuse.kernels.quant_int import IntTile, check_int_weights, int_linear_triton
+from tpfuse.kernels.skinny_linear import partials_buffer
+
+__all__ = ["MagicTile", "magic_block_k", "magic_int4_linear"]
+
+NIBBLES = 0x000F000F  # values i and i + 4 of a word, shifted down by 4i
+
+
+@dataclass(frozen=True)
+class MagicTile(IntTile):
+    """A launch configuration of the kernel here (block_m 1: one row)."""
+
+    def label(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"magic n{self.block_n} k{self.block_k} s{self.num_stages} w{self.num_warps}{split}"
+
+
+@triton.jit
+def _magic_pair(words, SHIFT: tl.constexpr, nibbles, MAGIC: tl.constexpr):
+    """Values SHIFT / 4 and SHIFT / 4 + 4 of each word as two 16-bit floats B + q in one int32
+    (nibbles: 0x000F000F, a kernel argument so it stays in a register)."""
+    if SHIFT == 0:
+        return (words & nibbles) | MAGIC
+    return ((words >> SHIFT) & nibbles) | MAGIC
+
+
+@triton.jit
+def _in_pair_order(x, WORDS: tl.constexpr):
+    """[BLOCK_K] in k order -> the tile's column order (column 8j + 2i + h holds k = 8j + i + 4h)."""
+    return tl.reshape(tl.permute(tl.reshape(x, [WORDS, 2, 4]), (0, 2, 1)), [WORDS * 8])
+
+
+@triton.jit
+def _magic_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    bias_ptr,
+    out_ptr,
+    partials_ptr,
+    counter_ptr,
+    num_cols,
+    hidden,
+    k_per_split,
+    nibbles,
+    stride_qn,
+    stride_sn,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUM_STEPS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
+):
+    """One row: BLOCK_N weight rows x k_per_split columns of K per program (program_id(1): the
+    split). The K loop runs the MMA of B + q against x and scales it per step; a second loop
+    subtracts sum_g c[n, g] X[g] with the step sums X of SUM_STEPS steps at a time. Splits store
+    fp32 partials; the last to arrive sums them in split order and resets its counter to 0."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    PAD: tl.constexpr = 16  # x padded to the MMA's 16 columns
+    if x_ptr.dtype.element_ty == tl.float16:
+        MAGIC: tl.constexpr = 0x64006400
+        BASE: tl.constexpr = 1024.0
+    else:
+        MAGIC: tl.constexpr = 0x43004300
+        BASE: tl.constexpr = 128.0
+    half: tl.constexpr = x_ptr.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < num_cols
+    q_rows = q_ptr + cols.to(tl.int64)[:, None] * stride_qn
+    s_rows = s_ptr + cols.to(tl.int64) * stride_sn
+    o_rows = o_ptr + cols.to(tl.int64) * stride_sn
+    w_idx = tl.arange(0, WORDS)
+    kk = tl.arange(0, BLOCK_K)
+    first = tl.arange(0, PAD)[None, :] == 0
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, hidden)
+    acc = tl.zeros([BLOCK_N, PAD], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN:
+            words = tl.load(q_rows + (k0 // 8 + w_idx)[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + k0 + kk)
+        else:
+            w_mask = col_mask[:, None] & (k0 + w_idx * 8 < hidden)[None, :]
+            words = tl.load(q_rows + (k0 // 8 + w_idx)[None, :], mask=w_mask, other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+            x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < hidden, other=0.0)
+        lo_pairs = tl.join(_magic_pair(words, 0, nibbles, MAGIC), _magic_pair(words, 8, nibbles, MAGIC))
+        hi_pairs = tl.join(_magic_pair(words, 4, nibbles, MAGIC), _magic_pair(words, 12, nibbles, MAGIC))
+        pairs = tl.reshape(tl.join(lo_pairs, hi_pairs), [BLOCK_N, BLOCK_K // 2])  # values i, i + 4
+        low = pairs.to(tl.int16).to(half, bitcast=True)
+        high = (pairs >> 16).to(tl.int16).to(half, bitcast=True)
+        w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+        xt = tl.where(first, _in_pair_order(x, WORDS)[:, None], tl.zeros([BLOCK_K, PAD], dtype=half))
+        if EVEN:
+            s = tl.load(s_rows + k0 // GROUP).to(tl.float32)
+        else:
+            s = tl.load(s_rows + k0 // GROUP, mask=col_mask, other=0.0).to(tl.float32)
+        acc += s[:, None] * tl.dot(w, xt)
+    out = tl.sum(tl.where(first, acc, 0.0), axis=1)
+    steps = tl.arange(0, SUM_STEPS)
+    for j0 in range(k_start, k_end, SUM_STEPS * BLOCK_K):
+        step_k = j0 + steps * BLOCK_K
+        ks = step_k[:, None] + kk[None, :]
+        x_sum = tl.sum(tl.load(x_ptr + ks, mask=(ks < hidden) & (step_k < k_end)[:, None], other=0.0)
+                       .to(tl.float32), axis=1)  # fmt: skip
+        groups = step_k // GROUP
+        g_mask = col_mask[:, None] & (step_k < k_end)[None, :]
+        s = tl.load(s_rows[:, None] + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            c = BASE * s - tl.load(o_rows[:, None] + groups[None, :], mask=g_mask, other=0.0)
+        else:
+            c = (BASE + 8.0) * s
+        out -= tl.sum(c * x_sum[None, :], axis=1)
+    last = True
+    if SPLIT_K > 1:
+        tl.store(partials_ptr + tl.program_id(1) * num_cols + cols, out, mask=col_mask)
+        tl.debug_barrier()  # every thread's partial stores before the release below
+        counter = counter_ptr + tl.program_id(0)
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
+            tl.debug_barrier()
+            out = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                out += tl.load(partials_ptr + split * num_cols + cols, mask=col_mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+            tl.atomic_xchg(counter, 0)
+    if last:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def magic_block_k(block_k: int, hidden: int, group_size: int) -> int | None:
+    """The K step for block_k: capped at next_power_of_2(K) and at the group's power-of-two part, so a
+    step lies in one group; None where that is below 16 (the MMA's K)."""
+    step = min(block_k, triton.next_power_of_2(hidden))
+    if group_size < hidden:
+        step = min(step, group_size & -group_size)
+    return step if step >= 16 else None
+
+
+SUM_STEPS = 8  # K steps whose x sums the correction loop takes at once
+
+
+def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether the kernel here runs this product: 4-bit codes, one bf16/fp16 row, groups the K step
+    can lie in."""
+    return (
+        bits == 4
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[0] == 1
+        and magic_block_k(1 << 30, x.shape[1], group_size) is not None
+    )
+
+
+def magic_int4_linear(x, packed, scales, offsets, bits, group_size, bias=None, *, tile: MagicTile):
+    """int_linear_triton's product through the kernel here where it fits (fits above), else through
+    int_linear_triton at its default tile for the row count. Returns a new [M, N] of x.dtype."""
+    num_rows, hidden = x.shape
+    if not fits(x, bits, group_size):
+        return int_linear_triton(x, packed, scales, offsets, bits, group_size, bias)
+    check_int_weights(packed, scales, offsets, bits, group_size, hidden)
+    if x.stride(1) != 1:
+        raise ValueError("int_linear needs x contiguous along K: call .contiguous() first")
+    if group_size < hidden and group_size % 8:
+        raise ValueError(f"group size {group_size} is not a multiple of the 8 values in a packed int32 word")
+    num_cols = packed.shape[0]
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if num_cols == 0:
+        return out
+    scales = scales.contiguous()
+    offsets = offsets.contiguous() if offsets is not None else None
+    block_k = magic_block_k(tile.block_k, hidden, group_size)
+    split_k = max(1, min(tile.split_k, triton.cdiv(hidden, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k
+    split_k = triton.cdiv(hidden, k_per_split)  # no empty split
+    grid = (triton.cdiv(num_cols, tile.block_n), split_k)
+    partials = counters = out
+    if split_k > 1:
+        partials = partials_buffer(x.device, split_k * num_cols)
+        counters = arrival_counters(x.device, grid[0])
+    _magic_kernel[grid](
+        x, packed, scales, offsets if offsets is not None else scales, bias if bias is not None else x, out,
+        partials, counters, num_cols, hidden, k_per_split, NIBBLES, packed.stride(0), scales.stride(0),
+        GROUP=group_size, HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, SUM_STEPS=SUM_STEPS, SPLIT_K=split_k,
+        EVEN=num_cols % tile.block_n == 0 and hidden % block_k == 0,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,138 @@
+"""Instructions per weight in the steady-state K loop of the one-row INT4 kernels for sm_90, without a
+GPU: the FMA GEMV of kernels/quant_int.py and the tensor-core kernel of kernels/quant_int_magic.py, at
+the tiles start-up timing tries (model/linear_choice.py QUANT_TILES[1]), K = 4096, group 128, bf16 x,
+symmetric codes.
+
+The real compiler builds each cubin with its arguments specialized as the JIT does at run time
+(every pointer and integer divisible by 16, except the magic kernel's nibble mask 0x000F000F), and
+cuobjdump (shipped with Triton) disassembles it. The K loop is the largest backward branch in the
+SASS. Its instructions over the weights a thread handles per iteration (BLOCK_N * BLOCK_K / threads)
+are the instructions per weight. An SM issues 128 per clock; 4.3 TB/s of INT4 weights over 132 SMs
+at 1.98 GHz is about 33 weights per clock per SM, so a loop above 128 / 33 = 3.9 per weight cannot
+reach the copy bandwidth.
+Usage: python tests/kernels/quant_int_asm.py [--json], with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tpfuse.kernels import quant_int, quant_int_magic
+from tpfuse.model.linear_choice import QUANT_TILES
+
+sys.path.insert(0, os.path.dirname(__file__))
+from compile_for_gpu import _signature  # noqa: E402
+
+HIDDEN, GROUP = 4096, 128
+ISSUE_LIMIT = 128 / 33  # instructions per weight an SM can issue at 4.3 TB/s of INT4 weights
+_LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", re.M)
+
+
+def _compile(kernel, pointers: dict, ints: dict, constexprs: dict, tile):
+    signature = _signature(kernel, pointers, ints, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if signature[name] != "constexpr" and name != "nibbles"}  # fmt: skip
+    return triton.compile(
+        ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+    )
+
+
+def compile_gemv(tile):
+    """quant_int's FMA GEMV, bf16 x read as pairs, symmetric, EVEN."""
+    block_k = quant_int.gemv_block_k(tile.block_k, HIDDEN, 4)
+    constexprs = dict(BITS=4, GROUP=GROUP, HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n,
+                      BLOCK_K=block_k, EVEN=True, X_PAIRS=True)  # fmt: skip
+    return _compile(quant_int._int_gemv_kernel, {"*": "*bf16", "q_ptr": "*i32"}, {"num_cols": "i32"},
+                    constexprs, tile), block_k  # fmt: skip
+
+
+def compile_magic(tile):
+    """quant_int_magic's tensor-core kernel, bf16 x, symmetric, EVEN."""
+    block_k = quant_int_magic.magic_block_k(tile.block_k, HIDDEN, GROUP)
+    constexprs = dict(GROUP=GROUP, HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                      SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k, EVEN=True)  # fmt: skip
+    ints = {"num_cols": "i32", "k_per_split": "i32", "nibbles": "i32"}
+    pointers = {"*": "*bf16", "q_ptr": "*i32", "partials_ptr": "*fp32", "counter_ptr": "*i32"}
+    return _compile(quant_int_magic._magic_kernel, pointers, ints, constexprs,
+                    tile), block_k  # fmt: skip
+
+
+def _disassemble(cubin: bytes) -> tuple[str, str]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return usage, sass
+
+
+def k_loop(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of the instructions of the largest backward branch's loop."""
+    code = [(int(a, 16), op, rest) for a, _, op, rest in _LINE.findall(sass)]
+    best: list = []
+    for address, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            body = [c for c in code if int(target.group(1), 16) <= c[0] <= address]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def stats(name: str, tile) -> dict:
+    compiled, block_k = (compile_magic if name == "magic" else compile_gemv)(tile)
+    usage, sass = _disassemble(compiled.asm["cubin"])
+    loop = k_loop(sass)
+    weights = tile.block_n * block_k / (32 * tile.num_warps)  # per thread per iteration
+    ops = Counter(op for _, op, _ in loop)
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {
+        "kernel": name, "tile": tile.label(), "block_k": block_k, "loop_instructions": len(loop),
+        "weights_per_thread": weights, "per_weight": round(len(loop) / weights, 2),
+        "registers": int(regs.group(1)), "stack": int(regs.group(2)), "shared": compiled.metadata.shared,
+        "mix": dict(ops.most_common(12)),
+    }  # fmt: skip
+
+
+def rows() -> list[dict]:
+    out = []
+    for tile in QUANT_TILES[1]:
+        name = "magic" if isinstance(tile, quant_int_magic.MagicTile) else "gemv"
+        out.append(stats(name, tile))
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles the kernels for real")
+        return 2
+    table = rows()
+    if "--json" in sys.argv:
+        print(json.dumps(table))
+        return 0
+    print(f"K = {HIDDEN}, group {GROUP}, bf16 x; 4.3 TB/s needs at most {ISSUE_LIMIT:.1f} per weight")
+    for r in table:
+        print(
+            f"{r['kernel']:6} {r['tile']:30} loop {r['loop_instructions']:4} / "
+            f"{r['weights_per_thread']:4.0f} weights = {r['per_weight']:5.2f} per weight, "
+            f"{r['registers']} registers, stack {r['stack']}, shared {r['shared']}  {r['mix']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""kernels/quant_int_magic.py (INT4 at one row on the tensor cores, codes as B + q half pairs) under
+the interpreter against float64 products of the dequantized weights: odd N and K, groups of 32 and
+128 and the whole K, symmetric codes and offsets, bf16 and fp32 scales, bf16 and fp16 x, split-K,
+poisoned outputs; the fallback where the kernel does not fit; on the GPU in and out of CUDA graphs."""
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+
+from tpfuse.kernels import int_linear_op, quant_int, quant_int_magic
+from tpfuse.kernels.quant_int_magic import MagicTile
+from tpfuse.model.linear_choice import QUANT_TILES
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_bf16_dot(monkeypatch):
+    """The interpreter multiplies bf16 dot operands as their raw uint16 bits; widened to float32
+    here (exact: what the tensor cores compute, bf16 products accumulated in fp32)."""
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            bits = h.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _weights(n, k, group, asymmetric, scale_dtype, gen):
+    values = torch.randint(0, 16, (n, k), generator=gen)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+    offsets = torch.randn(n, groups, generator=gen) * 0.05 if asymmetric else None
+    return quant_int.pack_int(values, 4), values, scales, offsets
+
+
+def _float64(x, values, scales, offsets, group, bias):
+    k = x.shape[1]
+    s = scales.double().repeat_interleave(group, 1)[:, :k]
+    if offsets is None:
+        weight = (values.double() - 8) * s
+    else:
+        weight = values.double() * s + offsets.double().repeat_interleave(group, 1)[:, :k]
+    out = x.double() @ weight.T
+    return out if bias is None else out + bias.double()
+
+
+def _poisoned_run(x, packed, scales, offsets, group, bias, tile, monkeypatch):
+    """The kernel's output tensor is allocated full of NaN, so a column it skips shows."""
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        return empty(*shape, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(quant_int_magic.torch, "empty", poisoned)
+    try:
+        return quant_int_magic.magic_int4_linear(x, packed, scales, offsets, 4, group, bias, tile=tile)
+    finally:
+        monkeypatch.setattr(quant_int_magic.torch, "empty", empty)
+
+
+@pytest.mark.parametrize(
+    "n,k,group,asymmetric,scale_dtype,x_dtype,tile",
+    [
+        (37, 256, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 128, 1, 4)),
+        (45, 200, 48, True, torch.float32, torch.bfloat16, MagicTile(1, 32, 64, 1, 4)),
+        (19, 384, 32, False, torch.float32, torch.float16, MagicTile(1, 16, 128, 1, 4, split_k=2)),
+        (33, 196, 196, True, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 64, 1, 4, split_k=3)),
+        (64, 512, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 32, 128, 1, 4, split_k=4)),
+    ],
+)
+def test_magic_int4_matches_float64_at_odd_shapes(
+    n, k, group, asymmetric, scale_dtype, x_dtype, tile, monkeypatch
+):
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    packed, values, scales, offsets = _weights(n, k, group, asymmetric, scale_dtype, gen)
+    x = torch.randn(1, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen).to(x_dtype) if asymmetric else None
+    assert quant_int_magic.fits(x, 4, group)
+    out = _poisoned_run(x, packed, scales, offsets, group, bias, tile, monkeypatch)
+    expected = _float64(x, values, scales, offsets, group, bias)
+    assert out.dtype == x_dtype and out.shape == (1, n) and torch.isfinite(out).all()
+    # one rounding to x's dtype (a whole unit: the interpreter rounds toward zero), plus the fp32
+    # sums of B + q minus B X
+    tol = 2**-7 if x_dtype == torch.bfloat16 else 2**-10
+    err = (out.double() - expected).abs()
+    assert (err <= tol * expected.abs() + 1e-3 * expected.abs().max()).all(), err.max()
+
+
+def test_the_tile_order_is_the_pair_order_of_the_packed_words(monkeypatch):
+    """One weight row with a single nonzero code per position, x a one-hot: out picks exactly the
+    code at k (the permutation of the tile columns and of x agree)."""
+    gen = torch.Generator().manual_seed(5)
+    k = 64
+    values = torch.randint(0, 16, (16, k), generator=gen)
+    packed = quant_int.pack_int(values, 4)
+    scales = torch.ones(16, 1, dtype=torch.bfloat16)
+    for col in (0, 3, 4, 7, 13, 60):
+        x = torch.zeros(1, k, dtype=torch.bfloat16)
+        x[0, col] = 1.0
+        out = _poisoned_run(x, packed, scales, None, k, None, MagicTile(1, 16, 64, 1, 4), monkeypatch)
+        assert torch.equal(out[0].float(), values[:, col].float() - 8), col
+
+
+def test_shapes_the_kernel_does_not_fit_run_the_int_gemv():
+    gen = torch.Generator().manual_seed(6)
+    packed, _, scales, _ = _weights(24, 96, 8, False, torch.bfloat16, gen)  # a step of 8 < the MMA's 16
+    x = torch.randn(1, 96, generator=gen)
+    for inp, group in ((x, 8), (x.bfloat16(), 8)):
+        assert not quant_int_magic.fits(inp, 4, group)
+        torch.testing.assert_close(
+            quant_int_magic.magic_int4_linear(
+                inp, packed, scales, None, 4, group, tile=MagicTile(1, 16, 128)
+            ),
+            quant_int.int_linear_triton(inp, packed, scales, None, 4, group),
+        )
+
+
+def test_int_linear_op_sends_a_magic_tile_to_the_magic_kernel_and_the_candidates_include_it(monkeypatch):
+    calls = []
+    real = quant_int_magic.magic_int4_linear
+    monkeypatch.setattr(
+        quant_int_magic, "magic_int4_linear", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    )
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    from tpfuse import knobs
+
+    knobs.reload()
+    gen = torch.Generator().manual_seed(7)
+    packed, values, scales, _ = _weights(16, 128, 128, False, torch.bfloat16, gen)
+    x = torch.randn(1, 128, generator=gen).bfloat16()
+    tile = MagicTile(1, 16, 128, 1, 4)
+    out = int_linear_op(x, packed, scales, None, 4, 128, tile=tile)
+    assert calls and calls[0]["tile"] == tile
+    expected = _float64(x, values, scales, None, 128, None)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item())
+    assert any(isinstance(t, MagicTile) for t in QUANT_TILES[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tile", [t for t in QUANT_TILES[1] if isinstance(t, MagicTile)], ids=lambda t: t.label()
+)
+@pytest.mark.parametrize(
+    "n,k,group,asymmetric",
+    [(6144, 4096, 128, False), (4096, 14336, 128, False), (1000, 1536, 32, True), (4096, 4096, 4096, False)],
+)
+def test_magic_int4_matches_float64_in_and_out_of_cuda_graphs(n, k, group, asymmetric, tile):
+    gen = torch.Generator("cuda").manual_seed(n + k)
+    values = torch.randint(0, 16, (n, k), generator=gen, device="cuda")
+    packed = quant_int.pack_int(values, 4)
+    scales = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.01 + 1e-3).to(torch.bfloat16)
+    offsets = torch.randn(n, k // group, generator=gen, device="cuda") * 0.02 if asymmetric else None
+    x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+    expected = _float64(x, values, scales, offsets, group, None)
+
+    def run(inp):
+        return quant_int_magic.magic_int4_linear(inp, packed, scales, offsets, 4, group, tile=tile)
+
+    def close(out):
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert (out.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
+
+    close(run(x))
+    static = torch.zeros_like(x)
+    run(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static)
+    for _ in range(3):  # replays reuse the split-K counters: each leaves them at 0
+        static.copy_(x)
+        graph.replay()
+    close(out)
