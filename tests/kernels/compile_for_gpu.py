@@ -38,6 +38,7 @@ from tpfuse.kernels import (
     quant_fp8,
     quant_fp8_w8a8,
     quant_int,
+    quant_int_magic,
     quant_moe,
     rmsnorm,
     rope,
@@ -202,6 +203,17 @@ def _quant_variants(p: str):
                  BLOCK_K=quant_int.gemv_block_k(tile.block_k, 4096, 4), EVEN=True, X_PAIRS=group == 128),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
+    magic = {"*": p, "q_ptr": i32, "partials_ptr": "*fp32", "counter_ptr": i32}
+    magic_ints = {"num_cols": "i32", "k_per_split": "i32", "nibbles": "i32"}
+    for tile in (t for t in QUANT_TILES[1] if isinstance(t, quant_int.MagicTile)):
+        for group, offsets in ((128, False), (32, True)):
+            yield (
+                quant_int_magic._magic_kernel, magic, magic_ints,
+                dict(GROUP=group, HAS_OFFSET=offsets, HAS_BIAS=offsets, BLOCK_N=tile.block_n,
+                     BLOCK_K=quant_int_magic.magic_block_k(tile.block_k, 4096, group),
+                     SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k, EVEN=not offsets),
+                {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+            )  # fmt: skip
     for scale_k in (128, 4096):
         tile = quant_fp8.FP8_TILES[1][0]
         per_row, sub_k, subs = quant_fp8.gemv_steps(tile.block_k, scale_k, 4096)

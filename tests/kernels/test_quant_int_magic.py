@@ -9,7 +9,7 @@ import torch
 import triton.language as tl
 
 from tpfuse.kernels import int_linear_op, quant_int, quant_int_magic
-from tpfuse.kernels.quant_int_magic import MagicTile
+from tpfuse.kernels.quant_int import MagicTile
 from tpfuse.model.linear_choice import QUANT_TILES
 
 
@@ -61,7 +61,7 @@ def _poisoned_run(x, packed, scales, offsets, group, bias, tile, monkeypatch):
 
     monkeypatch.setattr(quant_int_magic.torch, "empty", poisoned)
     try:
-        return quant_int_magic.magic_int4_linear(x, packed, scales, offsets, 4, group, bias, tile=tile)
+        return quant_int.int_linear_triton(x, packed, scales, offsets, 4, group, bias, tile=tile)
     finally:
         monkeypatch.setattr(quant_int_magic.torch, "empty", empty)
 
@@ -74,6 +74,7 @@ def _poisoned_run(x, packed, scales, offsets, group, bias, tile, monkeypatch):
         (19, 384, 32, False, torch.float32, torch.float16, MagicTile(1, 16, 128, 1, 4, split_k=2)),
         (33, 196, 196, True, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 64, 1, 4, split_k=3)),
         (64, 512, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 32, 128, 1, 4, split_k=4)),
+        (27, 208, 16, True, torch.float32, torch.bfloat16, MagicTile(1, 16, 64, 1, 4, split_k=2)),
     ],
 )
 def test_magic_int4_matches_float64_at_odd_shapes(
@@ -109,25 +110,30 @@ def test_the_tile_order_is_the_pair_order_of_the_packed_words(monkeypatch):
         assert torch.equal(out[0].float(), values[:, col].float() - 8), col
 
 
-def test_shapes_the_kernel_does_not_fit_run_the_int_gemv():
+def test_shapes_the_kernel_does_not_fit_run_the_default_tile():
+    """fp32 x, a group whose K step would be below the MMA's 16 (24: steps of 8), 8-bit codes, two
+    rows."""
     gen = torch.Generator().manual_seed(6)
-    packed, _, scales, _ = _weights(24, 96, 8, False, torch.bfloat16, gen)  # a step of 8 < the MMA's 16
-    x = torch.randn(1, 96, generator=gen)
-    for inp, group in ((x, 8), (x.bfloat16(), 8)):
-        assert not quant_int_magic.fits(inp, 4, group)
+    packed, _, scales, _ = _weights(24, 96, 24, False, torch.bfloat16, gen)
+    packed8 = quant_int.pack_int(torch.randint(0, 256, (24, 96), generator=gen), 8)
+    scales32 = torch.rand(24, 3, generator=gen).bfloat16()
+    x = torch.randn(2, 96, generator=gen)
+    one = x[:1].bfloat16()
+    cases = ((x[:1], packed, scales32, 4, 32), (one, packed, scales, 4, 24), (one, packed8, scales32, 8, 32),
+             (x.bfloat16(), packed, scales32, 4, 32))  # fmt: skip
+    for inp, codes, s, bits, group in cases:
+        assert not quant_int_magic.fits(inp, bits, group)
         torch.testing.assert_close(
-            quant_int_magic.magic_int4_linear(
-                inp, packed, scales, None, 4, group, tile=MagicTile(1, 16, 128)
-            ),
-            quant_int.int_linear_triton(inp, packed, scales, None, 4, group),
+            quant_int.int_linear_triton(inp, codes, s, None, bits, group, tile=MagicTile(1, 16, 128)),
+            quant_int.int_linear_triton(inp, codes, s, None, bits, group),
         )
 
 
-def test_int_linear_op_sends_a_magic_tile_to_the_magic_kernel_and_the_candidates_include_it(monkeypatch):
+def test_int_linear_op_sends_a_magic_tile_to_the_magic_kernel_and_start_up_times_it(monkeypatch):
     calls = []
-    real = quant_int_magic.magic_int4_linear
+    real = quant_int_magic.magic_int4_gemv
     monkeypatch.setattr(
-        quant_int_magic, "magic_int4_linear", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+        quant_int_magic, "magic_int4_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
     )
     monkeypatch.setenv("TPFUSE_KERNELS", "triton")
     from tpfuse import knobs
@@ -162,7 +168,7 @@ def test_magic_int4_matches_float64_in_and_out_of_cuda_graphs(n, k, group, asymm
     expected = _float64(x, values, scales, offsets, group, None)
 
     def run(inp):
-        return quant_int_magic.magic_int4_linear(inp, packed, scales, offsets, 4, group, tile=tile)
+        return quant_int.int_linear_triton(inp, packed, scales, offsets, 4, group, tile=tile)
 
     def close(out):
         torch.cuda.synchronize()

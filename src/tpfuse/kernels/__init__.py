@@ -32,7 +32,6 @@ from tpfuse.kernels import (
     quant_fp8,
     quant_fp8_w8a8,
     quant_int,
-    quant_int_magic,
     rmsnorm,
     rope,
     rope_store_kv,
@@ -183,13 +182,8 @@ def counter_uniform(seeds, stream, counters):
 
 def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=None):
     """x [M, K] @ dequant(packed [N, K*bits/32] int32, scales/offsets [N, K/group]).T (+ bias) -> [M, N]
-    (kernels/quant_int.py: W4A16/W8A16, group-wise; tile: its launch configuration, a MagicTile for
-    kernels/quant_int_magic.py's one-row tensor-core kernel)."""
+    (kernels/quant_int.py: W4A16/W8A16, group-wise; tile: its launch configuration)."""
     if use_triton(x):
-        if isinstance(tile, quant_int_magic.MagicTile):
-            return quant_int_magic.magic_int4_linear(
-                x, packed, scales, offsets, bits, group_size, bias, tile=tile
-            )
         return quant_int.int_linear_triton(x, packed, scales, offsets, bits, group_size, bias, tile=tile)
     return quant_int.int_linear_ref(x, packed, scales, offsets, bits, group_size, bias)
 

@@ -13,8 +13,9 @@ program takes BLOCK_N weight rows over the whole of K, loads BLOCK_K / V contigu
 step, and for each of the V values of a word multiplies the value's float pattern 1 + q / 2^bits (two
 integer ops, no int-to-float conversion) by the x entries it meets; the scale multiplies once per
 word (once per step when the group spans it), and the [BLOCK_N, words] accumulator is reduced once.
-Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot). Which tile runs each
-shape is measured at start-up (model/linear_choice.py).
+Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot); kernels/quant_int_magic.py
+is the one-row tensor-core alternative (a MagicTile). Which tile runs each shape is measured at
+start-up (model/linear_choice.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import quant_int_magic
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
+from tpfuse.kernels.quant_int_magic import MagicTile
 
-__all__ = ["IntTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int", "unpack_int"]
+__all__ = [
+    "IntTile", "MagicTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int", "unpack_int",
+]  # fmt: skip
 
 SUPPORTED_BITS = (4, 8)
 
@@ -247,7 +252,8 @@ def int_linear_triton(
     x, packed, scales, offsets, bits, group_size, bias=None, *, tile: IntTile | None = None
 ):
     """Triton int_linear_ref. x: [M, K] bf16/fp16/fp32, contiguous along K; bias [N] or None.
-    One row runs the GEMV kernel above, more rows kernels/quant_dot.py. Returns a new [M, N] of
+    One row runs the GEMV kernel above, more rows kernels/quant_dot.py; a MagicTile runs
+    kernels/quant_int_magic.py where it fits (else the default tile). Returns a new [M, N] of
     x.dtype. Raises ValueError for shapes that do not fit the layout, or a group size that splits a
     packed word."""
     num_rows, hidden = x.shape
@@ -260,9 +266,13 @@ def int_linear_triton(
             f"in a packed int32 word at {bits} bits"
         )
     num_cols = packed.shape[0]
-    tile = launch_tile(tile, num_rows)
     scales = scales.contiguous()
     offsets = offsets.contiguous() if offsets is not None else None
+    if isinstance(tile, MagicTile):
+        if quant_int_magic.fits(x, bits, group_size):
+            return quant_int_magic.magic_int4_gemv(x, packed, scales, offsets, group_size, bias, tile=tile)
+        tile = None
+    tile = launch_tile(tile, num_rows)
     if tile.block_m > 1:
         return quant_dot(
             x, packed, scales, offsets, bias, bits=bits, scale_n=1, scale_k=group_size, tile=tile

@@ -1,18 +1,22 @@
-"""INT4 weight-only product at 1-16 rows on the tensor cores, codes dequantized two per 32-bit op.
+"""INT4 weight-only product of one row on the tensor cores, codes dequantized two per 32-bit op.
 
-Same contract and weight layout as kernels/quant_int.py (packed [N, ceil(K / 8)] int32, word j holds
-k = 8j .. 8j + 7, value i in bits [4i, 4i + 4); scales [N, ceil(K / group)] any float; offsets None
-(w = (q - 8) s) or [N, ceil(K / group)] float32 (w = q s + o)); x bf16 or fp16, 1-16 rows.
+Contract and weight layout of kernels/quant_int.py (which checks the inputs and launches this for a
+MagicTile): packed [N, ceil(K / 8)] int32, word j holds k = 8j .. 8j + 7, value i in bits
+[4i, 4i + 4); scales [N, ceil(K / group)] any float; offsets None (w = (q - 8) s) or float32 of the
+same shape (w = q s + o); x [1, K] bf16 or fp16; out [1, N] of x's dtype.
 
-For a word w, (w >> 4i) & 0x000F000F | MAGIC is two 16-bit floats equal to B + q, exactly, for values
-i and i + 4 (bf16: MAGIC 0x43004300, B = 128; fp16: 0x64006400, B = 1024). One shift and one LOP3
-give two weights ready for the MMA, with no subtraction and no conversion. The [BLOCK_N, BLOCK_K]
-tile of B + q (columns in the order k = 8j + i + 4h, x gathered to match) is the MMA's A operand;
-x, zero-padded to 16 rows and transposed, is its B operand. Each K step lies in one scale group, so
-per (weight row n, x row m) and group g:
-    sum_k x[m, k] w[n, k] = s[n, g] D - (B s[n, g] - o[n, g]) X[m, g]   (symmetric: o = -8 s)
-with D = sum_k x[m, k] (B + q[n, k]) off the MMA and X = sum_k x[m, k] over the step, fp32.
-The grid is one program per BLOCK_N weight rows, whole K; no host sync, graph safe.
+For a word w, (w >> 4i) & 0x000F000F | MAGIC holds two 16-bit floats equal to B + q, exactly, for
+values i and i + 4 (bf16: MAGIC 0x43004300, B = 128; fp16: 0x64006400, B = 1024): a shift and a LOP3
+per two weights, no subtraction, no conversion. The [BLOCK_N, BLOCK_K] tile of B + q, its columns in
+the order k = 8j + i + 4h (x permuted in registers to match), is the MMA's A operand; x in 16
+columns is B (each column x, or, where a step holds up to 16 whole groups, column g group g's part
+of x and zeros). Per weight row n and scale group g
+    sum_k x[k] w[n, k] = sum_g s[n, g] D[n, g] - c[n, g] X[g],   c = B s - o (symmetric: (B + 8) s)
+with D = sum_k x[k] (B + q[n, k]) over the group's part of a step off the MMA (fp32) and X the
+same part's sum of x. The K loop accumulates s D; a short second loop subtracts c X, SUM_STEPS
+groups at a time. split_k > 1 divides K among programs: each stores an fp32 partial and the last
+to arrive (an arrival counter per column block, left at 0) sums them in split order. No host sync:
+CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
-from tpfuse.kernels.quant_int import IntTile, check_int_weights, int_linear_triton
+from tpfuse.kernels.quant_dot import IntTile
 from tpfuse.kernels.skinny_linear import partials_buffer
 
-__all__ = ["MagicTile", "magic_block_k", "magic_int4_linear"]
+__all__ = ["MagicTile", "fits", "magic_block_k", "magic_int4_gemv"]
 
 NIBBLES = 0x000F000F  # values i and i + 4 of a word, shifted down by 4i
 
@@ -82,10 +86,14 @@ def _magic_kernel(
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
 ):
     """One row: BLOCK_N weight rows x k_per_split columns of K per program (program_id(1): the
-    split). The K loop runs the MMA of B + q against x and scales it per step; a second loop
-    subtracts sum_g c[n, g] X[g] with the step sums X of SUM_STEPS steps at a time. Splits store
-    fp32 partials; the last to arrive sums them in split order and resets its counter to 0."""
+    split). The K loop runs the MMA of B + q against x and scales it per group; a second loop
+    subtracts sum_g c[n, g] X[g], SUM_STEPS groups (or steps) at a time. Splits store fp32
+    partials; the last to arrive sums them in split order and resets its counter to 0."""
     WORDS: tl.constexpr = BLOCK_K // 8
+    # groups per K step (GROUP a power of two below BLOCK_K): x's column g holds group g's part of
+    # the step (zero elsewhere), so the MMA's column g is that group's D; else x in every column
+    STEP_GROUPS: tl.constexpr = BLOCK_K // GROUP if GROUP < BLOCK_K else 1
+    UNIT: tl.constexpr = BLOCK_K // STEP_GROUPS  # the K columns of one scale in a step
     PAD: tl.constexpr = 16  # x padded to the MMA's 16 columns
     if x_ptr.dtype.element_ty == tl.float16:
         MAGIC: tl.constexpr = 0x64006400
@@ -101,7 +109,8 @@ def _magic_kernel(
     o_rows = o_ptr + cols.to(tl.int64) * stride_sn
     w_idx = tl.arange(0, WORDS)
     kk = tl.arange(0, BLOCK_K)
-    first = tl.arange(0, PAD)[None, :] == 0
+    pad = tl.arange(0, PAD)
+    first = pad[None, :] == 0
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, hidden)
     acc = tl.zeros([BLOCK_N, PAD], dtype=tl.float32)
@@ -120,17 +129,28 @@ def _magic_kernel(
         low = pairs.to(tl.int16).to(half, bitcast=True)
         high = (pairs >> 16).to(tl.int16).to(half, bitcast=True)
         w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
-        xt = tl.where(first, _in_pair_order(x, WORDS)[:, None], tl.zeros([BLOCK_K, PAD], dtype=half))
-        if EVEN:
-            s = tl.load(s_rows + k0 // GROUP).to(tl.float32)
-        else:
-            s = tl.load(s_rows + k0 // GROUP, mask=col_mask, other=0.0).to(tl.float32)
-        acc += s[:, None] * tl.dot(w, xt)
-    out = tl.sum(tl.where(first, acc, 0.0), axis=1)
+        x = _in_pair_order(x, WORDS)
+        if STEP_GROUPS == 1:
+            xt = tl.broadcast_to(x[:, None], [BLOCK_K, PAD])
+            if EVEN:
+                s = tl.load(s_rows + k0 // GROUP).to(tl.float32)
+            else:
+                s = tl.load(s_rows + k0 // GROUP, mask=col_mask, other=0.0).to(tl.float32)
+            acc += s[:, None] * tl.dot(w, xt)
+        else:  # column p of the tile is in group p // GROUP of the step (the order permutes words only)
+            xt = tl.where((kk // GROUP)[:, None] == pad[None, :], x[:, None], tl.zeros([BLOCK_K, PAD], half))
+            g_mask = col_mask[:, None] & ((pad < STEP_GROUPS) & (k0 + pad * GROUP < hidden))[None, :]
+            s = tl.load(s_rows[:, None] + (k0 // GROUP + pad)[None, :], mask=g_mask, other=0.0)
+            acc += s.to(tl.float32) * tl.dot(w, xt)
+    if STEP_GROUPS == 1:
+        out = tl.sum(tl.where(first, acc, 0.0), axis=1)
+    else:
+        out = tl.sum(acc, axis=1)
     steps = tl.arange(0, SUM_STEPS)
-    for j0 in range(k_start, k_end, SUM_STEPS * BLOCK_K):
-        step_k = j0 + steps * BLOCK_K
-        ks = step_k[:, None] + kk[None, :]
+    units = tl.arange(0, UNIT)
+    for j0 in range(k_start, k_end, SUM_STEPS * UNIT):
+        step_k = j0 + steps * UNIT
+        ks = step_k[:, None] + units[None, :]
         x_sum = tl.sum(tl.load(x_ptr + ks, mask=(ks < hidden) & (step_k < k_end)[:, None], other=0.0)
                        .to(tl.float32), axis=1)  # fmt: skip
         groups = step_k // GROUP
@@ -161,15 +181,18 @@ def _magic_kernel(
 
 
 def magic_block_k(block_k: int, hidden: int, group_size: int) -> int | None:
-    """The K step for block_k: capped at next_power_of_2(K) and at the group's power-of-two part, so a
-    step lies in one group; None where that is below 16 (the MMA's K)."""
+    """The K step for block_k: capped at next_power_of_2(K); a group that is a power of two below it
+    stays whole in a step (at most 16 groups: the MMA's columns), any other group caps the step at
+    its power-of-two part so that a step lies in one group. None where the step is below 16 (the
+    MMA's K)."""
     step = min(block_k, triton.next_power_of_2(hidden))
-    if group_size < hidden:
-        step = min(step, group_size & -group_size)
+    power_of_two = group_size & (group_size - 1) == 0
+    if group_size < min(hidden, step) and (not power_of_two or step // group_size > 16):
+        step = group_size & -group_size
     return step if step >= 16 else None
 
 
-SUM_STEPS = 8  # K steps whose x sums the correction loop takes at once
+SUM_STEPS = 8  # groups (or K steps) whose x sums the correction loop takes at once
 
 
 def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
@@ -183,23 +206,14 @@ def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
     )
 
 
-def magic_int4_linear(x, packed, scales, offsets, bits, group_size, bias=None, *, tile: MagicTile):
-    """int_linear_triton's product through the kernel here where it fits (fits above), else through
-    int_linear_triton at its default tile for the row count. Returns a new [M, N] of x.dtype."""
-    num_rows, hidden = x.shape
-    if not fits(x, bits, group_size):
-        return int_linear_triton(x, packed, scales, offsets, bits, group_size, bias)
-    check_int_weights(packed, scales, offsets, bits, group_size, hidden)
-    if x.stride(1) != 1:
-        raise ValueError("int_linear needs x contiguous along K: call .contiguous() first")
-    if group_size < hidden and group_size % 8:
-        raise ValueError(f"group size {group_size} is not a multiple of the 8 values in a packed int32 word")
+def magic_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: MagicTile):
+    """The product of kernels/quant_int.int_linear_triton for a shape that fits (above), inputs checked
+    there. Returns a new [1, N] of x.dtype."""
+    hidden = x.shape[1]
     num_cols = packed.shape[0]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, num_cols), dtype=x.dtype, device=x.device)
     if num_cols == 0:
         return out
-    scales = scales.contiguous()
-    offsets = offsets.contiguous() if offsets is not None else None
     block_k = magic_block_k(tile.block_k, hidden, group_size)
     split_k = max(1, min(tile.split_k, triton.cdiv(hidden, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k
