@@ -8,9 +8,11 @@ Bytes per call = packed weights + scales + x. GB/s is against the copy bandwidth
 a 1 GiB device copy measured here). max_abs_err is against x.float() @ the float32 dequantized
 weight; rel is that over max |reference|.
 
-Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4.3] [--json PATH]
+Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4.3] [--json PATH] [--sweep]
+--sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K).
 --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one call each, no timing: a check that
-the script runs).
+the script runs; the interpreter multiplies bf16 tl.dot operands as raw bits, so the tensor-core rows'
+errors mean something only where tests/kernels/test_quant_int_magic.py patches that).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from tpfuse.kernels import quant_int  # noqa: E402
 from tpfuse.kernels.quant_int import MagicTile  # noqa: E402
 from tpfuse.model.linear_choice import QUANT_TILES  # noqa: E402
 
+SWEEP = tuple(  # --sweep: more tensor-core tiles than start-up times, to choose its candidates from
+    MagicTile(1, n, 128, stages, warps, split_k=split)
+    for n, warps, stage_set in ((64, 4, (1, 4)), (128, 4, (1, 2, 4)), (256, 8, (1, 3)))
+    for stages in stage_set
+    for split in (1, 2, 4, 8)
+)
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (32, 384)}
 GROUP = 128
@@ -65,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no timing")
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -90,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         weight = quant_int.dequantize_int(packed, scales, None, 4, GROUP, hidden)
         reference = x.float() @ weight.T
         call_bytes = weight_bytes + hidden * 2
-        best: dict[str, float] = {}
-        for tile in QUANT_TILES[1]:
+        best: dict[str, tuple[float, str]] = {}
+        tiles = QUANT_TILES[1] + tuple(t for t in SWEEP if args.sweep and t not in QUANT_TILES[1])
+        for tile in tiles:
             family = "magic" if isinstance(tile, MagicTile) else "gemv"
             calls = [
                 lambda p=p, s=s, x=x, tile=tile: quant_int.int_linear_triton(
@@ -104,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
             rel = err / reference.abs().max().item()
             us = time_us(calls, args.smoke)
             gbps = call_bytes / us / 1e3
-            best[family] = min(best.get(family, float("inf")), us)
+            best[family] = min(best.get(family, (float("inf"), "")), (us, tile.label()))
             row = dict(shape=name, N=num_cols, K=hidden, kernel=family, tile=tile.label(), us=round(us, 2),
+                       candidate=tile in QUANT_TILES[1],
                        GBps=round(gbps, 1), of_copy=round(gbps / (copy_tbps * 1e3), 3),
                        max_abs_err=err, rel_err=rel)  # fmt: skip
             rows.append(row)
             print(f"{name:8} {num_cols:>5} x {hidden:<5} {tile.label():32} {us:8.2f} {gbps:7.0f} "
                   f"{gbps / (copy_tbps * 1e3):8.1%} {err:12.3e} {rel:8.1e}", flush=True)  # fmt: skip
         if len(best) == 2:
-            print(f"{name:8} best magic / best gemv time: {best['magic'] / best['gemv']:.2f}")
+            (magic_us, magic_tile), (gemv_us, gemv_tile) = best["magic"], best["gemv"]
+            print(f"{name:8} best: {magic_tile} {magic_us:.2f} us, {gemv_tile} {gemv_us:.2f} us "
+                  f"(magic / gemv {magic_us / gemv_us:.2f})")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_tbps=copy_tbps, rows=rows), f, indent=1)
