@@ -42,9 +42,10 @@ from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
 STEP = "engine_step_"
 PHASES = [  # (label, attribute path from the engine, method); a label may wrap several methods
     ("schedule", "scheduler", "schedule"),
-    ("schedule", "scheduler", "schedule_next_decode"),  # overlap: the next step planned ahead
+    ("schedule", "scheduler", "schedule_following"),  # overlap: the next step planned ahead
+    ("schedule", "scheduler", "schedule_next_decode"),  # the same in trees before the token table
     ("pack", "executor.runner", "pack"),
-    ("pack", "executor.runner", "pack_next_decode"),
+    ("pack", "executor.runner", "pack_next_decode"),  # trees before the token table
     ("execute", "executor.runner", "_forward"),  # H2D copy, replay or eager forward
     ("sample", "executor.runner", "_choose_tokens"),  # sampler path (non-greedy, banned ids, eager)
     ("read_tokens", "executor.runner", "wait"),  # waits for the ids (D2H copy and event)

@@ -121,7 +121,7 @@ def test_capture_stores_no_kv_and_sees_one_token_contexts():
         assert seen["block_tables"].eq(0).all()
 
 
-def test_decode_capacity_holds_the_largest_step_with_its_banned_pairs():
+def test_decode_capacity_holds_the_largest_step_with_its_banned_pairs_and_token_table_entries():
     bm = BlockManager(64, BLOCK, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, min_tokens=5)
     seqs = []
@@ -129,7 +129,10 @@ def test_decode_capacity_holds_the_largest_step_with_its_banned_pairs():
         seq = Sequence(f"r{i}", [1] * (MAX_BLOCKS * BLOCK - 1), params, BLOCK)
         bm.allocate(seq)
         seq.num_computed_tokens = len(seq) - 1
+        seq.slot = i
         seqs.append(seq)
     bans = {row: Ban([0, 1, 2], 5) for row in range(4)}
-    packed = pack_step(Batch(seqs, [1] * 4, bans), BLOCK, 0)
+    ahead = Batch(seqs, [1] * 4, bans, begins=[len(s) for s in seqs])  # every id from the table
+    packed = pack_step(ahead, BLOCK, 0, table_sink=4)
+    assert read_header(packed).num_gathered == 4
     assert packed.numel() == decode_capacity(4, MAX_BLOCKS, 12)

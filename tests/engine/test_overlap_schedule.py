@@ -6,6 +6,7 @@ meanwhile has its token discarded, and an arriving request joins the step after 
 
 import pytest
 
+from tests.engine.launch_counting import count_launches
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.sampling_params import SamplingParams
@@ -20,16 +21,7 @@ def _prompt(i: int) -> list[int]:
 def _engine(overlap: bool, **kw) -> LLMEngine:
     config = EngineConfig(model="tiny", device="cpu", disable_overlap_schedule=not overlap, **kw)
     engine = LLMEngine(config)
-    launches = engine.chained_launches = [0]
-    total = engine.launches = [0]
-    launch = engine.executor.launch
-
-    def counting_launch(batch, packed, previous=None):
-        launches[0] += previous is not None
-        total[0] += 1
-        return launch(batch, packed, previous)
-
-    engine.executor.launch = counting_launch
+    engine.launch_counts = count_launches(engine.executor)
     return engine
 
 
@@ -58,9 +50,9 @@ def _both(arrivals, aborts=None, launches=None, **kw) -> tuple[dict, dict, int]:
     results = []
     for overlap in (False, True):
         engine = _engine(overlap, **kw)
-        results.append((_run(engine, arrivals, aborts or {}), engine.chained_launches[0]))
+        results.append((_run(engine, arrivals, aborts or {}), engine.launch_counts["ahead"]))
         if launches is not None:
-            launches.append(engine.launches[0])
+            launches.append(engine.launch_counts["total"])
         engine.shutdown()
     (sync, sync_chained), (overlapped, chained) = results
     assert sync_chained == 0
@@ -129,7 +121,7 @@ def test_preemption_under_a_tiny_kv_budget_matches_sync(prefix_caching):
     for overlap in (False, True):
         engine = _engine(overlap, **kw)
         results.append(
-            (_run(engine, arrivals, {}), engine.scheduler.num_preemptions, engine.chained_launches[0])
+            (_run(engine, arrivals, {}), engine.scheduler.num_preemptions, engine.launch_counts["ahead"])
         )
         engine.shutdown()
     (sync, sync_preempted, _), (overlapped, preempted, chained) = results
@@ -163,9 +155,34 @@ def test_a_step_in_flight_whose_rows_all_stopped_is_set_aside_and_never_complete
     first = _run(engine, {0: [("r0", greedy(12))]}, {})["r0"][0]
     stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first[6]], ignore_eos=True)
     tokens = _run(engine, {0: [("r0", stop)]}, {})["r0"]  # the same prompt again
-    assert tokens[1] == "stop" and engine.chained_launches[0] > 2
+    assert tokens[1] == "stop" and engine.launch_counts["ahead"] > 2
     assert engine._in_flight is None and engine._serving_nobody is not None
     generated = engine.num_generated_tokens
     assert engine.step() == [] and engine._serving_nobody is None
     assert engine.num_generated_tokens == generated
     assert _run(engine, {0: [("r0", greedy(12))]}, {})["r0"][0] == first
+
+
+def test_arrivals_finishes_and_prompt_chunks_every_few_steps_keep_steps_launched_ahead():
+    """Serving traffic: a request arrives every other step while others finish by length or a stop id
+    and long prompts are prefilled in chunks beside the decodes. The step after each one is still
+    planned and launched before that one is read (the composition changes travel on the planned
+    batch; the ids come from the token table), and every request gets the synchronous tokens."""
+    kw = dict(num_kv_blocks=256, max_num_batched_tokens=24, max_prefill_tokens_per_step=16)
+
+    def arrivals(stop_id=None):
+        plan = {}
+        for i in range(12):
+            params = greedy(6 + 5 * (i % 4)) if i % 3 else seeded(9 + i, i)
+            if i == 5 and stop_id is not None:
+                params = greedy(20, stop_token_ids=[stop_id])
+            plan.setdefault(2 * i, []).append((f"r{i}", params))
+        return plan
+
+    base = _run(_engine(False, **kw), arrivals(), {})
+    launches = []
+    sync, overlapped, ahead = _both(arrivals(stop_id=base["r5"][0][6]), launches=launches, **kw)
+    assert overlapped == sync
+    assert sync["r5"][1] == "stop" and len(sync["r5"][0]) <= 7
+    total = launches[1]
+    assert ahead >= total - 2, (ahead, total)  # all but the first step

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from tests.engine.launch_counting import count_launches
 from tpfuse.config import EngineConfig, add_engine_args, engine_config_from_args
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.engine import LLMEngine
@@ -99,46 +100,42 @@ def test_prompts_wait_in_the_queue_rather_than_exceed_the_prefill_budget():
     assert [s.request_id for s in sched.waiting] == ["r2"]
 
 
-def test_min_tokens_with_ignore_eos_and_no_stop_ids_keeps_the_next_decode_schedulable():
+def test_min_tokens_with_ignore_eos_and_no_stop_ids_plans_the_next_decode_without_bans():
     sched = make()
     add(sched, "bench", range(1, 4), max_tokens=6, min_tokens=6, ignore_eos=True)
     step(sched)  # the prompt
     decode = sched.schedule()
     assert decode.is_decode and not decode.bans
-    assert sched.schedule_next_decode(decode) is not None
+    following = sched.schedule_following(decode)
+    assert following is not None and not following.bans
 
 
 @pytest.mark.parametrize(
     "params", [dict(min_tokens=6), dict(min_tokens=6, ignore_eos=True, stop_token_ids=[5])]
 )
-def test_min_tokens_with_an_id_to_ban_still_waits_for_the_host(params):
+def test_min_tokens_bans_travel_on_the_batch_planned_ahead_counted_from_the_token_in_flight(params):
     sched = make()
     add(sched, "r", range(1, 4), max_tokens=6, **params)
-    step(sched)  # the prompt
+    step(sched)  # the prompt: one output token
     decode = sched.schedule()
-    assert decode.is_decode and decode.bans
-    assert sched.schedule_next_decode(decode) is None
+    assert decode.is_decode and decode.bans[0].count == 5
+    following = sched.schedule_following(decode)  # after decode's token: two outputs
+    assert following.begins == [4] and following.bans[0].count == 4
+    assert following.bans[0].token_ids == decode.bans[0].token_ids
 
 
 def test_the_engine_overlaps_decodes_of_a_min_tokens_ignore_eos_request_with_the_same_tokens():
     results = []
     for overlap in (False, True):
         engine = LLMEngine(EngineConfig(model="tiny", device="cpu", disable_overlap_schedule=not overlap))
-        chained = [0]
-        launch = engine.executor.launch
-
-        def counting_launch(batch, packed, previous=None, launch=launch, chained=chained):
-            chained[0] += previous is not None
-            return launch(batch, packed, previous)
-
-        engine.executor.launch = counting_launch
+        counts = count_launches(engine.executor)
         params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, ignore_eos=True)
         engine.add_request("r", [5, 6, 7, 8], params)
         tokens = []
         while engine.has_unfinished():
             tokens += [t for o in engine.step() for t in o.new_token_ids]
         engine.shutdown()
-        results.append((tokens, chained[0]))
+        results.append((tokens, counts["ahead"]))
     (sync_tokens, sync_chained), (tokens, chained) = results
     assert tokens == sync_tokens and len(tokens) == 12
     assert sync_chained == 0 and chained >= 9  # every decode but the first and the last ones
@@ -162,7 +159,7 @@ def test_the_engine_keeps_every_stream_decoding_while_a_long_prompt_is_prefilled
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"s{i}", [10 + i, 20, 30], params)
-    engine.step()  # the three prompts
+    engine.step()  # the three prompts (and their first decode launched ahead)
     engine.add_request("long", [(7 * j) % 200 + 40 for j in range(200)], params)
     steps = 0
     while True:
@@ -172,4 +169,5 @@ def test_the_engine_keeps_every_stream_decoding_while_a_long_prompt_is_prefilled
         assert got == {"s0", "s1", "s2"}  # every stream, every step
         steps += 1
     engine.shutdown()
-    assert steps == 200 // 16  # 12 steps of 16 prompt tokens, then the last 8 with its first token
+    # The decode in flight, 12 steps of 16 prompt tokens, then the last 8 with its first token.
+    assert steps == 1 + 200 // 16

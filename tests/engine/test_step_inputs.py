@@ -6,7 +6,7 @@ from tpfuse.engine.batch import Ban, Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.sequence import Sequence
-from tpfuse.engine.step_inputs import pack_next_decode, pack_step, read_header, row_seed, unpack_step
+from tpfuse.engine.step_inputs import pack_step, read_header, row_seed, unpack_step
 
 BLOCK = 4
 
@@ -72,7 +72,7 @@ def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
     assert step.header.all_greedy == 1 and step.header.is_decode == 1
 
 
-def test_pack_next_decode_equals_pack_step_after_the_tokens_arrive_but_for_the_input_ids():
+def test_a_batch_planned_ahead_packs_as_after_the_tokens_arrive_but_takes_them_from_the_table():
     bm = BlockManager(32, BLOCK)
     params = [
         SamplingParams(temperature=0.0),
@@ -83,20 +83,40 @@ def test_pack_next_decode_equals_pack_step_after_the_tokens_arrive_but_for_the_i
         Sequence(f"r{i}", list(range(1, n + 1)), p, BLOCK)
         for i, (n, p) in enumerate(zip([3, 4, 9], params, strict=True))
     ]
-    for s in seqs:
+    for slot, s in zip([4, 0, 2], seqs, strict=True):
         bm.allocate(s)
         s.num_computed_tokens = len(s) - 1
+        s.slot = slot
         bm.append_slot(s, 1)  # the next position's block (r1 crosses into a new one)
-    batch = Batch(seqs, [1, 1, 1])
-    ahead = pack_next_decode(batch, BLOCK, engine_seed=9, pad_to=4)
+    ahead_batch = Batch(seqs, [1, 1, 1], begins=[len(s) for s in seqs])
+    ahead = pack_step(ahead_batch, BLOCK, engine_seed=9, pad_to=4, table_sink=7)
     for s, token in zip(seqs, [50, 51, 52], strict=True):
         s.token_ids.append(token)
         s.num_computed_tokens += 1
-    after = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, engine_seed=9, pad_to=4)
-    assert read_header(ahead) == read_header(after)
-    expected = unpack_step(read_header(after), after.clone())
-    expected.input_ids[:3] = 0
+    after = pack_step(Batch(seqs, [1, 1, 1]), BLOCK, engine_seed=9, pad_to=4, table_sink=7)
+    got, expected = read_header(ahead), read_header(after)
+    assert (got.num_gathered, expected.num_gathered) == (3, 0)
+    got.num_gathered = 0
+    assert got == expected
     got = unpack_step(read_header(ahead), ahead)
+    assert got.gather_positions.tolist() == [0, 1, 2] and got.gather_slots.tolist() == [4, 0, 2]
+    assert got.table_writes.tolist() == [4, 0, 2]
+    table = torch.zeros(8, dtype=torch.int64)
+    table[[4, 0, 2]] = torch.tensor([50, 51, 52])
+    got.input_ids.index_copy_(0, got.gather_positions, table[got.gather_slots])
+    expected = unpack_step(read_header(after), after)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables",
-                 "sample_indices", "top_ks", "seeds", "temperatures", "top_ps"):  # fmt: skip
+                 "sample_indices", "top_ks", "seeds", "temperatures", "top_ps", "table_writes"):  # fmt: skip
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_a_prompt_chunk_planned_ahead_packs_its_known_ids_and_rows_without_a_slot_write_the_sink():
+    bm = BlockManager(32, BLOCK)
+    seq = Sequence("r", list(range(1, 12)), SamplingParams(temperature=0.0), BLOCK)
+    bm.allocate(seq)
+    packed = pack_step(Batch([seq], [5], begins=[6]), BLOCK, engine_seed=0, table_sink=3)
+    step = unpack_step(read_header(packed), packed)
+    assert step.input_ids.tolist() == list(range(7, 12)) and step.positions.tolist() == list(range(6, 11))
+    assert step.header.num_gathered == 0 and step.table_writes.tolist() == [3]
+    without_table = pack_step(Batch([seq], [5], begins=[6]), BLOCK, engine_seed=0)
+    assert read_header(without_table).num_table_writes == 0

@@ -1,5 +1,5 @@
 """The overlap schedule at TP > 1 (gloo on CPU): rank 0 publishes and launches step n+1 before it reads
-step n, the workers take step n's ids from their own copy of its sampling, and every request gets
+step n, the workers take step n's ids from their own token table, and every request gets
 the TP=1 tokens (greedy and seeded sampling); a worker that is alive but stuck ends the run with an
 error naming it within the step timeout."""
 
@@ -16,7 +16,11 @@ from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
 from tpfuse.engine.worker import TensorParallelExecutor
 
-ENGINE = dict(device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=32)
+# Prompts prefilled in chunks of 8 beside the decodes: the steps launched ahead mix continuing
+# chunks with decodes whose ids only the device knows.
+ENGINE = dict(
+    device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=32, max_prefill_tokens_per_step=8
+)
 PROMPTS = [[5, 17, 33, 100, 2, 9, 81], [200, 3], list(range(40, 61))]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
@@ -32,18 +36,22 @@ class RecordingExecutor:
         self.inner = inner
         self.events: list[tuple] = []
         self._launched: list = []
+        self._read: set[int] = set()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, batch, packed, previous=None):
-        pending = self.inner.launch(batch, packed, previous)
-        self.events.append(("launch", len(self._launched), previous is not None))
+    def launch(self, batch, packed):
+        ahead = len(self._read) < len(self._launched)  # an earlier launch is still unread
+        pending = self.inner.launch(batch, packed)
+        self.events.append(("launch", len(self._launched), ahead))
         self._launched.append(pending)
         return pending
 
     def wait(self, pending):
-        self.events.append(("wait", next(i for i, p in enumerate(self._launched) if p is pending)))
+        n = next(i for i, p in enumerate(self._launched) if p is pending)
+        self._read.add(n)
+        self.events.append(("wait", n))
         return self.inner.wait(pending)
 
 
@@ -77,7 +85,7 @@ def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monk
     order = {event: i for i, event in enumerate(recorder.events)}
     chained = [n for kind, n, *rest in recorder.events if kind == "launch" and rest[0]]
     assert len(chained) >= 5  # most decode steps of the run
-    for n in chained:  # launched (with step n-1's ids) before step n-1 was read
+    for n in chained:  # launched (step n-1's ids on the device) before step n-1 was read
         assert order[("launch", n, True)] < order[("wait", n - 1)]
 
 

@@ -17,12 +17,16 @@ class Ban:
 
 @dataclass
 class Batch:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens from its num_computed_tokens.
-    bans: row -> the ids it must not emit yet, decided by the scheduler (the packers only lay them out)."""
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens from position begin(i).
+    bans: row -> the ids it must not emit yet, decided by the scheduler (the packers only lay them out).
+    begins: each row's first position when the batch was scheduled while the step before it ran
+    (Scheduler.schedule_following), so a row may start at the token that step is sampling, which
+    only the device knows yet; None: every row starts at its num_computed_tokens."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     bans: dict[int, Ban] = field(default_factory=dict)
+    begins: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -32,7 +36,11 @@ class Batch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.num_new_tokens)
 
+    def begin(self, i: int) -> int:
+        """The position of row i's first token this step."""
+        return self.begins[i] if self.begins is not None else self.seqs[i].num_computed_tokens
+
     def samples(self, i: int) -> bool:
-        """Whether seqs[i] reaches its last token this step, so a new token is sampled for it."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+        """Whether seqs[i] reaches its last token this step, so a new token is sampled for it (a row
+        that starts at a token still on the device reaches past the known ones)."""
+        return self.begin(i) + self.num_new_tokens[i] >= len(self.seqs[i])

@@ -6,12 +6,14 @@ strategy (step_strategy.py): PlainSteps, or SpeculativeSteps (spec_steps.py) wra
 in token ids only; text (and stop strings) belongs to whoever holds a Detokenizer.
 
 One loop for every kind of step (`step`): take the step launched ahead, or schedule and launch one;
-launch the step after it when that step is already known (the overlap schedule, unless
+launch the step after it when that step can be planned now (the overlap schedule, unless
 --disable-overlap-schedule); then read this step's tokens, postprocess them and return the outputs.
-A step launched ahead takes the ids of the step before as input ids on the device, so the GPU runs
-the two back to back while the host postprocesses. If a request then finishes (a stop id, EOS) or is
-aborted, the launched step still runs and that row's tokens are discarded; a request that arrives
-joins the step after it. Every request gets the tokens the synchronous loop gives it.
+A step launched ahead is planned from where the step before leaves each row (Scheduler.
+schedule_following): requests may arrive and join it, prompt chunks continue, and the ids the step
+before samples reach it through the device's token table, so the GPU runs the two back to back
+while the host postprocesses. If a request then finishes (a stop id, EOS) or is aborted, the
+launched step still runs and that row's tokens are discarded. Every request gets the tokens the
+synchronous loop gives it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The executor seam: what LLMEngine drives, for one rank (ModelRunner) or a tensor-parallel group
 (worker.TensorParallelExecutor) alike.
 
-A step is packed on the host (`pack`, or `pack_next_decode` for a decode step whose input ids are the
-previous step's sampled ids, still on the device), launched (`launch` enqueues the forward, the
-sampling and the copy of the ids to the host, and returns at once) and read (`wait`). Launches are
-in order: at any TP size the engine may launch step n+1, with previous = step n, before it waits for
-step n. Speculative steps are not part of this seam: spec_forward.step_executor runs them on every
-rank (the runner's SpecWorker hook at one rank, TensorParallelExecutor.execute_spec for a group).
+A step is packed on the host (`pack`), launched (`launch` enqueues the forward, the sampling, the
+token-table writes and the copy of the ids to the host, and returns at once) and read (`wait`).
+Launches are in order: at any TP size the engine may launch step n+1 before it waits for step n;
+the ids step n samples reach step n+1 through the device's token table (step_inputs.py).
+Speculative steps are not part of this seam: spec_forward.step_executor runs them on every rank (the
+runner's SpecWorker hook at one rank, TensorParallelExecutor.execute_spec for a group).
 """
 
 from __future__ import annotations
@@ -33,12 +33,8 @@ class Executor(Protocol):
         """The CPU packed step of batch, its bans included (padded to its CUDA-graph bucket when it is
         a decode)."""
 
-    def pack_next_decode(self, batch: Batch, engine_seed: int) -> torch.Tensor:
-        """The packed decode step of batch whose input ids launch(..., previous) fills on the device."""
-
-    def launch(self, batch: Batch, packed: torch.Tensor, previous: PendingStep | None = None) -> PendingStep:
-        """Enqueues packed on every rank and returns without waiting. previous: the step launched just
-        before, whose sampled ids (every row sampled) become this step's input ids."""
+    def launch(self, batch: Batch, packed: torch.Tensor) -> PendingStep:
+        """Enqueues packed on every rank and returns without waiting."""
 
     def wait(self, pending: PendingStep) -> list[int | None]:
         """The sampled id of each batch row of a launched step (None: the row did not sample)."""

@@ -6,7 +6,8 @@ scheduler Batch (`pack`) and samples from the logits (`sample`). On CUDA the pac
 device in one copy from a pinned buffer, and decode steps replay CUDA graphs (cuda_graphs.py): the
 copy lands in the graphs' static packed buffer, which the graph reads itself, and for an all-greedy
 step without banned tokens the graph also takes the argmax, so the host issues one H2D copy, one
-replay and one D2H copy of the token ids (into pinned memory, then an event wait).
+replay and one D2H copy of the token ids (into pinned memory, then an event wait). Every rank keeps
+the token table (step_inputs.py) and runs the same writes and gathers, so the tables agree.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from tpfuse.engine.runner_hook import HookFactory, RunnerHook
 from tpfuse.engine.step_inputs import (
     StepHeader,
     StepInputs,
-    pack_next_decode,
     pack_step,
     read_header,
     unpack_step,
@@ -120,6 +120,10 @@ class ModelRunner:
         num_heads = self.model.layers[0].self_attn.num_heads
         self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
         self.logits_processing = None  # rank 0: per-request processing (engine/logits_processing.py)
+        # The token table (step_inputs.py): entry s holds the newest token of the request in slot s;
+        # the last entry takes the tokens of rows without a slot.
+        self.token_table = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
+        self.table_sink = config.max_running_requests
         self.upload = StepUpload(self.device)
         self.readback = TokenReadback(self.device)
         self.graphs: DecodeGraphs | None = None
@@ -151,13 +155,7 @@ class ModelRunner:
         pad_to = None
         if self.graphs is not None and batch.is_decode:
             pad_to = self.graphs.bucket(len(batch.seqs))
-        return pack_step(batch, self.block_size, engine_seed, pad_to)
-
-    def pack_next_decode(self, batch: Batch, engine_seed: int) -> torch.Tensor:
-        """Rank 0: the packed decode step that follows batch, its input ids left to the device
-        (step_inputs.pack_next_decode), padded to its CUDA-graph bucket."""
-        pad_to = self.graphs.bucket(len(batch.seqs)) if self.graphs is not None else None
-        return pack_next_decode(batch, self.block_size, engine_seed, pad_to)
+        return pack_step(batch, self.block_size, engine_seed, pad_to, self.table_sink)
 
     def _uses_decode_graph(self, header: StepHeader) -> bool:
         graphs = self.graphs
@@ -171,24 +169,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(
-        self, packed: torch.Tensor, input_ids: torch.Tensor | None = None, need_logits: bool = False
+        self, packed: torch.Tensor, need_logits: bool = False
     ) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, logits of the sampled rows or None, whether the graph chose every row's token:
         an all-greedy decode graph step without banned tokens; its ids are in graphs.token_ids).
-        input_ids: device ids [R] that replace the first R packed input ids (the overlap schedule
-        feeds the previous step's sampled ids this way, without waiting for them). need_logits: return
-        the logits even when the graph chose the tokens (for logits processing)."""
+        The input ids only the device knows are taken from the token table first. need_logits:
+        return the logits even when the graph chose the tokens (for logits processing)."""
         header = read_header(packed)
         if self._uses_decode_graph(header):
             graphs = self.graphs
             device_packed = self.upload.into(packed, graphs.packed)
             if device_packed is None:  # too many banned pairs for the static buffer
                 step = unpack_step(header, self.upload.to_device(packed))
-                _patch_input_ids(step, input_ids)
+                self._gather_input_ids(step)
                 out = graphs.run(step)
             else:
                 step = unpack_step(header, device_packed)
-                _patch_input_ids(step, input_ids)
+                self._gather_input_ids(step)
                 out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
                 return step, None, False
@@ -197,7 +194,7 @@ class ModelRunner:
             rows = out.index_select(0, step.sample_indices)
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
         step = unpack_step(header, self.upload.to_device(packed))
-        _patch_input_ids(step, input_ids)
+        self._gather_input_ids(step)
         hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if self.hook is not None:
             self.hook.after_forward(aux, step.slot_mapping)
@@ -218,16 +215,24 @@ class ModelRunner:
         """Rank 0: the next token of each sampled row, as Python ints."""
         return self.readback.to_list(self._choose_tokens(step, logits))
 
+    def _gather_input_ids(self, step: StepInputs) -> None:
+        if step.header.num_gathered:
+            step.input_ids.index_copy_(0, step.gather_positions, self.token_table[step.gather_slots])
+
     def _forward_and_choose(
-        self, packed: torch.Tensor, input_ids: torch.Tensor | None, processing=None
+        self, packed: torch.Tensor, processing=None
     ) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, device ids of the sampled rows or None, whether they are by batch row: the graph's
-        argmax buffer, padding rows last; else in the order of the sampling rows). processing: rank
-        0's logits processing of this batch (engine/logits_processing.py), applied to the logits
-        before the token choice on the eager sampling path."""
-        step, logits, chosen_in_graph = self._forward(packed, input_ids, need_logits=processing is not None)
+        argmax buffer, padding rows last; else in the order of the sampling rows), the ids written to
+        the token table. processing: rank 0's logits processing of this batch
+        (engine/logits_processing.py), applied to the logits before the token choice on the eager
+        sampling path."""
+        step, logits, chosen_in_graph = self._forward(packed, need_logits=processing is not None)
         if chosen_in_graph:
-            return step, self.graphs.token_ids[: step.header.num_seqs], True
+            tokens = self.graphs.token_ids[: step.header.num_seqs]
+            if step.header.num_table_writes:
+                self.token_table[step.table_writes] = tokens[step.sample_indices]
+            return step, tokens, True
         if logits is None:
             return step, None, False
         if processing is not None:
@@ -235,28 +240,24 @@ class ModelRunner:
         tokens = self._choose_tokens(step, logits)
         if processing is not None:
             processing.record(tokens)
+        if step.header.num_table_writes:
+            self.token_table[step.table_writes] = tokens
         return step, tokens, False
 
-    def launch(self, batch: Batch, packed: torch.Tensor, previous: PendingStep | None = None) -> PendingStep:
+    def launch(self, batch: Batch, packed: torch.Tensor) -> PendingStep:
         """Rank 0: enqueues the forward and sampling of packed (a step of batch) and the copy of its
-        ids to the host; returns without waiting (see wait). previous: the step before, whose
-        sampled ids become this step's input ids on the device (every row of both steps samples)."""
-        input_ids = previous.next_input_ids() if previous is not None else None
+        ids to the host; returns without waiting (see wait)."""
         processing = self.logits_processing.for_batch(batch) if self.logits_processing is not None else None
-        _, tokens, by_row = self._forward_and_choose(packed, input_ids, processing)
+        _, tokens, by_row = self._forward_and_choose(packed, processing)
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         return self.readback.start(tokens, rows, by_row, len(batch.seqs))
 
-    def follow(self, packed: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Ranks 1..N-1: runs a plain packed step exactly as rank 0's launch does (the same forward
-        and the same token choice, so the ranks' ids agree bit for bit). Returns the device ids a
-        next step may take as its input ids (a decode step: one per real row), else None. (Rank 0's
-        logits processing is not repeated here: a step after a processed batch is never launched
-        ahead, so no rank takes such ids from the device.)"""
-        step, tokens, _ = self._forward_and_choose(packed, input_ids)
-        if tokens is None or not step.header.is_decode:
-            return None
-        return tokens[: step.header.num_samples]
+    def follow(self, packed: torch.Tensor) -> None:
+        """Ranks 1..N-1: runs a plain packed step exactly as rank 0's launch does (the same forward,
+        token choice and token-table writes, so the ranks' ids and tables agree bit for bit). Rank
+        0's logits processing is not repeated here: a step after a processed batch is never
+        launched ahead, so no rank reads those rows' table entries."""
+        self._forward_and_choose(packed)
 
     def wait(self, pending: PendingStep) -> list[int | None]:
         """Rank 0: the ids of a launched step, one entry per batch row (None: the row did not sample)."""
@@ -276,8 +277,3 @@ class ModelRunner:
             gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-
-
-def _patch_input_ids(step: StepInputs, input_ids: torch.Tensor | None) -> None:
-    if input_ids is not None:
-        step.input_ids[: input_ids.numel()].copy_(input_ids)

@@ -45,6 +45,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Free token-table entries (a running request's newest token on the device), the last freed on top.
+        self._free_slots = list(range(max_running_requests - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,6 +92,17 @@ class Scheduler:
             budget -= n + lookahead
         # Requests past the budget keep their place and run next step.
         self.running = kept + list(pending)
+        for seq, n in self._admit(budget, prefill):
+            seqs.append(seq)
+            counts.append(n)
+        if not seqs:
+            return None
+        return Batch(seqs, counts, self._bans(seqs, [seq.num_output_tokens for seq in seqs]))
+
+    def _admit(self, budget: int, prefill: int) -> list[tuple[Sequence, int]]:
+        """Admits waiting requests first come, first served while the token and prefill budgets,
+        the running cap and the KV blocks allow; returns (sequence, prompt tokens this step)."""
+        admitted = []
         while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -97,52 +110,83 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
+            seq.slot = self._free_slots.pop()
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget, prefill)
-            seqs.append(seq)
-            counts.append(n)
+            admitted.append((seq, n))
             budget -= n
             prefill -= n
-        if not seqs:
-            return None
-        bans = {}
-        for row, seq in enumerate(seqs):
-            if seq.params.min_tokens and (ids := self.banned_token_ids(seq)):
-                bans[row] = Ban(ids, seq.params.min_tokens - seq.num_output_tokens)
-        return Batch(seqs, counts, bans)
+        return admitted
 
-    def schedule_next_decode(self, batch: Batch, plain: bool = False) -> Batch | None:
-        """Overlap schedule: the batch schedule() will return after batch (not yet postprocessed)
-        when no sequence finishes, nothing arrives and nothing is aborted: the same sequences, one
-        decode token each. Reserves the KV block of each one's next position. None when that batch
-        cannot be known now: batch is not a decode of every running request in which each row
-        samples, a request waits, a row is due to finish by length, a row still bans ids
-        (min_tokens), a row has a draft lookahead (unless `plain`: the caller runs the next step as a
-        plain decode, which needs none), or blocks would have to be freed (preemption)."""
-        if self.waiting or (self.num_lookahead_tokens and not plain) or len(batch.seqs) != len(self.running):
+    def _bans(self, seqs: list[Sequence], num_outputs: list[int]) -> dict[int, Ban]:
+        """row -> its Ban while min_tokens is not reached (num_outputs: each row's output tokens
+        before this step)."""
+        bans = {}
+        for row, (seq, num_output) in enumerate(zip(seqs, num_outputs, strict=True)):
+            if seq.params.min_tokens and (ids := self.banned_token_ids(seq, num_output)):
+                bans[row] = Ban(ids, seq.params.min_tokens - num_output)
+        return bans
+
+    def schedule_following(self, batch: Batch, plain: bool = False) -> Batch | None:
+        """Overlap schedule: the batch schedule() would return once batch (launched, not yet
+        postprocessed) is, taking every row of batch to go on (a row that batch's token finishes
+        by a stop id or EOS rides along, its token discarded). Rows are planned from where batch
+        leaves them (Batch.begins): a row batch samples decodes next from that token, which only the
+        device knows yet; a prompt chunk continues; a row batch's token finishes by length is left
+        out; waiting requests are admitted as schedule() would. Reserves the KV blocks it plans for.
+        None when that batch cannot be planned now: decodes draft (speculative decoding, unless
+        `plain`: the caller runs it as a plain decode), or a KV block would have to be freed
+        (preemption runs in schedule())."""
+        if self.num_lookahead_tokens and not plain:
             return None
-        if len(batch.seqs) > self.max_num_batched_tokens:
-            return None
+        ends = {}  # row of batch -> the position after its chunk
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if not seq.is_finished:
+                ends[seq] = batch.begin(i) + n
+        planned = []  # (seq, begin, length once batch's token is in, tokens this step)
+        for seq in self.running:
+            begin, length = seq.num_computed_tokens, len(seq.token_ids)
+            if seq in ends:
+                begin = ends[seq]
+                if begin >= length:  # batch samples it
+                    length += 1
+                    num_output = length - seq.num_prompt_tokens
+                    if num_output >= seq.params.max_tokens or length >= self.max_model_len:
+                        continue  # batch's token finishes it
+            planned.append((seq, begin, length))
+        budget = self.max_num_batched_tokens
+        decode_tokens = sum(1 for _, begin, length in planned if length - begin == 1)
+        prefill = min(self.max_prefill_tokens_per_step, max(budget - decode_tokens, 0))
+        rows, new_blocks = [], 0
+        for seq, begin, length in planned:
+            if budget <= 0:
+                break
+            uncomputed = length - begin
+            if uncomputed > 1 and prefill == 0:
+                continue
+            n = 1 if uncomputed == 1 else min(uncomputed, budget, prefill)
+            if uncomputed > 1:
+                prefill -= n
+            budget -= n
+            new_blocks += max(0, seq.num_blocks_for(length) - len(seq.block_table))
+            rows.append((seq, begin, length, n))
         bm = self.block_manager
-        capacity = bm.block_size
-        new_blocks = 0
-        for seq, running, n in zip(batch.seqs, self.running, batch.num_new_tokens, strict=True):
-            length = len(seq.token_ids)
-            if seq is not running or n != 1 or seq.num_computed_tokens + 1 != length:
-                return None
-            p = seq.params
-            num_output = length + 1 - seq.num_prompt_tokens  # once this step's id is appended
-            if num_output >= p.max_tokens or length + 1 >= self.max_model_len:
-                return None
-            if self._bans_before(seq, num_output):
-                return None
-            new_blocks += length + 1 > len(seq.block_table) * capacity
         if new_blocks > bm.num_free_blocks:
             return None
-        for seq in batch.seqs:
-            if len(seq.token_ids) + 1 > len(seq.block_table) * capacity:
-                bm.append_slot(seq, 1)
-        return Batch(list(batch.seqs), [1] * len(batch.seqs))
+        for seq, _, length, _ in rows:
+            bm.append_slot(seq, length - len(seq.token_ids))
+        seqs = [seq for seq, *_ in rows]
+        counts = [n for *_, n in rows]
+        begins = [begin for _, begin, _, _ in rows]
+        outputs = [length - seq.num_prompt_tokens for seq, _, length, _ in rows]  # before this step's token
+        for seq, n in self._admit(budget, prefill):
+            seqs.append(seq)
+            counts.append(n)
+            begins.append(seq.num_computed_tokens)
+            outputs.append(seq.num_output_tokens)
+        if not seqs:
+            return None
+        return Batch(seqs, counts, self._bans(seqs, outputs), begins)
 
     def schedule_next_spec_decode(self, batch: Batch) -> Batch | None:
         """Chained speculative steps: the batch schedule() will return after batch, a speculative
@@ -193,6 +237,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -205,10 +250,11 @@ class Scheduler:
             return False
         return bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids))
 
-    def banned_token_ids(self, seq: Sequence) -> list[int]:
-        """Tokens that must not be sampled next: end-of-sequence and stop ids before min_tokens."""
+    def banned_token_ids(self, seq: Sequence, num_output: int | None = None) -> list[int]:
+        """Tokens that must not be sampled next: end-of-sequence and stop ids before min_tokens.
+        num_output: seq's output tokens before that token (default: those it has now)."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if (seq.num_output_tokens if num_output is None else num_output) >= p.min_tokens:
             return []
         banned = set(p.stop_token_ids)
         if not p.ignore_eos:
@@ -277,10 +323,17 @@ class Scheduler:
             return "length"
         return None
 
+    def _release_slot(self, seq: Sequence) -> None:
+        """Returns seq's token-table entry. A step launched before may still write it: steps run in
+        launch order on the device, so a request given the entry next writes it later."""
+        self._free_slots.append(seq.slot)
+        seq.slot = None
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends seq (any queue) and frees its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

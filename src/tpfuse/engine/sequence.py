@@ -39,6 +39,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
         self.num_drafter_tokens = 0  # speculative drafter's KV is current for positions below this
         self.finish_reason: str | None = None
+        self.slot: int | None = None  # its entry in the device token table while running (Scheduler)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -45,7 +45,7 @@ class SpeculativeSteps:
             following = self.plain.schedule_following(step)
             if following is None or not self._runs_plain(following):
                 return None  # a step that speculates is scheduled (and packed) when this one is read
-            return self.plain.launch_after(following, step)
+            return self.plain.launch(following)
         pending = step.handle
         if not (self.chains and pending.pure_decode and pending.decode_rows):
             return None

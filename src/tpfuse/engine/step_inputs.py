@@ -1,9 +1,16 @@
 """A step's inputs as one flat int64 tensor: built on the host by rank 0, copied to the device once,
 and sent unchanged to the other tensor-parallel ranks.
 
-Layout: a header of HEADER_LEN ints, then the arrays in the order of `_FIELDS` (floats travel as the
-bits of float64). Decode batches may be padded up to a CUDA-graph bucket: padding rows have token 0,
-position 0, slot -1 (nothing stored), context length 1 and a block-table row of zeros (a dummy read).
+Layout: a header of HEADER_LEN ints, then the arrays in the order of StepHeader.sizes (floats travel
+as the bits of float64). Decode batches may be padded up to a CUDA-graph bucket: padding rows have
+token 0, position 0, slot -1 (nothing stored), context length 1 and a block-table row of zeros (a
+dummy read).
+
+The token table: every rank keeps a device int64 table of each running request's newest token,
+indexed by its Sequence.slot. A step writes each sampled row's token at table_writes (one entry per
+sampled row), and fills the input ids that only the device knows yet (a step scheduled while the
+step before it ran) from it: input_ids[gather_positions] = table[gather_slots], before the forward.
+Steps run in launch order on one device stream, so a read sees every earlier step's writes.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch
 from tpfuse.engine.batch import Batch
 from tpfuse.model.attention import AttentionMetadata
 
-HEADER_LEN = 9
+HEADER_LEN = 11
 _MASK63 = (1 << 63) - 1
 
 
@@ -46,9 +53,12 @@ class StepHeader:
     max_seq_len: int
     num_banned: int  # K (row, token) pairs masked to -inf before sampling
     all_greedy: int  # every sampled row has temperature 0: argmax, no sampler
+    num_table_writes: int  # W: N when the step writes its tokens to the token table, else 0
+    num_gathered: int  # G input ids taken from the token table
 
     def sizes(self) -> list[tuple[str, int]]:
         b, t, n, k = self.num_seqs, self.num_tokens, self.num_samples, self.num_banned
+        w, g = self.num_table_writes, self.num_gathered
         return [
             ("input_ids", t),
             ("positions", t),
@@ -63,6 +73,9 @@ class StepHeader:
             ("top_ps", n),
             ("banned_rows", k),
             ("banned_ids", k),
+            ("table_writes", w),
+            ("gather_positions", g),
+            ("gather_slots", g),
         ]
 
 
@@ -84,6 +97,9 @@ class StepInputs:
     top_ps: torch.Tensor  # [N] float32 (float64 when header.all_greedy: unused)
     banned_rows: torch.Tensor  # [K]
     banned_ids: torch.Tensor  # [K]
+    table_writes: torch.Tensor  # [W] token-table entry of each sampled row's token
+    gather_positions: torch.Tensor  # [G] input ids to fill from the token table
+    gather_slots: torch.Tensor  # [G] the entries they come from
 
     def attention_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(
@@ -102,22 +118,34 @@ def pack_step(
     block_size: int,
     engine_seed: int,
     pad_to: int | None = None,
+    table_sink: int | None = None,
 ) -> torch.Tensor:
     """Packs batch (its bans included) into a CPU int64 tensor. pad_to: pad a decode batch to this
-    many rows (a CUDA-graph bucket)."""
+    many rows (a CUDA-graph bucket). table_sink: the token table's spare entry (it takes the tokens
+    of rows without a slot); None: the step does not write the table. A row that starts at a token
+    only the device knows yet (Batch.begins) takes it from the table."""
     input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
+    writes, gather_positions, gather_slots = [], [], []
     max_blocks = max(len(s.block_table) for s in batch.seqs)
     bs = block_size
     # The hot loop of every step (once per sequence): plain list operations only.
     bans = batch.bans
+    begins = batch.begins
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-        begin = seq.num_computed_tokens
+        begin = seq.num_computed_tokens if begins is None else begins[i]
         end = begin + n
         table = seq.block_table
         tokens = seq.token_ids
         if n == 1:
-            input_ids.append(tokens[begin])
+            if begin < len(tokens):
+                input_ids.append(tokens[begin])
+            else:  # the token the step before is sampling
+                if seq.slot is None:
+                    raise ValueError(f"{seq} starts at a token on the device but holds no token-table slot")
+                gather_positions.append(len(input_ids))
+                gather_slots.append(seq.slot)
+                input_ids.append(0)
             positions.append(begin)
             slots.append(table[begin // bs] * bs + begin % bs)
         else:
@@ -129,7 +157,7 @@ def pack_step(
         tables += table
         if len(table) < max_blocks:
             tables += [0] * (max_blocks - len(table))
-        if end == len(tokens):
+        if end >= len(tokens):
             row = len(sample_idx)
             sample_idx.append(starts[-1] - 1)
             p = seq.params
@@ -144,6 +172,8 @@ def pack_step(
                 for token in bans[i].token_ids:
                     banned_rows.append(row)
                     banned_ids.append(token)
+            if table_sink is not None:
+                writes.append(table_sink if seq.slot is None else seq.slot)
     num_real = len(batch.seqs)
     if pad_to is not None and pad_to > num_real:
         pad = pad_to - num_real
@@ -161,47 +191,7 @@ def pack_step(
         max_blocks=max_blocks,
         is_decode=batch.is_decode,
         max_query_len=max(batch.num_new_tokens),
-    )
-    return torch.frombuffer(values, dtype=torch.int64)
-
-
-def pack_next_decode(
-    batch: Batch, block_size: int, engine_seed: int, pad_to: int | None = None
-) -> torch.Tensor:
-    """Packs the decode step that follows batch (a decode in which every row samples), as pack_step
-    would once each sequence has its next token, except that the input ids are 0: the caller
-    fills them on the device from this step's sampled ids. Rows must have no banned ids then
-    (min_tokens reached) and KV blocks for the new position."""
-    input_ids, positions, slots, seq_lens, tables, seeds, temps, top_ps, top_ks = ([] for _ in range(9))
-    max_blocks = max(len(s.block_table) for s in batch.seqs)
-    bs = block_size
-    for seq in batch.seqs:
-        position = len(seq.token_ids)  # the id sampled now sits here next step
-        table = seq.block_table
-        input_ids.append(0)
-        positions.append(position)
-        slots.append(table[position // bs] * bs + position % bs)
-        seq_lens.append(position + 1)
-        tables += table
-        if len(table) < max_blocks:
-            tables += [0] * (max_blocks - len(table))
-        p = seq.params
-        temps.append(p.temperature)
-        top_ps.append(p.top_p)
-        top_ks.append(p.top_k)
-        output_index = position + 1 - seq.num_prompt_tokens
-        seeds.append(row_seed(p.seed, engine_seed, seq.seq_id, output_index) if p.temperature > 0.0 else 0)
-    num_real = len(seq_lens)
-    pad = max(0, (pad_to or 0) - num_real)
-    input_ids += [0] * pad
-    positions += [0] * pad
-    slots += [-1] * pad
-    seq_lens += [1] * pad
-    tables += [0] * (pad * max_blocks)
-    starts = list(range(num_real + pad + 1))
-    ints = [input_ids, positions, slots, seq_lens, starts, tables, list(range(num_real)), top_ks, seeds]
-    values = encode_rows(
-        ints, temps, top_ps, [[], []], max_blocks=max_blocks, is_decode=True, max_query_len=1
+        table=[writes, gather_positions, gather_slots],
     )
     return torch.frombuffer(values, dtype=torch.int64)
 
@@ -215,11 +205,13 @@ def encode_rows(
     max_blocks: int,
     is_decode: bool,
     max_query_len: int,
+    table: list[list[int]] = ([], [], []),
 ) -> array:
     """encode_step of a step given as its arrays, the header's counts taken from their lengths.
 
     int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
-    sample_indices, top_ks, seeds (the order of StepHeader.sizes); bans: [banned_rows, banned_ids]."""
+    sample_indices, top_ks, seeds (the order of StepHeader.sizes); bans: [banned_rows, banned_ids];
+    table: [table_writes, gather_positions, gather_slots] (none: the step leaves the table alone)."""
     input_ids, _, _, seq_lens, _, _, sample_indices, _, _ = int_parts
     header = StepHeader(
         num_seqs=len(seq_lens),
@@ -231,8 +223,10 @@ def encode_rows(
         max_seq_len=max(seq_lens),
         num_banned=len(bans[0]),
         all_greedy=int(all(t == 0.0 for t in temperatures)),
+        num_table_writes=len(table[0]),
+        num_gathered=len(table[1]),
     )
-    return encode_step(header, int_parts, temperatures + top_ps, bans)
+    return encode_step(header, int_parts, temperatures + top_ps, [*bans, *table])
 
 
 def encode_step(header: StepHeader, int_parts: list, floats: list[float], tail_parts: list) -> array:
@@ -261,7 +255,7 @@ def decode_offsets(num_seqs: int) -> dict[str, int]:
     block-table width M (header slot MAX_BLOCKS_INDEX), which comes last among them, so a CUDA graph
     can read a step of any width from one static buffer."""
     offsets, offset = {}, HEADER_LEN
-    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1)
+    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1, 0, 0)
     for name, size in probe.sizes():
         offsets[name] = offset
         if name == "block_tables":
@@ -272,9 +266,10 @@ def decode_offsets(num_seqs: int) -> dict[str, int]:
 
 def decode_capacity(max_num_seqs: int, max_blocks: int, max_banned: int) -> int:
     """Values a packed decode step of at most max_num_seqs rows, block-table width max_blocks and
-    max_banned banned (row, token) pairs can take (the step proper: no speculative section)."""
+    max_banned banned (row, token) pairs can take (the step proper: no speculative section), its
+    token-table writes and gathers included."""
     n = max_num_seqs
-    return HEADER_LEN + 5 * n + 1 + n * max_blocks + 5 * n + 2 * max_banned
+    return HEADER_LEN + 5 * n + 1 + n * max_blocks + 5 * n + 2 * max_banned + 3 * n
 
 
 def read_header(packed: torch.Tensor) -> StepHeader:

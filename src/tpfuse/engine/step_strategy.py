@@ -8,7 +8,8 @@ never knows which kind a step was. Every strategy returns, per batch row, the to
 (None: none), so the engine postprocesses all steps alike (Scheduler.postprocess_multi).
 
 Launches are in order: `launch_following(step)` launches the step after `step` before `step` is
-read (its input ids are taken on the device), and the engine then waits for `step` first.
+read (the ids `step` samples reach it through the device's token table), and the engine then waits
+for `step` first.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class StepStrategy(Protocol):
 
     def launch_following(self, step: LaunchedStep) -> LaunchedStep | None:
         """Schedules and launches the step after step, which is in flight and not yet read, when the
-        batch after it is already known (Scheduler.schedule_next_decode / schedule_next_spec_decode
-        reserve its KV); None when it is not."""
+        batch after it can be planned now (Scheduler.schedule_following / schedule_next_spec_decode
+        reserve its KV); None when it cannot."""
 
     def wait(self, step: LaunchedStep) -> list[list[int] | None]:
         """Per batch row, the tokens the row gets from step (None: none)."""
@@ -60,7 +61,7 @@ class PlainSteps:
     """Every step on the executor. executor: ModelRunner or TensorParallelExecutor; scheduler: the
     engine's; logits_processing: rank 0's (a batch that needs it is never launched ahead);
     engine_seed: --seed. without_lookahead: the engine is speculative, and the step after a plain
-    one is asked for as a plain decode (schedule_next_decode's `plain`)."""
+    one is asked for as a plain decode (schedule_following's `plain`)."""
 
     def __init__(
         self,
@@ -81,9 +82,9 @@ class PlainSteps:
         return LaunchedStep(batch, executor.launch(batch, executor.pack(batch, self.engine_seed)))
 
     def schedule_following(self, step: LaunchedStep) -> Batch | None:
-        """The decode batch after step when it is known now and may be launched ahead: not when a
+        """The batch after step when it can be planned now and may be launched ahead: not when a
         row's logits processing needs step's tokens (grammar, penalties)."""
-        following = self.scheduler.schedule_next_decode(step.batch, plain=self.without_lookahead)
+        following = self.scheduler.schedule_following(step.batch, plain=self.without_lookahead)
         if (
             following is not None
             and self.logits_processing.active
@@ -92,15 +93,9 @@ class PlainSteps:
             return None
         return following
 
-    def launch_after(self, following: Batch, step: LaunchedStep) -> LaunchedStep:
-        """Launches the decode batch following (schedule_following's) whose input ids are step's
-        sampled ids, still on the device."""
-        packed = self.executor.pack_next_decode(following, self.engine_seed)
-        return LaunchedStep(following, self.executor.launch(following, packed, previous=step.handle))
-
     def launch_following(self, step: LaunchedStep) -> LaunchedStep | None:
         following = self.schedule_following(step)
-        return None if following is None else self.launch_after(following, step)
+        return None if following is None else self.launch(following)
 
     def wait(self, step: LaunchedStep) -> list[list[int] | None]:
         return [None if token is None else [token] for token in self.executor.wait(step.handle)]

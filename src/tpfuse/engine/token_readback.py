@@ -27,12 +27,6 @@ class PendingStep:
     host: torch.Tensor | None = None
     event: object = None
 
-    def next_input_ids(self) -> torch.Tensor:
-        """Device ids of the first num_rows rows (every row samples: a decode step)."""
-        if self.tokens is None or len(self.rows) != self.num_rows:
-            raise ValueError("the next step's input ids need a step in which every row sampled")
-        return self.tokens[: self.num_rows]
-
 
 class TokenReadback:
     """Device-to-host copies of sampled ids through alternating pinned buffers (CUDA), or plain

@@ -1,10 +1,10 @@
 """One tensor-parallel rank: joining the process group and building its ModelRunner (every rank), and
 the loop of ranks 1..N-1 that runs each step rank 0 publishes on the StepChannel as rank 0 runs it.
 
-A worker holds no sequence state: a step carries its input ids, except one launched before the step it
-follows was read, whose ids (a plain decode, kind PLAIN_STEP_AFTER_PREVIOUS) or shift (a chained
-speculative step, kind CHAINED_SPEC_STEP: k' and the rows it continues ahead of the packed step) the
-worker takes from its own copy of that step's token choice or greedy/simulated verification.
+A worker holds no sequence state: a step carries its input ids or the token-table entries to take
+them from (its own table, written by its own copy of each step's token choice: step_inputs.py), and a
+chained speculative step (kind CHAINED_SPEC_STEP: k' and the rows it continues ahead of the packed
+step) is shifted by the worker's own copy of the step before's greedy/simulated verification.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.spin_errors import SpinErrorWatch
 
 # Step kinds on the channel: how a worker runs the packed step that follows.
-PLAIN_STEP, PLAIN_STEP_AFTER_PREVIOUS, SPEC_STEP, CHAINED_SPEC_STEP = 0, 1, 2, 3
+PLAIN_STEP, SPEC_STEP, CHAINED_SPEC_STEP = 0, 1, 2
 WATCH_INTERVAL_S = 0.5  # how often a worker checks its parent (and rank 0 its workers)
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -110,8 +110,7 @@ def _watch_parent(rank: int, parent_pid: int) -> None:
 
 def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
     """A worker's loop: runs each step rank 0 publishes, as rank 0 runs it, until shutdown. Keeps
-    what a step launched after the one before needs of it: its sampled ids (a plain decode) or its
-    verify result (a speculative step that a chained template may follow)."""
+    what a chained speculative step needs of the step before: its verify result."""
     from tpfuse.engine.spec_chain import ChainLink
     from tpfuse.engine.spec_forward import execute_spec
     from tpfuse.engine.spec_verify import chain_verifier, worker_chain_result
@@ -123,7 +122,7 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
         and config.speculative.enabled
         and worker_of(runner).window_drafter is not None
     )
-    last, ids, verified = 0, None, None
+    last, verified = 0, None
     spin_errors = SpinErrorWatch(runner.comm, rank)
     while True:
         last, kind, packed = channel.receive(rank, last)
@@ -139,11 +138,8 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
                 packed = packed[2 + max(n, 0) :]
             forward = execute_spec(runner, packed, link)
             verified = worker_chain_result(forward, verifier) if chains else None
-            ids = None
         else:
-            if kind == PLAIN_STEP_AFTER_PREVIOUS and ids is None:
-                raise RuntimeError("a step takes the previous step's ids, but that step sampled none")
-            ids = runner.follow(packed, ids if kind == PLAIN_STEP_AFTER_PREVIOUS else None)
+            runner.follow(packed)
             verified = None
         channel.mark_done(rank, last)
         spin_errors.poll()

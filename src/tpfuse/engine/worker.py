@@ -26,7 +26,6 @@ from tpfuse.engine.spin_errors import SpinErrorWatch
 from tpfuse.engine.tp_rank import (
     CHAINED_SPEC_STEP,
     PLAIN_STEP,
-    PLAIN_STEP_AFTER_PREVIOUS,
     PROCESS_GROUP_TIMEOUT,
     SPEC_STEP,
     WATCH_INTERVAL_S,
@@ -105,9 +104,9 @@ def channel_capacity(config: EngineConfig, max_model_len: int) -> int:
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group, plus the worker processes of ranks 1..N-1: the Executor
     (executor.py) for TP > 1. launch() publishes the step to the workers, then enqueues rank 0's
-    share; a step launched with previous= tells the workers to take their own copy of the previous
-    step's ids as input ids. Raises ValueError for bad device settings and RuntimeError naming the
-    rank when a worker fails; a worker alive but stuck longer than the step timeout
+    share; each rank fills input ids only the device knows from its own token table. Raises
+    ValueError for bad device settings and RuntimeError naming the rank when a worker fails; a
+    worker alive but stuck longer than the step timeout
     ($TPFUSE_STEP_TIMEOUT_S) stops the process with a message naming it.
     """
 
@@ -175,12 +174,8 @@ class TensorParallelExecutor:
     def pack(self, batch, engine_seed: int) -> torch.Tensor:
         return self.runner.pack(batch, engine_seed)
 
-    def pack_next_decode(self, batch, engine_seed: int) -> torch.Tensor:
-        return self.runner.pack_next_decode(batch, engine_seed)
-
-    def launch(self, batch, packed: torch.Tensor, previous=None):
-        kind = PLAIN_STEP if previous is None else PLAIN_STEP_AFTER_PREVIOUS
-        return self._in_lock_step(lambda: self.runner.launch(batch, packed, previous), packed, kind)
+    def launch(self, batch, packed: torch.Tensor):
+        return self._in_lock_step(lambda: self.runner.launch(batch, packed), packed, PLAIN_STEP)
 
     def wait(self, pending) -> list[int | None]:
         ids = self._in_lock_step(lambda: self.runner.wait(pending))
