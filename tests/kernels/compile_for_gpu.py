@@ -211,7 +211,8 @@ def _quant_variants(p: str):
                 quant_int_magic._magic_kernel, magic, magic_ints,
                 dict(GROUP=group, HAS_OFFSET=offsets, HAS_BIAS=offsets, BLOCK_N=tile.block_n,
                      BLOCK_K=quant_int_magic.magic_block_k(tile.block_k, 4096, group),
-                     SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k, EVEN=not offsets),
+                     SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k,
+                     PREFETCH=tile.num_stages == 1, EVEN=not offsets),
                 {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
             )  # fmt: skip
     for scale_k in (128, 4096):

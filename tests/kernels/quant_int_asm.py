@@ -62,7 +62,8 @@ def compile_magic(tile):
     """quant_int_magic's tensor-core kernel, bf16 x, symmetric, EVEN."""
     block_k = quant_int_magic.magic_block_k(tile.block_k, HIDDEN, GROUP)
     constexprs = dict(GROUP=GROUP, HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-                      SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k, EVEN=True)  # fmt: skip
+                      SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k,
+                      PREFETCH=tile.num_stages == 1, EVEN=True)  # fmt: skip
     ints = {"num_cols": "i32", "k_per_split": "i32", "nibbles": "i32"}
     pointers = {"*": "*bf16", "q_ptr": "*i32", "partials_ptr": "*fp32", "counter_ptr": "*i32"}
     return _compile(quant_int_magic._magic_kernel, pointers, ints, constexprs,

@@ -1,12 +1,14 @@
 """kernels/quant_int_magic.py (INT4 at one row on the tensor cores, codes as B + q half pairs) under
-the interpreter against float64 products of the dequantized weights: odd N and K, groups of 32 and
-128 and the whole K, symmetric codes and offsets, bf16 and fp32 scales, bf16 and fp16 x, split-K,
-poisoned outputs; the fallback where the kernel does not fit; its sm_90 K loop's instructions per
-weight (real compiler, no GPU); on the GPU in and out of CUDA graphs."""
+the interpreter against float64 products of the dequantized weights: odd N and K, groups of 16 to
+128 and the whole K, with and without the register prefetch, symmetric codes and offsets, bf16 and
+fp32 scales, bf16 and fp16 x, split-K, poisoned outputs; the fallback where the kernel does not fit;
+its sm_90 K loop's instructions per weight (real compiler, no GPU); on the GPU in and out of CUDA
+graphs."""
 
 import importlib.util
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -77,11 +79,12 @@ def _poisoned_run(x, packed, scales, offsets, group, bias, tile, monkeypatch):
 @pytest.mark.parametrize(
     "n,k,group,asymmetric,scale_dtype,x_dtype,tile",
     [
-        (37, 256, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 128, 1, 4)),
-        (45, 200, 48, True, torch.float32, torch.bfloat16, MagicTile(1, 32, 64, 1, 4)),
+        (37, 256, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 128, 4, 4)),
+        (45, 200, 48, True, torch.float32, torch.bfloat16, MagicTile(1, 32, 64, 2, 4)),
         (19, 384, 32, False, torch.float32, torch.float16, MagicTile(1, 16, 128, 1, 4, split_k=2)),
         (33, 196, 196, True, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 64, 1, 4, split_k=3)),
         (64, 512, 128, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 32, 128, 1, 4, split_k=4)),
+        (48, 512, 64, False, torch.bfloat16, torch.bfloat16, MagicTile(1, 16, 128, 3, 4, split_k=2)),
         (27, 208, 16, True, torch.float32, torch.bfloat16, MagicTile(1, 16, 64, 1, 4, split_k=2)),
     ],
 )
@@ -156,6 +159,13 @@ def test_int_linear_op_sends_a_magic_tile_to_the_magic_kernel_and_start_up_times
     expected = _float64(x, values, scales, None, 128, None)
     torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item())
     assert any(isinstance(t, MagicTile) for t in QUANT_TILES[1])
+
+
+def test_magic_tiles_survive_the_tensor_parallel_broadcast():
+    """Ranks agree on rank 0's tiles through pickled decisions (engine/tp_rank.rank0_decides)."""
+    for tile in QUANT_TILES[1]:
+        copy = pickle.loads(pickle.dumps(("int4 group 128", 1, tile, 3.0)))[2]
+        assert copy == tile and type(copy) is type(tile) and copy.label() == tile.label()
 
 
 @pytest.mark.gpu

@@ -61,6 +61,20 @@ def _in_pair_order(x, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _step_words(q_rows, k0, k_end, col_mask, WORDS: tl.constexpr, EVEN: tl.constexpr, AHEAD: tl.constexpr):
+    """[BLOCK_N, WORDS] packed words of the K step at k0 (k_end <= K: the split's end). AHEAD (the
+    prefetch, which runs one step past k_end): EVEN reloads the last step there instead (no masks),
+    else zeros."""
+    if EVEN:
+        if AHEAD:
+            k0 = tl.minimum(k0, k_end - WORDS * 8)
+        return tl.load(q_rows + (k0 // 8 + tl.arange(0, WORDS))[None, :], eviction_policy="evict_first")
+    mask = col_mask[:, None] & (k0 + tl.arange(0, WORDS) * 8 < k_end)[None, :]
+    return tl.load(q_rows + (k0 // 8 + tl.arange(0, WORDS))[None, :], mask=mask, other=0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
 def _magic_kernel(
     x_ptr,
     q_ptr,
@@ -83,6 +97,7 @@ def _magic_kernel(
     BLOCK_K: tl.constexpr,
     SUM_STEPS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load a step ahead into registers (tiles of one pipeline stage)
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
 ):
     """One row: BLOCK_N weight rows x k_per_split columns of K per program (program_id(1): the
@@ -107,21 +122,23 @@ def _magic_kernel(
     q_rows = q_ptr + cols.to(tl.int64)[:, None] * stride_qn
     s_rows = s_ptr + cols.to(tl.int64) * stride_sn
     o_rows = o_ptr + cols.to(tl.int64) * stride_sn
-    w_idx = tl.arange(0, WORDS)
     kk = tl.arange(0, BLOCK_K)
     pad = tl.arange(0, PAD)
     first = pad[None, :] == 0
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, hidden)
     acc = tl.zeros([BLOCK_N, PAD], dtype=tl.float32)
+    if PREFETCH:
+        ahead = _step_words(q_rows, k_start, k_end, col_mask, WORDS, EVEN, True)
     for k0 in range(k_start, k_end, BLOCK_K):
+        if PREFETCH:  # the next step's words in flight in registers while this step computes
+            words = ahead
+            ahead = _step_words(q_rows, k0 + BLOCK_K, k_end, col_mask, WORDS, EVEN, True)
+        else:
+            words = _step_words(q_rows, k0, k_end, col_mask, WORDS, EVEN, False)
         if EVEN:
-            words = tl.load(q_rows + (k0 // 8 + w_idx)[None, :], eviction_policy="evict_first")
             x = tl.load(x_ptr + k0 + kk)
         else:
-            w_mask = col_mask[:, None] & (k0 + w_idx * 8 < hidden)[None, :]
-            words = tl.load(q_rows + (k0 // 8 + w_idx)[None, :], mask=w_mask, other=0,
-                            eviction_policy="evict_first")  # fmt: skip
             x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < hidden, other=0.0)
         lo_pairs = tl.join(_magic_pair(words, 0, nibbles, MAGIC), _magic_pair(words, 8, nibbles, MAGIC))
         hi_pairs = tl.join(_magic_pair(words, 4, nibbles, MAGIC), _magic_pair(words, 12, nibbles, MAGIC))
@@ -228,6 +245,7 @@ def magic_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
         partials, counters, num_cols, hidden, k_per_split, NIBBLES, packed.stride(0), scales.stride(0),
         GROUP=group_size, HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, SUM_STEPS=SUM_STEPS, SPLIT_K=split_k,
+        PREFETCH=tile.num_stages == 1,
         EVEN=num_cols % tile.block_n == 0 and hidden % block_k == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

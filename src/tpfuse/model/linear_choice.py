@@ -237,15 +237,17 @@ def reset() -> None:
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
 # are few (each is a compile at start-up): bucket 1 the GEMV at 8-32 rows per program and 4-8 KB
 # of codes per step (16 rows x 128 words: about 5.3 instructions per weight on sm_90, 8 rows: 6.2),
-# and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 2.1, 64 rows: 2.7;
-# split-K so the 4096-row projections fill the SMs; shapes it does not fit run the GEMV's default tile);
+# and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 1.8 with the
+# words prefetched in registers, 2.1 through a 4-stage cp.async pipeline, which adds 16 KB of shared
+# memory traffic per 8 KB of codes; split-K so the 4096-row projections fill the SMs; shapes it does
+# not fit run the GEMV's default tile);
 # 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows, swap), x (32 columns,
 # twice the programs for the 4096-row projections), or split-K (o_proj / down: 64 of 132 SMs busy
 # otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
     1: (IntTile(1, 16, 1024, 1, 4), IntTile(1, 32, 512, 1, 4), IntTile(1, 8, 1024, 1, 4),
-        MagicTile(1, 128, 128, 4, 4), MagicTile(1, 128, 128, 4, 4, split_k=2),
-        MagicTile(1, 128, 128, 4, 4, split_k=4), MagicTile(1, 64, 128, 4, 4, split_k=2)),
+        MagicTile(1, 128, 128, 1, 4), MagicTile(1, 128, 128, 1, 4, split_k=2),
+        MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2)),
     **{
         b: (IntTile(b, 64, 128, 3, 4, swap=True), IntTile(b, 32, 128, 3, 4),
             IntTile(b, 64, 128, 3, 4, swap=True, split_k=2))
