@@ -66,8 +66,8 @@ def _step_words(q_rows, k0, k_end, col_mask, WORDS: tl.constexpr, EVEN: tl.const
     prefetch, which runs one step past k_end): EVEN reloads the last step there instead (no masks),
     else zeros."""
     if EVEN:
-        if AHEAD:
-            k0 = tl.minimum(k0, k_end - WORDS * 8)
+        if AHEAD:  # EVEN: k0 and k_end are multiples of the step
+            k0 = tl.multiple_of(tl.minimum(k0, k_end - WORDS * 8), WORDS * 8)
         return tl.load(q_rows + (k0 // 8 + tl.arange(0, WORDS))[None, :], eviction_policy="evict_first")
     mask = col_mask[:, None] & (k0 + tl.arange(0, WORDS) * 8 < k_end)[None, :]
     return tl.load(q_rows + (k0 // 8 + tl.arange(0, WORDS))[None, :], mask=mask, other=0,

@@ -237,7 +237,7 @@ def reset() -> None:
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
 # are few (each is a compile at start-up): bucket 1 the GEMV at 8-32 rows per program and 4-8 KB
 # of codes per step (16 rows x 128 words: about 5.3 instructions per weight on sm_90, 8 rows: 6.2),
-# and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 1.8 with the
+# and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 1.7 with the
 # words prefetched in registers, 2.1 through a 4-stage cp.async pipeline, which adds 16 KB of shared
 # memory traffic per 8 KB of codes; split-K so the 4096-row projections fill the SMs; shapes it does
 # not fit run the GEMV's default tile);
