@@ -1,6 +1,7 @@
 """Plain decode graphs read the packed step from one static buffer: the graph body (replayed eagerly
-on CPU) must hand the model exactly the step's ids, positions, slots, context lengths and block table
-at any table width, and leave each row's argmax in token_ids."""
+on CPU) must hand the model exactly the step's ids (those only the device knows taken from the token
+table), positions, slots, context lengths and block table at any table width, and leave each row's
+argmax in token_ids and in the token table."""
 
 import torch
 
@@ -14,6 +15,7 @@ from tpfuse.engine.step_inputs import decode_capacity, pack_step, read_header, u
 BLOCK = 4
 VOCAB = 97
 MAX_BLOCKS = 9
+SLOTS = 6  # token-table entries of the requests; entry SLOTS is the sink
 
 
 class RecordingModel:
@@ -50,13 +52,18 @@ class EagerGraphs(DecodeGraphs):
 
 def _graphs():
     kv = [(torch.zeros(64, BLOCK, 1, 2), torch.zeros(64, BLOCK, 1, 2))]
-    graphs = EagerGraphs(RecordingModel(), kv, 4, MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB)
+    table = torch.zeros(SLOTS + 1, dtype=torch.int64)
+    graphs = EagerGraphs(RecordingModel(), kv, 4, MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB, token_table=table)
     graphs.capture()
     graphs.model.seen.clear()
     return graphs
 
 
-def _decode_step(lengths: list[int], pad_to: int, first_block: int = 0) -> tuple[Batch, torch.Tensor]:
+def _decode_step(
+    lengths: list[int], pad_to: int, first_block: int = 0, ahead: bool = False
+) -> tuple[Batch, torch.Tensor]:
+    """A decode of rows of these lengths in slots SLOTS-1, SLOTS-2, ...; ahead: planned while the
+    step before ran (each row's id is still on the device: the token table's)."""
     bm = BlockManager(64, BLOCK, enable_prefix_caching=False)
     for _ in range(first_block):  # shifts which blocks the sequences get
         bm.allocate(Sequence("filler", [1] * BLOCK, SamplingParams(), BLOCK))
@@ -67,9 +74,11 @@ def _decode_step(lengths: list[int], pad_to: int, first_block: int = 0) -> tuple
         )
         bm.allocate(seq)
         seq.num_computed_tokens = n - 1
+        seq.slot = SLOTS - 1 - i
         seqs.append(seq)
-    batch = Batch(seqs, [1] * len(seqs))
-    return batch, pack_step(batch, BLOCK, 0, pad_to=pad_to)
+    # Ahead: the step before (at position n - 1) is sampling the token at position n.
+    batch = Batch(seqs, [1] * len(seqs), begins=list(lengths) if ahead else None)
+    return batch, pack_step(batch, BLOCK, 0, pad_to=pad_to, table_sink=SLOTS)
 
 
 def _poison(graphs):
@@ -78,17 +87,20 @@ def _poison(graphs):
     graphs.token_ids.fill_(-7)
 
 
-def _assert_model_saw(graphs, packed):
+def _assert_model_saw(graphs, packed, input_ids=None):
     step = unpack_step(read_header(packed), packed)
     seen = graphs.model.seen[-1]
     width = step.header.max_blocks
-    assert torch.equal(seen["input_ids"], step.input_ids)
+    input_ids = step.input_ids if input_ids is None else input_ids
+    assert torch.equal(seen["input_ids"], input_ids)
     assert torch.equal(seen["positions"], step.positions)
     assert torch.equal(seen["slots"], step.slot_mapping)
     assert seen["seq_lens"].tolist() == step.seq_lens.tolist()
     assert seen["block_tables"][:, :width].tolist() == step.block_tables.tolist()
-    expected = (step.input_ids * 31 + step.positions * 7) % VOCAB
+    expected = (input_ids * 31 + step.positions * 7) % VOCAB
     assert graphs.token_ids[: step.header.num_seqs].tolist() == expected.tolist()
+    rows = read_header(packed).num_samples
+    assert graphs.token_table[SLOTS - rows : SLOTS].flip(0).tolist() == expected[:rows].tolist()
 
 
 def test_decode_graph_reads_a_wide_then_a_narrow_step_from_the_packed_buffer():
@@ -99,6 +111,17 @@ def test_decode_graph_reads_a_wide_then_a_narrow_step_from_the_packed_buffer():
         graphs.packed[: packed.numel()].copy_(packed)
         graphs.replay_packed(pad_to)
         _assert_model_saw(graphs, packed)
+
+
+def test_decode_graph_takes_ids_only_the_device_knows_from_the_token_table():
+    graphs = _graphs()
+    _, packed = _decode_step([30, 3, 9], 4, ahead=True)
+    graphs.token_table[: SLOTS + 1] = torch.arange(SLOTS + 1) + 40  # what the step before sampled
+    _poison(graphs)
+    graphs.packed[: packed.numel()].copy_(packed)
+    graphs.replay_packed(4)
+    assert unpack_step(read_header(packed), packed).positions.tolist() == [30, 3, 9, 0]
+    _assert_model_saw(graphs, packed, input_ids=torch.tensor([45, 44, 43, 0]))  # the padding row: 0
 
 
 def test_run_copies_a_step_held_elsewhere_into_the_packed_layout():

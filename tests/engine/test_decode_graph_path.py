@@ -36,7 +36,7 @@ class ReplayingGraphs(DecodeGraphs):
 def _install_graphs(runner, graph_logits=True, max_batch_size=4, max_banned=4096):
     runner.graphs = ReplayingGraphs(
         runner.model, runner.kv_caches, max_batch_size, MAX_LEN // 16, MAX_LEN, runner.vocab_size,
-        graph_logits, max_banned=max_banned,
+        graph_logits, max_banned=max_banned, token_table=runner.token_table,
     )  # fmt: skip
     runner.graphs.capture()
     ReplayingGraphs.replays[0] = 0
@@ -54,7 +54,7 @@ def llm_and_eager_tokens():
     llm = LLM("tiny", device="cpu", num_kv_blocks=256, max_model_len=MAX_LEN, enable_prefix_caching=False)
     llm.engine.overlap = False  # the reference: eager and synchronous
     expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    llm.engine.overlap = True  # graph steps below also chain their input ids on the device
+    llm.engine.overlap = True  # graph steps below also take their input ids from the token table
     return llm, expected
 
 

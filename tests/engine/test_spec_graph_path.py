@@ -44,7 +44,7 @@ def test_verify_graphs_per_bucket_and_k_give_the_eager_greedy_tokens(tmp_path, d
     width = -(-(runner.max_model_len + hook.position_margin) // runner.block_size)
     graphs = RecordingGraphs(
         runner.model, runner.kv_caches, 4, width, runner.max_model_len, runner.vocab_size, graph_logits,
-        hook=hook,
+        hook=hook, token_table=runner.token_table,
     )  # fmt: skip
     graphs.replayed = []
     graphs.capture()

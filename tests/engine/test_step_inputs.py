@@ -99,24 +99,31 @@ def test_a_batch_planned_ahead_packs_as_after_the_tokens_arrive_but_takes_them_f
     got.num_gathered = 0
     assert got == expected
     got = unpack_step(read_header(ahead), ahead)
-    assert got.gather_positions.tolist() == [0, 1, 2] and got.gather_slots.tolist() == [4, 0, 2]
-    assert got.table_writes.tolist() == [4, 0, 2]
+    assert got.id_slots.tolist() == [4, 0, 2, -1]  # the padding row reads its packed 0
+    assert got.write_slots.tolist() == [4, 0, 2, 7]  # ... and writes the sink
     table = torch.zeros(8, dtype=torch.int64)
     table[[4, 0, 2]] = torch.tensor([50, 51, 52])
-    got.input_ids.index_copy_(0, got.gather_positions, table[got.gather_slots])
+    got.input_ids.copy_(torch.where(got.id_slots >= 0, table[got.id_slots.clamp(min=0)], got.input_ids))
     expected = unpack_step(read_header(after), after)
+    assert expected.id_slots.tolist() == [-1] * 4
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables",
-                 "sample_indices", "top_ks", "seeds", "temperatures", "top_ps", "table_writes"):  # fmt: skip
+                 "sample_indices", "top_ks", "seeds", "temperatures", "top_ps", "write_slots"):  # fmt: skip
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
-def test_a_prompt_chunk_planned_ahead_packs_its_known_ids_and_rows_without_a_slot_write_the_sink():
+def test_a_prompt_chunk_planned_ahead_packs_its_known_ids_and_its_sampled_token_goes_to_its_slot():
     bm = BlockManager(32, BLOCK)
     seq = Sequence("r", list(range(1, 12)), SamplingParams(temperature=0.0), BLOCK)
     bm.allocate(seq)
+    seq.slot = 1
     packed = pack_step(Batch([seq], [5], begins=[6]), BLOCK, engine_seed=0, table_sink=3)
     step = unpack_step(read_header(packed), packed)
     assert step.input_ids.tolist() == list(range(7, 12)) and step.positions.tolist() == list(range(6, 11))
-    assert step.header.num_gathered == 0 and step.table_writes.tolist() == [3]
+    assert step.header.num_gathered == 0 and step.id_slots.tolist() == [-1] * 5
+    assert step.write_slots.tolist() == [3, 3, 3, 3, 1]  # only the last token's logits are sampled
+    seq.slot = None  # a row without a slot (a benchmark's batch) writes the sink
+    packed = pack_step(Batch([seq], [4], begins=[6]), BLOCK, engine_seed=0, table_sink=3)
+    assert unpack_step(read_header(packed), packed).write_slots.tolist() == [3] * 4
     without_table = pack_step(Batch([seq], [5], begins=[6]), BLOCK, engine_seed=0)
-    assert read_header(without_table).num_table_writes == 0
+    assert read_header(without_table).uses_table == 0
+    assert unpack_step(read_header(without_table), without_table).id_slots.numel() == 0

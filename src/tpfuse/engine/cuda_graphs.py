@@ -3,9 +3,10 @@
 Plain decode graphs (r = 0) read the packed step itself: the runner copies the packed step into the
 static buffer `packed` (one host-to-device copy), and the graph takes the input ids, positions and KV
 slots as views of it, converts the context lengths and gathers the block table (at the step's width,
-read from the packed header on the device) inside the graph, runs the forward and compute_logits,
-and writes the argmax of every row to `token_ids`. So a greedy decode step is: H2D copy, replay, D2H
-copy of the ids. Graphs with r > 0 extra query rows per sequence (a runner hook's, runner_hook.py)
+read from the packed header on the device) inside the graph, takes the input ids only the device knows
+from the token table (step_inputs.py), runs the forward and compute_logits, writes the argmax of every
+row to `token_ids` and to the token table. So a greedy decode step is: H2D copy, replay, D2H copy of
+the ids. Graphs with r > 0 extra query rows per sequence (a runner hook's, runner_hook.py)
 read static input buffers that `run` fills from a step.
 All graphs share one memory pool and one logits buffer. Capture happens after the KV cache is
 allocated and after the communicator has made its per-size choices, so the fused all-reduce is
@@ -42,7 +43,8 @@ class DecodeGraphs:
     must be in place before each replay); r = 0 graphs stay plain decodes. Without fills_extra_rows
     the caller writes those rows' ids before `run`.
     max_banned: room in `packed` for a step's banned (row, token) pairs (min_tokens); a step that
-    does not fit goes through `run`.
+    does not fit goes through `run`. token_table: the runner's (step_inputs.py), read and written by
+    r = 0 graphs (a step chosen outside the graph, by the sampler, writes it again after the replay).
     """
 
     def __init__(
@@ -56,12 +58,14 @@ class DecodeGraphs:
         graph_logits: bool = True,
         hook: RunnerHook | None = None,
         max_banned: int = 4096,
+        token_table: torch.Tensor | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
         self.hook = hook
+        self.token_table = token_table
         self.max_extra_rows = hook.max_extra_query_rows if hook is not None else 0
         self.fills_extra_rows = hook is not None and hook.fills_extra_rows
         max_extra_rows = self.max_extra_rows
@@ -105,12 +109,13 @@ class DecodeGraphs:
     def _packed_views(self, batch_size: int) -> dict[str, torch.Tensor]:
         """Views of `packed` laid out as a decode step of batch_size rows."""
         at = decode_offsets(batch_size)
-        names = ("input_ids", "positions", "slot_mapping", "seq_lens")
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "id_slots", "write_slots")
         return {name: self.packed[at[name] : at[name] + batch_size] for name in names}
 
     def _load_from_packed(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inside an r = 0 graph: context lengths and block table from `packed` into the static
-        int32 buffers; returns (input_ids, positions, slot_mapping), views of `packed`."""
+        int32 buffers; returns (input_ids, positions, slot_mapping): the ids with those only the
+        device knows taken from the token table, the others views of `packed`."""
         views = self._packed_views(batch_size)
         self.seq_lens[:batch_size].copy_(views["seq_lens"])
         if batch_size not in self._table_index:
@@ -124,7 +129,11 @@ class DecodeGraphs:
         # never reads past a context's own blocks, and `packed` is sized so every index stays inside.
         index = columns + rows * self.packed[MAX_BLOCKS_INDEX]
         self.block_tables[:batch_size].copy_(self.packed.take(index))
-        return views["input_ids"], views["positions"], views["slot_mapping"]
+        input_ids = views["input_ids"]
+        if self.token_table is not None:
+            slots = views["id_slots"]
+            input_ids = torch.where(slots >= 0, self.token_table[slots.clamp(min=0)], input_ids)
+        return input_ids, views["positions"], views["slot_mapping"]
 
     def _forward(self, batch_size: int, r: int, logits: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch_size * (r+1), vocab] of r extra query rows per sequence, written into `logits`
@@ -164,6 +173,8 @@ class DecodeGraphs:
                     self.packed.zero_()
                     views["seq_lens"].fill_(1)
                     views["slot_mapping"].fill_(-1)
+                    views["id_slots"].fill_(-1)
+                    views["write_slots"].fill_(self._table_sink())
                 out = self._forward(
                     size, r
                 )  # warm-up: autotuning and lazy allocations happen outside capture
@@ -180,6 +191,9 @@ class DecodeGraphs:
                     self._forward(size, r, logits=out)  # the logits land in the shared buffer
                     if r == 0:
                         torch.argmax(out, dim=-1, out=self.token_ids[:size])
+                        if self.token_table is not None:
+                            slots = self._packed_views(size)["write_slots"]
+                            self.token_table[slots] = self.token_ids[:size]
 
                 self.graphs[(size, r)], pool = self._capture_graph(body, pool)
         self._synchronize()
@@ -204,13 +218,20 @@ class DecodeGraphs:
         self.graphs[(batch_size, 0)].replay()
         return self.logits[:batch_size] if self.graph_logits else self.hidden[:batch_size]
 
+    def _table_sink(self) -> int:
+        return self.token_table.numel() - 1 if self.token_table is not None else 0
+
     def _copy_to_packed(self, step: StepInputs) -> None:
-        """Writes a decode step held elsewhere into `packed` at its layout (5 copies and a fill)."""
+        """Writes a decode step held elsewhere into `packed` at its layout (7 copies and a fill); a
+        step without token-table entries reads its packed ids and writes the sink."""
         size, width = step.header.num_seqs, step.header.max_blocks
         if step.input_ids.data_ptr() == self.packed[decode_offsets(size)["input_ids"]].data_ptr():
             return  # step is a view of packed already
         for name, view in self._packed_views(size).items():
-            view.copy_(getattr(step, name))
+            if step.header.uses_table or name not in ("id_slots", "write_slots"):
+                view.copy_(getattr(step, name))
+            else:
+                view.fill_(-1 if name == "id_slots" else self._table_sink())
         start = decode_offsets(size)["block_tables"]
         self.packed[start : start + size * width].copy_(step.block_tables.reshape(-1))
         self.packed[MAX_BLOCKS_INDEX].fill_(width)

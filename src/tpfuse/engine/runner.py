@@ -138,6 +138,7 @@ class ModelRunner:
                 self.model_config.vocab_size,
                 graph_logits,
                 hook=self.hook,
+                token_table=self.token_table,
             )
             self.graphs.capture()
 
@@ -178,14 +179,13 @@ class ModelRunner:
         header = read_header(packed)
         if self._uses_decode_graph(header):
             graphs = self.graphs
-            device_packed = self.upload.into(packed, graphs.packed)
-            if device_packed is None:  # too many banned pairs for the static buffer
+            # A step without token-table entries (not packed by pack()) has another layout.
+            device_packed = self.upload.into(packed, graphs.packed) if header.uses_table else None
+            if device_packed is None:  # too many banned pairs for the static buffer, or no table
                 step = unpack_step(header, self.upload.to_device(packed))
-                self._gather_input_ids(step)
-                out = graphs.run(step)
+                out = graphs.run(step)  # the graph takes the ids from the token table itself
             else:
                 step = unpack_step(header, device_packed)
-                self._gather_input_ids(step)
                 out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
                 return step, None, False
@@ -216,8 +216,17 @@ class ModelRunner:
         return self.readback.to_list(self._choose_tokens(step, logits))
 
     def _gather_input_ids(self, step: StepInputs) -> None:
+        """Eager steps: the input ids only the device knows, from the token table."""
         if step.header.num_gathered:
-            step.input_ids.index_copy_(0, step.gather_positions, self.token_table[step.gather_slots])
+            slots = step.id_slots
+            step.input_ids.copy_(
+                torch.where(slots >= 0, self.token_table[slots.clamp(min=0)], step.input_ids)
+            )
+
+    def _write_table(self, step: StepInputs, tokens: torch.Tensor) -> None:
+        """tokens [N] of the sampled rows, in their order, into the token table."""
+        if step.header.uses_table:
+            self.token_table[step.write_slots[step.sample_indices]] = tokens
 
     def _forward_and_choose(
         self, packed: torch.Tensor, processing=None
@@ -228,11 +237,8 @@ class ModelRunner:
         (engine/logits_processing.py), applied to the logits before the token choice on the eager
         sampling path."""
         step, logits, chosen_in_graph = self._forward(packed, need_logits=processing is not None)
-        if chosen_in_graph:
-            tokens = self.graphs.token_ids[: step.header.num_seqs]
-            if step.header.num_table_writes:
-                self.token_table[step.table_writes] = tokens[step.sample_indices]
-            return step, tokens, True
+        if chosen_in_graph:  # the graph wrote the token table too
+            return step, self.graphs.token_ids[: step.header.num_seqs], True
         if logits is None:
             return step, None, False
         if processing is not None:
@@ -240,8 +246,7 @@ class ModelRunner:
         tokens = self._choose_tokens(step, logits)
         if processing is not None:
             processing.record(tokens)
-        if step.header.num_table_writes:
-            self.token_table[step.table_writes] = tokens
+        self._write_table(step, tokens)
         return step, tokens, False
 
     def launch(self, batch: Batch, packed: torch.Tensor) -> PendingStep:

@@ -233,7 +233,7 @@ def pack_spec_step(
                 ext_next += [0] * window
                 ext_slots += [-1] * window
     values = encode_rows(
-        [ids, positions, slots, seq_lens, starts, tables, sample_idx, s_topk, s_seed],
+        [ids, positions, slots, seq_lens, starts, [], [], tables, sample_idx, s_topk, s_seed],
         s_temp,
         s_topp,
         [s_brow, s_bid],

@@ -7,10 +7,12 @@ token 0, position 0, slot -1 (nothing stored), context length 1 and a block-tabl
 dummy read).
 
 The token table: every rank keeps a device int64 table of each running request's newest token,
-indexed by its Sequence.slot. A step writes each sampled row's token at table_writes (one entry per
-sampled row), and fills the input ids that only the device knows yet (a step scheduled while the
-step before it ran) from it: input_ids[gather_positions] = table[gather_slots], before the forward.
-Steps run in launch order on one device stream, so a read sees every earlier step's writes.
+indexed by its Sequence.slot (the last entry, the sink, takes writes that nobody reads). A step that
+uses it (header.uses_table) carries two arrays per token: id_slots (the entry its input id comes
+from, for an id only the device knows yet, in a step planned while the step before it ran; -1: the
+packed id) and write_slots (the entry the token sampled from its logits goes to; the sink for tokens
+that are not sampled). Decode graphs run both inside the graph. Steps run in launch order on one
+device stream, so a read sees every earlier step's writes.
 """
 
 from __future__ import annotations
@@ -53,18 +55,20 @@ class StepHeader:
     max_seq_len: int
     num_banned: int  # K (row, token) pairs masked to -inf before sampling
     all_greedy: int  # every sampled row has temperature 0: argmax, no sampler
-    num_table_writes: int  # W: N when the step writes its tokens to the token table, else 0
-    num_gathered: int  # G input ids taken from the token table
+    uses_table: int  # 1: id_slots and write_slots follow (the token table)
+    num_gathered: int  # input ids taken from the token table (id_slots >= 0)
 
     def sizes(self) -> list[tuple[str, int]]:
         b, t, n, k = self.num_seqs, self.num_tokens, self.num_samples, self.num_banned
-        w, g = self.num_table_writes, self.num_gathered
+        table = t if self.uses_table else 0
         return [
             ("input_ids", t),
             ("positions", t),
             ("slot_mapping", t),
             ("seq_lens", b),
             ("query_start_loc", b + 1),
+            ("id_slots", table),
+            ("write_slots", table),
             ("block_tables", b * self.max_blocks),
             ("sample_indices", n),
             ("top_ks", n),
@@ -73,9 +77,6 @@ class StepHeader:
             ("top_ps", n),
             ("banned_rows", k),
             ("banned_ids", k),
-            ("table_writes", w),
-            ("gather_positions", g),
-            ("gather_slots", g),
         ]
 
 
@@ -89,6 +90,8 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [T]
     seq_lens: torch.Tensor  # [B]
     query_start_loc: torch.Tensor  # [B + 1]
+    id_slots: torch.Tensor  # [T] token-table entry of each input id, -1: the packed id ([0]: no table)
+    write_slots: torch.Tensor  # [T] token-table entry of each token's sampled id ([0]: no table)
     block_tables: torch.Tensor  # [B, M]
     sample_indices: torch.Tensor  # [N] rows of the forward's output to sample
     top_ks: torch.Tensor  # [N]
@@ -97,9 +100,6 @@ class StepInputs:
     top_ps: torch.Tensor  # [N] float32 (float64 when header.all_greedy: unused)
     banned_rows: torch.Tensor  # [K]
     banned_ids: torch.Tensor  # [K]
-    table_writes: torch.Tensor  # [W] token-table entry of each sampled row's token
-    gather_positions: torch.Tensor  # [G] input ids to fill from the token table
-    gather_slots: torch.Tensor  # [G] the entries they come from
 
     def attention_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(
@@ -121,12 +121,12 @@ def pack_step(
     table_sink: int | None = None,
 ) -> torch.Tensor:
     """Packs batch (its bans included) into a CPU int64 tensor. pad_to: pad a decode batch to this
-    many rows (a CUDA-graph bucket). table_sink: the token table's spare entry (it takes the tokens
-    of rows without a slot); None: the step does not write the table. A row that starts at a token
-    only the device knows yet (Batch.begins) takes it from the table."""
+    many rows (a CUDA-graph bucket). table_sink: the token table's sink entry; None: the step does
+    not use the table, and no row may start at a token only the device knows yet (Batch.begins)."""
     input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
-    writes, gather_positions, gather_slots = [], [], []
+    id_slots, write_slots, num_gathered = [], [], 0
+    sink = table_sink
     max_blocks = max(len(s.block_table) for s in batch.seqs)
     bs = block_size
     # The hot loop of every step (once per sequence): plain list operations only.
@@ -140,16 +140,20 @@ def pack_step(
         if n == 1:
             if begin < len(tokens):
                 input_ids.append(tokens[begin])
+                id_slots.append(-1)
             else:  # the token the step before is sampling
-                if seq.slot is None:
-                    raise ValueError(f"{seq} starts at a token on the device but holds no token-table slot")
-                gather_positions.append(len(input_ids))
-                gather_slots.append(seq.slot)
+                if seq.slot is None or sink is None:
+                    raise ValueError(
+                        f"{seq} starts at a token only the device knows, but no token table is given"
+                    )
                 input_ids.append(0)
+                id_slots.append(seq.slot)
+                num_gathered += 1
             positions.append(begin)
             slots.append(table[begin // bs] * bs + begin % bs)
         else:
             input_ids += tokens[begin:end]
+            id_slots += [-1] * n
             positions += range(begin, end)
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
         seq_lens.append(end)
@@ -157,7 +161,11 @@ def pack_step(
         tables += table
         if len(table) < max_blocks:
             tables += [0] * (max_blocks - len(table))
-        if end >= len(tokens):
+        samples = end >= len(tokens)
+        if n > 1:
+            write_slots += [sink] * (n - 1)
+        write_slots.append(seq.slot if samples and seq.slot is not None else sink)
+        if samples:
             row = len(sample_idx)
             sample_idx.append(starts[-1] - 1)
             p = seq.params
@@ -172,26 +180,27 @@ def pack_step(
                 for token in bans[i].token_ids:
                     banned_rows.append(row)
                     banned_ids.append(token)
-            if table_sink is not None:
-                writes.append(table_sink if seq.slot is None else seq.slot)
     num_real = len(batch.seqs)
     if pad_to is not None and pad_to > num_real:
         pad = pad_to - num_real
         input_ids += [0] * pad
+        id_slots += [-1] * pad
+        write_slots += [sink] * pad
         positions += [0] * pad
         slots += [-1] * pad
         seq_lens += [1] * pad
         starts += range(starts[-1] + 1, starts[-1] + 1 + pad)
         tables += [0] * (pad * max_blocks)
+    table = [id_slots, write_slots] if sink is not None else [[], []]
     values = encode_rows(
-        [input_ids, positions, slots, seq_lens, starts, tables, sample_idx, top_ks, seeds],
+        [input_ids, positions, slots, seq_lens, starts, *table, tables, sample_idx, top_ks, seeds],
         temps,
         top_ps,
         [banned_rows, banned_ids],
         max_blocks=max_blocks,
         is_decode=batch.is_decode,
         max_query_len=max(batch.num_new_tokens),
-        table=[writes, gather_positions, gather_slots],
+        num_gathered=num_gathered,
     )
     return torch.frombuffer(values, dtype=torch.int64)
 
@@ -205,14 +214,14 @@ def encode_rows(
     max_blocks: int,
     is_decode: bool,
     max_query_len: int,
-    table: list[list[int]] = ([], [], []),
+    num_gathered: int = 0,
 ) -> array:
     """encode_step of a step given as its arrays, the header's counts taken from their lengths.
 
-    int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
-    sample_indices, top_ks, seeds (the order of StepHeader.sizes); bans: [banned_rows, banned_ids];
-    table: [table_writes, gather_positions, gather_slots] (none: the step leaves the table alone)."""
-    input_ids, _, _, seq_lens, _, _, sample_indices, _, _ = int_parts
+    int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, id_slots, write_slots
+    (both empty: the step leaves the token table alone), block_tables, sample_indices, top_ks, seeds
+    (the order of StepHeader.sizes); bans: [banned_rows, banned_ids]; num_gathered: id_slots >= 0."""
+    input_ids, _, _, seq_lens, _, id_slots, _, _, sample_indices, _, _ = int_parts
     header = StepHeader(
         num_seqs=len(seq_lens),
         num_tokens=len(input_ids),
@@ -223,10 +232,10 @@ def encode_rows(
         max_seq_len=max(seq_lens),
         num_banned=len(bans[0]),
         all_greedy=int(all(t == 0.0 for t in temperatures)),
-        num_table_writes=len(table[0]),
-        num_gathered=len(table[1]),
+        uses_table=int(bool(id_slots)),
+        num_gathered=num_gathered,
     )
-    return encode_step(header, int_parts, temperatures + top_ps, [*bans, *table])
+    return encode_step(header, int_parts, temperatures + top_ps, bans)
 
 
 def encode_step(header: StepHeader, int_parts: list, floats: list[float], tail_parts: list) -> array:
@@ -250,12 +259,13 @@ MAX_BLOCKS_INDEX = list(StepHeader.__dataclass_fields__).index("max_blocks")  # 
 
 
 def decode_offsets(num_seqs: int) -> dict[str, int]:
-    """Where input_ids, positions, slot_mapping, seq_lens and block_tables start in a packed decode
-    step of num_seqs rows (one token per row, padding included). The offsets do not depend on the
+    """Where input_ids, positions, slot_mapping, seq_lens, id_slots, write_slots and block_tables
+    start in a packed decode step of num_seqs rows that uses the token table (one token per row,
+    padding included). The offsets do not depend on the
     block-table width M (header slot MAX_BLOCKS_INDEX), which comes last among them, so a CUDA graph
     can read a step of any width from one static buffer."""
     offsets, offset = {}, HEADER_LEN
-    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1, 0, 0)
+    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1, 1, 0)  # uses the token table
     for name, size in probe.sizes():
         offsets[name] = offset
         if name == "block_tables":
@@ -269,7 +279,7 @@ def decode_capacity(max_num_seqs: int, max_blocks: int, max_banned: int) -> int:
     max_banned banned (row, token) pairs can take (the step proper: no speculative section), its
     token-table writes and gathers included."""
     n = max_num_seqs
-    return HEADER_LEN + 5 * n + 1 + n * max_blocks + 5 * n + 2 * max_banned + 3 * n
+    return HEADER_LEN + 5 * n + 1 + 2 * n + n * max_blocks + 5 * n + 2 * max_banned
 
 
 def read_header(packed: torch.Tensor) -> StepHeader:
