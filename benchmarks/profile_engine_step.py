@@ -13,6 +13,8 @@ Printed per batch size (median over the profiled steps, and per step with --per-
     python benchmarks/profile_engine_step.py --model tiny --device cpu --batch-sizes 1 --steps 3 \
         --context 32                                            # smoke test on a CPU
     python benchmarks/profile_engine_step.py --tp-size 2 --devices 0,0   # TP=2 sharing GPU 0 (rank 0's view)
+    python benchmarks/profile_engine_step.py --batch-sizes 256 --arrivals-per-step 1 --context 1024
+                                        # serving-like mixed steps: a 1024-token prompt joins every step
 Writes JSON to --out (default $OUT/profile_engine_step.json) and the Chrome traces next to it.
 """
 
@@ -87,12 +89,30 @@ def start_decode_batch(engine: LLMEngine, batch_size: int, context: int, num_tok
         engine.step()
 
 
-def profile_steps(engine: LLMEngine, num_steps: int, cuda: bool, trace_path: str) -> dict:
+class Load:
+    """engine.step() with `arrivals` new requests of `context` prompt tokens and `tokens` output
+    tokens added before each step (0: the decode batch alone), so steps mix prompt chunks, arrivals
+    and finishes with the decodes, as serving traffic does."""
+
+    def __init__(self, engine: LLMEngine, arrivals: int, context: int, tokens: int):
+        self.engine, self.arrivals, self.context, self.tokens = engine, arrivals, context, tokens
+        self.added = 0
+
+    def step(self) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=self.tokens, ignore_eos=True)
+        for _ in range(self.arrivals):
+            prompt = [100 + (self.added * 11 + j) % 50 for j in range(self.context)]
+            self.engine.add_request(f"arrival-{self.added}", prompt, params)
+            self.added += 1
+        self.engine.step()
+
+
+def profile_steps(load: Load, num_steps: int, cuda: bool, trace_path: str) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for i in range(num_steps):
             with record_function(f"{STEP}{i}"):
-                engine.step()
+                load.step()
         if cuda:
             torch.cuda.synchronize()
     prof.export_chrome_trace(trace_path)
@@ -155,12 +175,12 @@ def analyse_trace(trace: dict, num_steps: int) -> list[dict]:
     return results
 
 
-def top_host_functions(engine: LLMEngine, num_steps: int, top: int) -> list[dict]:
+def top_host_functions(load: Load, num_steps: int, top: int) -> list[dict]:
     """cProfile over num_steps steps: the top functions by self time, per step."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(num_steps):
-        engine.step()
+        load.step()
     profiler.disable()
     stats = pstats.Stats(profiler)
     rows = []
@@ -191,9 +211,9 @@ def summarise(per_step: list[dict]) -> dict:
 
 
 def print_report(
-    batch_size: int, summary: dict, per_step: list[dict], hosts: list[dict], verbose: bool
+    batch_size: int, summary: dict, per_step: list[dict], hosts: list[dict], verbose: bool, arrivals: str = ""
 ) -> None:
-    print(f"\n=== batch {batch_size}: median over {len(per_step)} decode steps ===")
+    print(f"\n=== batch {batch_size}{arrivals}: median over {len(per_step)} steps ===")
     print(f"wall {summary['wall_us']:9.1f} us   GPU busy {summary['gpu_busy_us']:9.1f} us   "
           f"GPU idle {summary['gpu_idle_us']:8.1f} us")  # fmt: skip
     print("host phases (us): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["phase_us"].items()))
@@ -246,6 +266,11 @@ def main() -> None:
     parser.add_argument("--warmups", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--per-step", action="store_true", help="print every step's wall/busy/idle")
+    parser.add_argument(
+        "--arrivals-per-step", type=int, default=0,
+        help="requests of --context prompt tokens added before every step (mixed prefill + decode steps)",
+    )  # fmt: skip
+    parser.add_argument("--arrival-tokens", type=int, default=8, help="output tokens of each arrival")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument(
         "--eagle3-simulate", type=float, default=None, metavar="L",
@@ -263,18 +288,18 @@ def main() -> None:
     cuda = args.device == "cuda"
     tokens_per_step = 1 + args.num_steps if args.eagle3_simulate is not None else 1  # at most
     tokens_per_request = (2 + args.warmups + 2 * args.steps) * tokens_per_step
+    # An arrival runs for its prompt's chunks and its tokens: room for all that may be running at once.
+    max_running = max(batch_sizes) + args.arrivals_per_step * (args.arrival_tokens + 8)
     config = EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         load_format="dummy",
         max_model_len=args.context + tokens_per_request + 16,
-        max_running_requests=max(batch_sizes),
-        cuda_graph_max_bs=max(batch_sizes),
+        max_running_requests=max_running,
+        cuda_graph_max_bs=max_running,
         max_num_batched_tokens=max(8192, args.context * 2),
-        num_kv_blocks=None
-        if cuda
-        else max(batch_sizes) * (-(-(args.context + tokens_per_request) // 16) + 1),
+        num_kv_blocks=None if cuda else max_running * (-(-(args.context + tokens_per_request) // 16) + 1),
         disable_overlap_schedule=args.disable_overlap_schedule,
         tp_size=args.tp_size,
         devices=[int(d) for d in args.devices.split(",")] if args.devices else None,
@@ -294,17 +319,19 @@ def main() -> None:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     record = {"model": args.model, "dtype": args.dtype, "device": args.device, "context": args.context,
-              "tp_size": args.tp_size, "devices": args.devices,
+              "tp_size": args.tp_size, "devices": args.devices, "arrivals_per_step": args.arrivals_per_step,
               "steps": args.steps, "graphs": graphs, "overlap": engine.overlap, "results": {}}  # fmt: skip
     for b in batch_sizes:
         start_decode_batch(engine, b, args.context, tokens_per_request, f"b{b}")
+        load = Load(engine, args.arrivals_per_step, args.context, args.arrival_tokens)
         for _ in range(args.warmups):
-            engine.step()
+            load.step()
         trace_path = os.path.join(out_dir, f"profile_engine_step_b{b}.trace.json")
-        per_step = analyse_trace(profile_steps(engine, args.steps, cuda, trace_path), args.steps)
-        hosts = top_host_functions(engine, args.steps, args.top)
+        per_step = analyse_trace(profile_steps(load, args.steps, cuda, trace_path), args.steps)
+        hosts = top_host_functions(load, args.steps, args.top)
         summary = summarise(per_step)
-        print_report(b, summary, per_step, hosts, args.per_step)
+        mixed = f" + {args.arrivals_per_step} x {args.context}-token arrivals a step" if load.arrivals else ""
+        print_report(b, summary, per_step, hosts, args.per_step, mixed)
         record["results"][str(b)] = {"summary": summary, "per_step": per_step, "top_host_functions": hosts,
                                      "trace": trace_path}  # fmt: skip
         for request_id in list(engine.requests):

@@ -75,6 +75,24 @@ def test_speculation_with_two_ranks_sharing_one_gpu_captures_verify_graphs_and_k
         llm.shutdown()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp_size,tree", [(2, True), (4, False)], ids=["tp2-eagle3-tree", "tp4-eagle3-chain"])
+def test_eagle3_tree_at_tp2_and_chain_at_tp4_sharing_one_gpu_keep_the_tokens(
+    single_rank_tokens, tmp_path, tp_size, tree
+):
+    """Tree steps run eagerly and move the accepted path's KV on every rank; chain steps at TP 4 are
+    launched ahead through the workers' own verify results. Both must give the TP=1 tokens."""
+    extra = dict(eagle_topk=2, num_draft_tokens=6) if tree else {}
+    spec = spec_config("eagle3", write_eagle3_head(str(tmp_path)), adaptive=False, **extra)
+    memory = dict(mem_fraction_static=0.2 if tp_size == 2 else 0.1)
+    llm = LLM("tiny", tp_size=tp_size, devices=[0] * tp_size, speculative=spec, **{**TINY, **memory})
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single_rank_tokens
+        assert llm.engine.stats().spec_num_drafts_total > 0
+    finally:
+        llm.shutdown()
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     from tpfuse.engine.llm import LLM

@@ -43,3 +43,14 @@ def test_profile_engine_step_times_speculative_steps_with_a_simulated_eagle3_hea
     assert len(steps) == 3
     for step in steps:  # each profiled step is a speculative one that ran the verify forward
         assert step["phase_us"]["spec_launch"] > 0 and step["phase_us"]["spec_execute"] > 0
+
+
+def test_profile_engine_step_mixes_arrivals_into_the_profiled_steps(tmp_path):
+    out = tmp_path / "profile.json"
+    args = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "2", "--steps", "3",
+            "--context", "20", "--warmups", "1", "--arrivals-per-step", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["arrivals_per_step"] == 1 and len(record["results"]["2"]["per_step"]) == 3
+    assert "batch 2 + 1 x 20-token arrivals a step" in proc.stdout
