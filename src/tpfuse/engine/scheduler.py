@@ -143,7 +143,7 @@ class Scheduler:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if not seq.is_finished:
                 ends[seq] = batch.begin(i) + n
-        planned = []  # (seq, begin, length once batch's token is in, tokens this step)
+        planned = []  # (seq, its first position next step, its length once batch's token is in)
         for seq in self.running:
             begin, length = seq.num_computed_tokens, len(seq.token_ids)
             if seq in ends:
@@ -169,7 +169,7 @@ class Scheduler:
                 prefill -= n
             budget -= n
             new_blocks += max(0, seq.num_blocks_for(length) - len(seq.block_table))
-            rows.append((seq, begin, length, n))
+            rows.append((seq, begin, length, n))  # n: its tokens next step
         bm = self.block_manager
         if new_blocks > bm.num_free_blocks:
             return None
