@@ -44,7 +44,7 @@ def test_free_returns_every_block_and_resets_the_sequence():
     bm.allocate(seq)
     bm.free(seq)
     assert bm.num_free_blocks == 8
-    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
     assert bm.usage() == 0.0
 
 

@@ -48,7 +48,7 @@ def test_pack_then_unpack_gives_positions_slots_and_sampling_rows():
     assert step.slot_mapping.tolist() == expected_slots
     assert step.seq_lens.tolist() == [6, 7]
     assert step.query_start_loc.tolist() == [0, 1, 4]
-    assert step.block_tables[0, :2].tolist() == decode.block_table
+    assert step.block_tables[0, :2].tolist() == list(decode.block_table)
     assert step.sample_indices.tolist() == [0]  # the chunk does not reach its last token
     assert step.temperatures.tolist() == [0.5] and step.top_ks.tolist() == [3]
     assert torch.allclose(step.top_ps, torch.tensor([0.8]))

@@ -8,6 +8,8 @@ are handed out again, oldest freed first, so recently used prefixes survive long
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from tpfuse.engine.sequence import Sequence
 
 NO_HASH = -1
@@ -42,7 +44,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set, oldest first
+        # An ordered set, oldest first. Not a dict: taking a dict's first key after many deletions at
+        # its front walks every deleted entry (quadratic over a run); OrderedDict's links do not.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -114,8 +118,7 @@ class BlockManager:
             self.num_hit_tokens += seq.num_cached_tokens
 
     def _take_free_block(self) -> int:
-        block_id = next(iter(self.free_block_ids))
-        del self.free_block_ids[block_id]
+        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
@@ -129,7 +132,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table.clear()
+        del seq.block_table[:]
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
         seq.num_drafter_tokens = 0

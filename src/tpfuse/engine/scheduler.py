@@ -157,7 +157,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decode_tokens = sum(1 for _, begin, length in planned if length - begin == 1)
         prefill = min(self.max_prefill_tokens_per_step, max(budget - decode_tokens, 0))
-        rows, new_blocks = [], 0
+        rows, growing, new_blocks = [], [], 0  # growing: (seq, length) of rows that need a block
         for seq, begin, length in planned:
             if budget <= 0:
                 break
@@ -168,12 +168,15 @@ class Scheduler:
             if uncomputed > 1:
                 prefill -= n
             budget -= n
-            new_blocks += max(0, seq.num_blocks_for(length) - len(seq.block_table))
+            needed = seq.num_blocks_for(length) - len(seq.block_table)
+            if needed > 0:
+                new_blocks += needed
+                growing.append((seq, length))
             rows.append((seq, begin, length, n))  # n: its tokens next step
         bm = self.block_manager
         if new_blocks > bm.num_free_blocks:
             return None
-        for seq, _, length, _ in rows:
+        for seq, length in growing:
             bm.append_slot(seq, length - len(seq.token_ids))
         seqs = [seq for seq, *_ in rows]
         counts = [n for *_, n in rows]

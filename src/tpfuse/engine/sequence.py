@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 
 from tpfuse.engine.sampling_params import SamplingParams
 
@@ -33,7 +34,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        # int64 block ids: the packers copy it into a step with one memcpy instead of a loop over ints
+        self.block_table = array("q")
         self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks, in order
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission

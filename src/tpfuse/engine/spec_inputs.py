@@ -18,6 +18,7 @@ rows included, ending at each row's newest verified position: fixed shapes for t
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, fields
 from itertools import pairwise
 
@@ -137,13 +138,14 @@ def pack_spec_step(
     k, bs = num_draft_tokens, block_size
     window = ext_window if ext_window and window_step_ok(batch, ext_window) else 0
     catch_up_cap = catch_up_limit(batch, catch_up_budget) if extend_drafter else None
-    ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+    ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], array("q")
     sample_idx, s_topk, s_seed, s_temp, s_topp, s_brow, s_bid = [], [], [], [], [], [], []
     decode_rows, verify_idx, num_drafts, drafter_rows, decode_drafter = [], [], [], [], []
     ext_ids, ext_pos, ext_next, ext_slots, ext_starts = [], [], [], [], [0]
     v_topk, v_seed, v_temp, v_topp, v_brow, v_bid, draft_ids = [], [], [], [], [], [], []
     v_request_seed, v_index, v_seeded = [], [], []
     max_blocks = max(len(s.block_table) for s in batch.seqs)
+    zeros = array("q", bytes(8 * max_blocks))  # a row's padding columns
     pure_decode = True
     max_query_len = k + 1 if any(map(is_decode_row, batch.seqs, batch.num_new_tokens)) else 1
     for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
@@ -162,7 +164,7 @@ def pack_spec_step(
             ext_slots += [table[p // bs] * bs + p % bs for p in range(d0, begin)]
             ext_starts.append(len(ext_ids))
         tables += table
-        tables += [0] * (max_blocks - len(table))
+        tables += zeros[: max_blocks - len(table)]
         p = seq.params
         if decode:
             d = len(decode_rows)
@@ -226,7 +228,7 @@ def pack_spec_step(
             slots += [-1] * (k + 1)
             seq_lens.append(k + 1)
             starts.append(starts[-1] + k + 1)
-            tables += [0] * max_blocks
+            tables += zeros
             if window:  # the padding row's window: positions 0..W-1 that store nothing
                 ext_ids += [0] * window
                 ext_pos += range(window)

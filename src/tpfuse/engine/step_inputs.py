@@ -123,11 +123,12 @@ def pack_step(
     """Packs batch (its bans included) into a CPU int64 tensor. pad_to: pad a decode batch to this
     many rows (a CUDA-graph bucket). table_sink: the token table's sink entry; None: the step does
     not use the table, and no row may start at a token only the device knows yet (Batch.begins)."""
-    input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+    input_ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], array("q")
     sample_idx, top_ks, seeds, temps, top_ps, banned_rows, banned_ids = [], [], [], [], [], [], []
     id_slots, write_slots, num_gathered = [], [], 0
     sink = table_sink
     max_blocks = max(len(s.block_table) for s in batch.seqs)
+    zeros = array("q", bytes(8 * max_blocks))  # a row's padding columns
     bs = block_size
     # The hot loop of every step (once per sequence): plain list operations only.
     bans = batch.bans
@@ -160,7 +161,7 @@ def pack_step(
         starts.append(starts[-1] + n)
         tables += table
         if len(table) < max_blocks:
-            tables += [0] * (max_blocks - len(table))
+            tables += zeros[: max_blocks - len(table)]
         samples = end >= len(tokens)
         if n > 1:
             write_slots += [sink] * (n - 1)
@@ -190,7 +191,7 @@ def pack_step(
         slots += [-1] * pad
         seq_lens += [1] * pad
         starts += range(starts[-1] + 1, starts[-1] + 1 + pad)
-        tables += [0] * (pad * max_blocks)
+        tables.frombytes(bytes(8 * pad * max_blocks))
     table = [id_slots, write_slots] if sink is not None else [[], []]
     values = encode_rows(
         [input_ids, positions, slots, seq_lens, starts, *table, tables, sample_idx, top_ks, seeds],
