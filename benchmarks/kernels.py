@@ -28,8 +28,9 @@ import triton.language as tl
 
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels.activation import silu_and_mul_launch, silu_and_mul_triton
-from tpfuse.kernels.decode_attention import DECODE_BLOCK_N, choose_num_splits, decode_attention_launch
+from tpfuse.kernels.decode_attention import decode_attention_launch
 from tpfuse.kernels.kv_store import store_kv_triton
+from tpfuse.kernels.paged_attention_common import DECODE_BLOCK_N, choose_num_splits
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_launch, rmsnorm_row
 from tpfuse.kernels.rope import rope_cos_sin_cache, rope_triton
 from tpfuse.kernels.rope_store_kv import rope_store_kv_triton

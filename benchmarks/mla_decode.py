@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import copy_tbps  # noqa: E402
 from tpfuse import gpu_timing  # noqa: E402
 from tpfuse.kernels import mla_decode  # noqa: E402
-from tpfuse.kernels.decode_attention import choose_num_splits  # noqa: E402
 from tpfuse.kernels.mla_attention import mla_attention_launch  # noqa: E402
+from tpfuse.kernels.paged_attention_common import choose_num_splits  # noqa: E402
 
 RANK, ROPE, BLOCK = 512, 64, 16
 ROW_BYTES = (RANK + ROPE) * 2

@@ -32,6 +32,7 @@ from tpfuse.kernels import (
     moe_finalize,
     moe_router,
     moe_routing,
+    paged_attention_common,
     prefill_attention,
     qk_norm_rope_store_kv,
     quant_dot,
@@ -120,7 +121,7 @@ def _variants(dtype: str):
             decode_attention._decode_split_kernel,
             {**kv, **parts},
             attention,
-            dict(decode_common, NUM_SPLITS=splits, BLOCK_N=decode_attention.DECODE_BLOCK_N,
+            dict(decode_common, NUM_SPLITS=splits, BLOCK_N=paged_attention_common.DECODE_BLOCK_N,
                  MERGE_IN_KERNEL=merge_in_kernel),
         )  # fmt: skip
     yield (

@@ -5,11 +5,9 @@ import torch
 
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
 from tpfuse.kernels.decode_attention import (
-    choose_num_splits,
     decode_attention_launch,
     decode_attention_ref,
     decode_attention_triton,
-    num_splits_for,
 )
 from tpfuse.kernels.decode_merge import arrival_counters
 
@@ -81,26 +79,6 @@ def test_last_split_merge_leaves_its_arrival_counters_at_zero_for_the_next_launc
     )
     assert torch.equal(first, second)
     assert_close_to_float64(second, _expected(q, k_cache, v_cache, tables, lens, 0.3), torch.float32)
-
-
-def test_split_count_depends_only_on_shapes_and_is_bounded_by_the_table_width():
-    cpu = torch.device("cpu")
-    assert choose_num_splits(1, 8, 1, 16, cpu) == 1
-    assert choose_num_splits(256, 8, 512, 16, cpu) == 1
-    assert 1 < choose_num_splits(1, 8, 512, 16, cpu) <= 32
-
-
-@pytest.mark.parametrize(
-    "batch,splits",
-    [(1, 16), (8, 8), (64, 1), (128, 1)],
-)
-def test_split_rule_matches_the_best_split_counts_measured_on_an_h200(batch, splits):
-    # llama-3.1-8b: 8 KV heads, block 16, block table wide enough for 8192 tokens; H200: 132 SMs
-    assert num_splits_for(batch, 8, 512, 16, num_sms=132) == splits
-
-
-def test_split_rule_never_splits_finer_than_one_key_tile_per_split():
-    assert num_splits_for(1, 8, 8, 16, num_sms=132) == 2  # a 128-token table holds two 64-key tiles
 
 
 def test_decode_attention_rejects_query_heads_not_a_multiple_of_kv_heads():

@@ -5,7 +5,7 @@ import torch
 
 from tests.kernels.paged import assert_close_to_float64, random_paged_kv
 from tpfuse.kernels import prefill_attention_op
-from tpfuse.kernels.decode_attention import _gather_kv
+from tpfuse.kernels.paged_attention_common import _gather_kv
 from tpfuse.kernels.prefill_attention import prefill_attention_launch, prefill_attention_ref
 
 

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import split_key_range, split_partials
 from tpfuse.kernels.decode_merge import launch_merge
+from tpfuse.kernels.paged_attention_common import split_key_range, split_partials
 
 
 @triton.jit

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import device_sms, split_key_range, split_partials
 from tpfuse.kernels.decode_merge import launch_chunked_merge
 from tpfuse.kernels.mla_attention import _load_latent_tile, check_mla_inputs
+from tpfuse.kernels.paged_attention_common import device_sms, split_key_range, split_partials
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from tpfuse.kernels.decode_attention import choose_num_splits
 from tpfuse.kernels.mla_attention import check_mla_inputs, mla_attention_launch
 from tpfuse.kernels.mla_decode import gather_latent, mla_decode_launch
+from tpfuse.kernels.paged_attention_common import choose_num_splits
 
 VERIFY_PROGRAMS_PER_SM = 1
 

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.decode_attention import (
+from tpfuse.kernels.decode_merge import launch_merge
+from tpfuse.kernels.paged_attention_common import (
     _gather_kv,
     _load_kv_tile,
     check_paged_attention_args,
@@ -38,7 +39,6 @@ from tpfuse.kernels.decode_attention import (
     split_key_range,
     split_partials,
 )
-from tpfuse.kernels.decode_merge import launch_merge
 
 
 def prefill_attention_ref(
