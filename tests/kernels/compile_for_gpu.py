@@ -28,6 +28,8 @@ from tpfuse.kernels import (
     fused_moe_tiles,
     gemv,
     kv_store,
+    mla_attention,
+    mla_decode,
     moe_align,
     moe_finalize,
     moe_router,
@@ -47,6 +49,7 @@ from tpfuse.kernels import (
     sampling,
     skinny_linear,
 )
+from tpfuse.kernels.mla_prefill import mla_prefill_tile_config
 from tpfuse.kernels.prefill_attention import prefill_tile_config
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per block on H100 / H200
@@ -186,6 +189,29 @@ def _variants(dtype: str):
         )
     yield from _moe_variants(p)
     yield from _quant_variants(p)
+    yield from _mla_variants(p)
+
+
+def _mla_variants(p: str):
+    """The MLA decode kernel and the MLA prefill / verify kernel at DeepSeek-V3's latent (rank 512 +
+    rope 64) and 16 heads a rank (TP 8), keys whole and split."""
+    latent = dict(HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_R=512, BLOCK_P=64, DOT_PRECISION="tf32")
+    block_h, block_n, warps, stages, swap = mla_decode.mla_decode_tile(16)
+    prefill_m, prefill_n, prefill_warps, prefill_stages = mla_prefill_tile_config(8, 16)
+    for splits in (1, 2):
+        part = "*fp32" if splits > 1 else p
+        ptrs = {"*": p, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": part,
+                "part_lse_ptr": part}  # fmt: skip
+        yield (
+            mla_decode._mla_decode_kernel, ptrs, {"scale_log2e": "fp32"},
+            dict(latent, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT_KEYS=splits > 1, SWAP_AB=swap),
+            {"num_warps": warps, "num_stages": stages},
+        )  # fmt: skip
+        yield (
+            mla_attention._mla_kernel, {**ptrs, "query_start_loc_ptr": "*i32"}, {"scale_log2e": "fp32"},
+            dict(latent, BLOCK_M=prefill_m, BLOCK_N=prefill_n, SPLIT_KEYS=splits > 1, IS_DECODE=False),
+            {"num_warps": prefill_warps, "num_stages": prefill_stages},
+        )  # fmt: skip
 
 
 def _quant_variants(p: str):
@@ -284,7 +310,10 @@ def _moe_variants(p: str):
     grouped = {"*": p, "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
     for tile in fused_moe_tiles.CANDIDATE_TILES:
         blocks = dict(
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=fused_moe.GROUP_M,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            GROUP_M=fused_moe.GROUP_M,
             DOT_PRECISION="tf32",
         )
         options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
