@@ -141,3 +141,30 @@ def test_grammar_and_logprobs_on_cuda_graph_steps():
         )
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra", [{"ignore_eos": True}, {"min_tokens": 10}], ids=["ignore_eos", "min_tokens"]
+)
+def test_a_complete_grammar_answer_keeps_sampling_end_ids_instead_of_raising(engine, extra):
+    """Once the matcher has accepted its stop token, xgrammar fills no mask; a request that must go on
+    (ignore_eos, min_tokens) then samples end-of-sequence ids only, and the engine keeps serving."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+
+    grammar = Grammar("json_schema", json.dumps({"type": "boolean"}))
+    params = SamplingParams(temperature=0, max_tokens=12, grammar=grammar, **extra)
+    engine.add_request("done-early", engine.tokenizer.encode("bool:"), params)
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    engine.add_request("plain", engine.tokenizer.encode("plain"), plain)
+    tokens: dict[str, list[int]] = {"done-early": [], "plain": []}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    ends = set(engine.logits_processing.eos_token_ids)
+    answer = tokens["done-early"]
+    first_end = next(i for i, t in enumerate(answer) if t in ends)
+    assert json.loads(engine.tokenizer.decode(answer[:first_end])) in (True, False)
+    assert set(answer[first_end:]) <= ends and len(answer) >= 10
+    assert len(tokens["plain"]) == 12

@@ -8,9 +8,10 @@ the eager sampling path: `apply(logits)` edits the logits of the sampled rows [N
 place, in this order: raw log-probabilities kept for logprobs, repetition penalty (over prompt
 and output, HF's rule: positive logits divided, negative multiplied), presence and frequency
 penalties (over output tokens, OpenAI's rule), logit_bias, and the grammar mask (disallowed tokens
-to -inf); then `record(tokens)` stores each logprobs row's
-chosen and top log-probabilities. Logprobs are those of the model (log_softmax of the raw logits,
-before any processing or temperature), as vLLM reports them by default.
+to -inf; once the grammar is complete only end-of-sequence ids remain; min_tokens bans do not
+apply to grammar rows: the grammar decides where the answer ends); then `record(tokens)` stores
+each logprobs row's chosen and top log-probabilities. Logprobs are those of the model (log_softmax
+of the raw logits, before any processing or temperature), as vLLM reports them by default.
 
 Grammar matchers follow each sequence's output tokens lazily (they accept the tokens appended since
 the last step before the mask is filled), so they need no hook in postprocessing; the engine does
@@ -140,6 +141,7 @@ class BatchProcessing:
     def __init__(self, owner: LogitsProcessing, seqs: list):
         self.owner = owner
         self.seqs = seqs
+        self.grammar_rows = [j for j, s in enumerate(seqs) if s.params.grammar is not None]
         self._logprob_rows: list[int] = []
         self._logprobs: torch.Tensor | None = None
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -165,9 +167,8 @@ class BatchProcessing:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[j].index_add_(0, ids, bias)
-        grammar_rows = [j for j, s in enumerate(seqs) if s.params.grammar is not None]
-        if grammar_rows:
-            self._mask(logits, grammar_rows)
+        if self.grammar_rows:
+            self._mask(logits, self.grammar_rows)
         return logits
 
     def _mask(self, logits: torch.Tensor, rows: list[int]) -> None:
@@ -176,6 +177,7 @@ class BatchProcessing:
 
         vocab = logits.shape[-1]
         bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+        complete = []  # rows whose grammar has accepted its stop token
         for r, j in enumerate(rows):
             seq = self.seqs[j]
             state = self.owner._state(seq)
@@ -184,10 +186,20 @@ class BatchProcessing:
                 if not state.matcher.is_terminated():
                     state.matcher.accept_token(token)
             state.num_accepted = len(outputs)
-            state.matcher.fill_next_token_bitmask(bitmask, r)
+            if state.matcher.is_terminated():
+                complete.append(j)  # xgrammar fills no mask once terminated
+            else:
+                state.matcher.fill_next_token_bitmask(bitmask, r)
         index = torch.tensor(rows, device=logits.device)
         allowed = _unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+        if complete:
+            # A complete answer admits only an end-of-sequence token (ignore_eos or min_tokens keep
+            # such a request sampling): every other logit -inf, the end ids a finite 0.
+            done = torch.tensor(complete, device=logits.device)
+            ends = torch.tensor(self.owner.eos_token_ids, device=logits.device)
+            logits.index_fill_(0, done, float("-inf"))
+            logits[done[:, None], ends[None, :]] = 0.0
 
     @torch.inference_mode()
     def record(self, tokens: torch.Tensor | None) -> None:
