@@ -92,7 +92,7 @@ def test_json_schema_response_validates_against_its_schema(http, temperature):
 )
 def test_forced_tool_call_parses_into_tool_calls_matching_the_schema(http, tool_choice, parallel):
     result = _chat(
-        http, tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=200
+        http, tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=1000
     )
     choice = result["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None

@@ -203,27 +203,20 @@ class ModelRunner:
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
 
     @torch.inference_mode()
-    def _choose_tokens(self, step: StepInputs, logits: torch.Tensor, banned: bool = True) -> torch.Tensor:
-        """Device ids [N] of the sampled rows: banned ids masked (unless banned is False: done
-        already), then argmax or the sampler."""
-        if banned:
-            self._mask_banned(step, logits)
+    def _choose_tokens(
+        self, step: StepInputs, logits: torch.Tensor, exempt_rows: list[int] = ()
+    ) -> torch.Tensor:
+        """Device ids [N] of the sampled rows: the min_tokens bans masked except in exempt_rows
+        (grammar rows: the grammar alone decides where their answer ends), then argmax or the sampler."""
+        if step.header.num_banned:
+            rows, ids = step.banned_rows, step.banned_ids
+            if exempt_rows:
+                keep = ~torch.isin(rows, torch.tensor(exempt_rows, device=rows.device, dtype=rows.dtype))
+                rows, ids = rows[keep], ids[keep]
+            logits[rows, ids] = float("-inf")
         if step.header.all_greedy:
             return logits.argmax(dim=-1)
         return sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
-
-    @staticmethod
-    @torch.inference_mode()
-    def _mask_banned(step: StepInputs, logits: torch.Tensor, exempt_rows: list[int] = ()) -> None:
-        """The min_tokens bans: those (row, id) pairs of logits [N, V] set to -inf, except in
-        exempt_rows (grammar rows: the grammar alone decides where their answer ends)."""
-        if not step.header.num_banned:
-            return
-        rows, ids = step.banned_rows, step.banned_ids
-        if exempt_rows:
-            keep = ~torch.isin(rows, torch.tensor(exempt_rows, device=rows.device, dtype=rows.dtype))
-            rows, ids = rows[keep], ids[keep]
-        logits[rows, ids] = float("-inf")
 
     def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:
         """Rank 0: the next token of each sampled row, as Python ints."""
@@ -255,11 +248,10 @@ class ModelRunner:
             return step, self.graphs.token_ids[: step.header.num_seqs], True
         if logits is None:
             return step, None, False
-        if processing is not None:
-            self._mask_banned(step, logits, exempt_rows=processing.grammar_rows)
-            logits = processing.apply(logits)
-        tokens = self._choose_tokens(step, logits, banned=processing is None)
-        if processing is not None:
+        if processing is None:
+            tokens = self._choose_tokens(step, logits)
+        else:
+            tokens = self._choose_tokens(step, processing.apply(logits), processing.grammar_rows)
             processing.record(tokens)
         self._write_table(step, tokens)
         return step, tokens, False
