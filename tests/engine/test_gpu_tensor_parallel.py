@@ -50,6 +50,25 @@ def test_two_ranks_sharing_one_gpu_eager_give_the_single_rank_tokens(single_rank
 
 
 @pytest.mark.gpu
+def test_rows_with_logits_processing_at_two_ranks_sharing_one_gpu_give_the_single_rank_tokens():
+    """Rank 0 chooses penalised and biased rows alone (on CUDA graph steps) and broadcasts the ids
+    over the group (gloo here, ranks sharing the GPU), so the steps launched after them agree."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=10.0),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={7: 3.0}),
+    ]
+    results = []
+    for tp_size, devices in ((1, None), (2, [0, 0])):
+        llm = LLM("tiny", tp_size=tp_size, devices=devices, **TINY)
+        try:
+            results.append([o.token_ids for o in llm.generate(PROMPTS, params)])
+        finally:
+            llm.shutdown()
+    assert results[1] == results[0]
+
+
+@pytest.mark.gpu
 def test_four_ranks_sharing_one_gpu_with_the_fused_path_forced_give_the_single_rank_tokens(
     single_rank_tokens,
 ):

@@ -53,6 +53,11 @@ class _Seq:
 
     def __init__(self, params: SamplingParams, prompt: list[int], output: list[int]):
         self.params, self.token_ids, self.output_token_ids = params, prompt + output, output
+        self.num_prompt_tokens = len(prompt)
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
 
 
 _seq = _Seq
@@ -92,6 +97,34 @@ def test_penalties_and_bias_match_a_float64_reference():
     out = processing.for_batch(batch).apply(logits.clone())
     for j in range(4):
         torch.testing.assert_close(out[j].double(), expected[j], rtol=1e-6, atol=1e-5)
+
+
+def test_penalties_follow_the_tokens_each_step_appends():
+    """The per-sequence histories are incremental: after tokens are appended (repeats, new ones,
+    several in one step as speculation appends them) each step still equals the reference."""
+    vocab = 41
+    processing = LogitsProcessing(vocab, tokenizer=None, eos_token_ids=[1])
+    seqs = [
+        _seq(SamplingParams(repetition_penalty=1.7, presence_penalty=0.3), [2, 2, 40], []),
+        _seq(SamplingParams(frequency_penalty=0.9, logit_bias={3: 2.0}), [5], [5]),
+        _seq(
+            SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.1, presence_penalty=1.5), [7, 8], [8]
+        ),
+    ]
+    for seq in seqs:
+        processing.register(seq)
+    batch = SimpleNamespace(seqs=seqs, samples=lambda i: True)
+    generator = torch.Generator().manual_seed(1)
+    appended = [[[40], [], [7, 7]], [[2, 40], [5, 5, 0], [9]], [[11], [3], [8, 8, 8]]]
+    for step in appended:
+        for seq, tokens in zip(seqs, step, strict=True):
+            for token in tokens:
+                seq.append_token(token)
+        logits = torch.randn(3, vocab, generator=generator) * 4
+        expected = [_reference(logits[j], s) for j, s in enumerate(seqs)]
+        out = processing.for_batch(batch).apply(logits.clone())
+        for j in range(3):
+            torch.testing.assert_close(out[j].double(), expected[j], rtol=1e-6, atol=1e-5)
 
 
 def test_a_batch_of_plain_requests_needs_no_processing():

@@ -186,3 +186,40 @@ def test_arrivals_finishes_and_prompt_chunks_every_few_steps_keep_steps_launched
     assert sync["r5"][1] == "stop" and len(sync["r5"][0]) <= 7
     total = launches[1]
     assert ahead >= total - 2, (ahead, total)  # all but the first step
+
+
+def test_requests_with_logits_processing_are_launched_ahead_and_match_sync():
+    """Penalties, logit_bias, logprobs and a grammar (whose masks read the previous step's token) at
+    once, beside plain rows: the overlapped engine launches those steps ahead too, choosing their
+    tokens once the step before is read, and gives the synchronous tokens and logprobs."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+
+    schema = Grammar("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    params = [
+        greedy(20, repetition_penalty=1.4, presence_penalty=0.5),
+        seeded(18, 3, frequency_penalty=0.8, logprobs=3),
+        greedy(16, logit_bias={60: 4.0, 61: -50.0}, min_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=24, grammar=schema),
+        greedy(22),
+    ]
+    results = []
+    for overlap in (False, True):
+        engine = _engine(overlap, num_kv_blocks=256)
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", _prompt(i), p)
+        tokens = {f"r{i}": [] for i in range(len(params))}
+        logprobs = {f"r{i}": [] for i in range(len(params))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += [(e.token_id, e.logprob, e.top) for e in out.logprobs or []]
+        results.append((tokens, logprobs, engine.launch_counts["ahead"]))
+        engine.shutdown()
+    (sync, sync_logprobs, _), (overlapped, overlapped_logprobs, chained) = results
+    assert overlapped == sync
+    assert overlapped_logprobs == sync_logprobs
+    assert [t for t, _, _ in sync_logprobs["r1"]] == sync["r1"] and len(sync["r1"]) == 18
+    json.loads(engine.tokenizer.decode(sync["r3"][:-1]))  # the grammar row wrote its object, then EOS
+    assert chained > 10

@@ -89,6 +89,37 @@ def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monk
         assert order[("launch", n, True)] < order[("wait", n - 1)]
 
 
+PROCESSED = [
+    SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, repetition_penalty=10.0, logprobs=2),
+    SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=7, ignore_eos=True, logit_bias={3: 6.0}),
+    SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
+]
+
+
+def test_at_tp2_rows_with_logits_processing_get_rank0s_ids_and_are_launched_ahead(checkpoint, monkeypatch):
+    """Rank 0 chooses processed rows' ids alone and broadcasts them, so the workers' token tables hold
+    the processed ids and steps after them can be launched ahead: the TP = 1 tokens."""
+    directory, _ = checkpoint
+    llm = LLM(directory, **ENGINE)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, PROCESSED)]
+    llm.shutdown()
+    make = engine_module._make_executor
+    recorders = []
+
+    def recording(config):
+        recorders.append(RecordingExecutor(make(config)))
+        return recorders[-1]
+
+    monkeypatch.setattr(engine_module, "_make_executor", recording)
+    llm = LLM(directory, tp_size=2, **ENGINE)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PROCESSED)] == expected
+    finally:
+        llm.shutdown()
+    [recorder] = recorders
+    assert sum(1 for kind, _, *rest in recorder.events if kind == "launch" and rest[0]) >= 5
+
+
 STUCK_SCRIPT = textwrap.dedent(
     """
     import os

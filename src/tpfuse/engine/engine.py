@@ -105,12 +105,10 @@ class LLMEngine:
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
         # Rank 0's per-request logits processing (penalties, bias, grammar, logprobs), used by the
-        # runner's sampling hook for batches that need it.
+        # runner for batches that need it.
         self.logits_processing = LogitsProcessing(self.vocab_size, self.tokenizer, eos)
         self.executor.runner.logits_processing = self.logits_processing
-        plain = PlainSteps(
-            self.executor, self.scheduler, self.logits_processing, config.seed, without_lookahead=spec.enabled
-        )
+        plain = PlainSteps(self.executor, self.scheduler, config.seed, without_lookahead=spec.enabled)
         self.steps: StepStrategy = plain
         self.spec_decoder = None  # rank 0's drafting and verification when speculative
         if spec.enabled:

@@ -1,22 +1,25 @@
 """Per-request logits processing on rank 0's sampling path: penalties, logit_bias, grammar masks
 (xgrammar) and logprobs.
 
-The runner asks `for_batch(batch)` at each launch; it returns None unless some sequence's params
-need processing (`SamplingParams.needs_logits_processing`; the engine registers those at admission,
-so while none is alive plain batches pay one dictionary check per step). Otherwise the step takes
-the eager sampling path: `apply(logits)` edits the logits of the sampled rows [N, V] float32 in
+The runner asks `needed(batch)` at each launch; it is False unless a sampled row's params need
+processing (`SamplingParams.needs_logits_processing`; the engine registers those at admission, so
+while none is alive plain batches pay one dictionary check per step). Otherwise the step's forward
+is launched alone, and its token choice is enqueued once the step before it has been read
+(runner.ProcessedStep): `apply(logits)` edits the logits of the sampled rows [N, V] float32 in
 place, in this order: raw log-probabilities kept for logprobs, repetition penalty (over prompt
 and output, HF's rule: positive logits divided, negative multiplied), presence and frequency
-penalties (over output tokens, OpenAI's rule), logit_bias, and the grammar mask (disallowed tokens
+penalties (over output tokens, OpenAI's rule), logit_bias (these three for the whole batch at once,
+engine/penalties.py), and the grammar mask (filled on xgrammar's thread pool; disallowed tokens
 to -inf; once the grammar is complete only end-of-sequence ids remain; min_tokens bans do not
-apply to grammar rows: the grammar decides where the answer ends); then `record(tokens)` stores
-each logprobs row's chosen and top log-probabilities. Logprobs are those of the model (log_softmax
-of the raw logits, before any processing or temperature), as vLLM reports them by default.
+apply to grammar rows: the grammar decides where the answer ends); then `record(tokens)` keeps
+each logprobs row's chosen and top log-probabilities on the device and `settle()` stores them
+once the step is read. Logprobs are those of the model (log_softmax of the raw logits, before any
+processing or temperature), as vLLM reports them by default.
 
 Grammar matchers follow each sequence's output tokens lazily (they accept the tokens appended since
-the last step before the mask is filled), so they need no hook in postprocessing; the engine does
-not overlap steps whose batch holds processed sequences, since the mask of step n + 1 depends on
-the token of step n. Per-sequence state lives in a WeakKeyDictionary: it goes with the Sequence.
+the last step before the mask is filled), so they need no hook in postprocessing: the mask of step
+n + 1 is filled on the host while its forward runs, after step n's tokens are read. Per-sequence
+state lives in a WeakKeyDictionary: it goes with the Sequence.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.engine.penalties import TokenHistory, apply_penalties, needs_penalties
 from tpfuse.engine.sampling_params import Grammar
+from tpfuse.engine.step_upload import upload
 
 GRAMMAR_CACHE_SIZE = 64
 
@@ -42,9 +47,10 @@ class TokenLogprobs:
 
 
 class _SequenceState:
-    def __init__(self, matcher):
+    def __init__(self, matcher, history):
         self.matcher = matcher  # xgrammar.GrammarMatcher or None
         self.num_accepted = 0  # output tokens the matcher has consumed
+        self.history = history  # TokenHistory when the params ask for a penalty, else None
         self.logprobs: list[TokenLogprobs] = []
 
 
@@ -59,6 +65,7 @@ class LogitsProcessing:
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._compiler = None
         self._compiled: OrderedDict = OrderedDict()
+        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher: fills a batch's masks on threads
 
     def check(self, params) -> None:
         """Raises ValueError naming the problem when params' grammar does not compile."""
@@ -103,8 +110,16 @@ class LogitsProcessing:
                 import xgrammar
 
                 matcher = xgrammar.GrammarMatcher(self._compile(seq.params.grammar))
-            state = self._states[seq] = _SequenceState(matcher)
+            history = TokenHistory() if needs_penalties(seq.params) else None
+            state = self._states[seq] = _SequenceState(matcher, history)
         return state
+
+    def batch_matcher(self):
+        if self._batch_matcher is None:
+            import xgrammar
+
+            self._batch_matcher = xgrammar.BatchGrammarMatcher()
+        return self._batch_matcher
 
     @property
     def active(self) -> bool:
@@ -115,16 +130,18 @@ class LogitsProcessing:
         """Called at admission for a sequence whose params need processing (after check)."""
         self._state(seq)
 
+    def needed(self, batch) -> bool:
+        """Whether a sampled row of batch needs processing (at once False when no registered
+        sequence is alive, so plain traffic never walks the batch)."""
+        return bool(self._states) and any(
+            seq.params.needs_logits_processing and batch.samples(i) for i, seq in enumerate(batch.seqs)
+        )
+
     def for_batch(self, batch) -> BatchProcessing | None:
-        """The processing of batch's sampled rows, or None when none needs any (at once when no
-        registered sequence is alive, so plain traffic never walks the batch)."""
-        if not self._states or not any(seq.params.needs_logits_processing for seq in batch.seqs):
+        """The processing of batch's sampled rows, or None when none needs any (see needed)."""
+        if not self.needed(batch):
             return None
-        rows = []
-        for i, seq in enumerate(batch.seqs):
-            if batch.samples(i):
-                rows.append(seq)
-        return BatchProcessing(self, rows)
+        return BatchProcessing(self, [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)])
 
     def pop_logprobs(self, seq) -> list[TokenLogprobs]:
         """The logprobs recorded for seq since the last call (oldest first)."""
@@ -145,6 +162,7 @@ class BatchProcessing:
         self._logprob_rows: list[int] = []
         self._logprobs: torch.Tensor | None = None
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table: torch.Tensor | None = None  # record's logprobs, on their way to the host
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -152,32 +170,34 @@ class BatchProcessing:
         seqs = self.seqs
         self._logprob_rows = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
         if self._logprob_rows:
-            index = torch.tensor(self._logprob_rows, device=logits.device)
+            index = upload(self._logprob_rows, logits.device)
             self._logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
             k = max(seqs[j].params.logprobs for j in self._logprob_rows)
             if k:
                 self._top = self._logprobs.topk(min(k, logits.shape[-1]), dim=-1)
+        penalized = []
         for j, seq in enumerate(seqs):
             p = seq.params
-            if not p.needs_logits_processing:
-                continue
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                _penalize(logits[j], seq, p)
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[j].index_add_(0, ids, bias)
+            if p.logit_bias or needs_penalties(p):
+                state = self.owner._state(seq)
+                if state.history is not None:
+                    state.history.update(seq)
+                penalized.append((j, seq, state.history))
+        if penalized:
+            apply_penalties(logits, penalized)
         if self.grammar_rows:
             self._mask(logits, self.grammar_rows)
         return logits
 
     def _mask(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """Grammar masks of rows, filled on the host into one bitmask, applied in one pass."""
+        """Grammar masks of rows, filled on the host into one bitmask (xgrammar's threads), applied in
+        one pass."""
         import xgrammar
 
         vocab = logits.shape[-1]
-        bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # all allowed
         complete = []  # rows whose grammar has accepted its stop token
+        live, live_rows = [], []  # the other rows' matchers and bitmask rows
         for r, j in enumerate(rows):
             seq = self.seqs[j]
             state = self.owner._state(seq)
@@ -189,50 +209,51 @@ class BatchProcessing:
             if state.matcher.is_terminated():
                 complete.append(j)  # xgrammar fills no mask once terminated
             else:
-                state.matcher.fill_next_token_bitmask(bitmask, r)
-        index = torch.tensor(rows, device=logits.device)
-        allowed = _unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+                live.append(state.matcher)
+                live_rows.append(r)
+        if live:
+            self.owner.batch_matcher().batch_fill_next_token_bitmask(live, bitmask, live_rows)
+        index = upload(rows, logits.device)
+        allowed = _unpack_bitmask(upload(bitmask, logits.device, torch.int32), vocab)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
         if complete:
             # A complete answer admits only an end-of-sequence token (ignore_eos or min_tokens keep
             # such a request sampling): every other logit -inf, the end ids a finite 0.
-            done = torch.tensor(complete, device=logits.device)
-            ends = torch.tensor(self.owner.eos_token_ids, device=logits.device)
+            done = upload(complete, logits.device)
+            ends = upload(self.owner.eos_token_ids, logits.device)
             logits.index_fill_(0, done, float("-inf"))
             logits[done[:, None], ends[None, :]] = 0.0
 
     @torch.inference_mode()
-    def record(self, tokens: torch.Tensor | None) -> None:
-        """After sampling: stores each logprobs row's TokenLogprobs (tokens [N] int64, row j: seqs[j])."""
-        if not self._logprob_rows or tokens is None:
+    def record(self, tokens: torch.Tensor) -> None:
+        """After sampling: each logprobs row's chosen id and log-probability and its top ones (tokens
+        [N] int64, row j: seqs[j]) as one float64 table [R, 2 + 2k] (ids are exact in float64),
+        copied to the host behind the step's ids; `settle` stores them once the step is read."""
+        if not self._logprob_rows:
             return
-        index = torch.tensor(self._logprob_rows, device=tokens.device)
+        index = upload(self._logprob_rows, tokens.device)
         chosen_ids = tokens.index_select(0, index)
-        chosen = self._logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
-        top_values, top_ids = self._top if self._top is not None else (None, None)
-        top_values = top_values.tolist() if top_values is not None else None
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        for r, j in enumerate(self._logprob_rows):
+        columns = [chosen_ids[:, None], self._logprobs.gather(1, chosen_ids[:, None])]
+        if self._top is not None:
+            columns += [self._top.values, self._top.indices]
+        table = torch.cat([c.double() for c in columns], dim=1)
+        if table.is_cuda:
+            host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            table = host.copy_(table, non_blocking=True)
+        self._table = table
+
+    def settle(self) -> None:
+        """After the step's tokens are read (so record's copy has landed too): appends each logprobs
+        row's TokenLogprobs to its sequence."""
+        if not self._logprob_rows or self._table is None:
+            return
+        rows, self._table = self._table.tolist(), None
+        for row, j in zip(rows, self._logprob_rows, strict=True):
             seq = self.seqs[j]
             k = seq.params.logprobs
-            top = list(zip(top_ids[r][:k], top_values[r][:k], strict=True)) if k else []
-            state = self.owner._state(seq)
-            state.logprobs.append(TokenLogprobs(int(chosen_ids[r]), chosen[r], top))
-
-
-def _penalize(row: torch.Tensor, seq, p) -> None:
-    """row [V] in place: repetition penalty over every token of seq, presence/frequency over its output."""
-    device = row.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), device=device)
-        values = row.index_select(0, seen)
-        penalized = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        row.index_copy_(0, seen, penalized)
-    outputs = seq.output_token_ids
-    if outputs and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(outputs, device=device), minlength=row.shape[0])[: row.shape[0]]
-        counts = counts.to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            width = (len(row) - 2) // 2
+            top = [(int(row[2 + width + i]), row[2 + i]) for i in range(k)] if k else []
+            self.owner._state(seq).logprobs.append(TokenLogprobs(int(row[0]), row[1], top))
 
 
 def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:

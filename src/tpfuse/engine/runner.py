@@ -13,14 +13,17 @@ the token table (step_inputs.py) and runs the same writes and gathers, so the ta
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 from tpfuse.comm.communicator import Communicator, SingleRankCommunicator
 from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
 from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import DecodeGraphs
+from tpfuse.engine.logits_processing import BatchProcessing
 from tpfuse.engine.runner_hook import HookFactory, RunnerHook
 from tpfuse.engine.step_inputs import (
     StepHeader,
@@ -30,12 +33,27 @@ from tpfuse.engine.step_inputs import (
     unpack_step,
 )
 from tpfuse.engine.step_limits import max_step_rows, resolve_max_model_len
-from tpfuse.engine.step_upload import StepUpload
+from tpfuse.engine.step_upload import StepUpload, upload
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
 from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
+
+
+@dataclass
+class ProcessedStep:
+    """A launched step with sampled rows that need rank 0's logits processing: the forward is
+    enqueued, the token choice waits for ModelRunner.complete, because the processing reads the
+    tokens of the step before (grammar state, penalties), which the engine appends only once it has
+    read that step. pending: the ids' copy to the host, once complete has run."""
+
+    step: StepInputs
+    logits: torch.Tensor  # [N, V] float32 of the sampled rows
+    processing: BatchProcessing
+    rows: list[int]  # the batch rows that sample
+    num_rows: int
+    pending: PendingStep | None = None
 
 
 class ModelRunner:
@@ -211,7 +229,7 @@ class ModelRunner:
         if step.header.num_banned:
             rows, ids = step.banned_rows, step.banned_ids
             if exempt_rows:
-                keep = ~torch.isin(rows, torch.tensor(exempt_rows, device=rows.device, dtype=rows.dtype))
+                keep = ~torch.isin(rows, upload(exempt_rows, rows.device, rows.dtype))
                 rows, ids = rows[keep], ids[keep]
             logits[rows, ids] = float("-inf")
         if step.header.all_greedy:
@@ -235,45 +253,73 @@ class ModelRunner:
         if step.header.uses_table:
             self.token_table[step.write_slots[step.sample_indices]] = tokens
 
-    def _forward_and_choose(
-        self, packed: torch.Tensor, processing=None
-    ) -> tuple[StepInputs, torch.Tensor | None, bool]:
+    def _forward_and_choose(self, packed: torch.Tensor) -> tuple[StepInputs, torch.Tensor | None, bool]:
         """(step, device ids of the sampled rows or None, whether they are by batch row: the graph's
         argmax buffer, padding rows last; else in the order of the sampling rows), the ids written to
-        the token table. processing: rank 0's logits processing of this batch
-        (engine/logits_processing.py), applied to the logits before the token choice on the eager
-        sampling path."""
-        step, logits, chosen_in_graph = self._forward(packed, need_logits=processing is not None)
+        the token table."""
+        step, logits, chosen_in_graph = self._forward(packed)
         if chosen_in_graph:  # the graph wrote the token table too
             return step, self.graphs.token_ids[: step.header.num_seqs], True
         if logits is None:
             return step, None, False
-        if processing is None:
-            tokens = self._choose_tokens(step, logits)
-        else:
-            tokens = self._choose_tokens(step, processing.apply(logits), processing.grammar_rows)
-            processing.record(tokens)
+        tokens = self._choose_tokens(step, logits)
         self._write_table(step, tokens)
         return step, tokens, False
 
-    def launch(self, batch: Batch, packed: torch.Tensor) -> PendingStep:
+    def chooses_alone(self, batch: Batch) -> bool:
+        """Rank 0: whether rank 0 alone chooses batch's tokens (a sampled row needs its logits
+        processing); the other ranks then take its ids (`follow(..., from_rank0=True)`)."""
+        return self.logits_processing is not None and self.logits_processing.needed(batch)
+
+    def launch(self, batch: Batch, packed: torch.Tensor) -> PendingStep | ProcessedStep:
         """Rank 0: enqueues the forward and sampling of packed (a step of batch) and the copy of its
-        ids to the host; returns without waiting (see wait)."""
-        processing = self.logits_processing.for_batch(batch) if self.logits_processing is not None else None
-        _, tokens, by_row = self._forward_and_choose(packed, processing)
+        ids to the host; returns without waiting (see wait). A batch with rows that need logits
+        processing gets its forward only: `complete` chooses its tokens."""
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        if self.chooses_alone(batch):
+            step, logits, _ = self._forward(packed, need_logits=True)
+            return ProcessedStep(step, logits, self.logits_processing.for_batch(batch), rows, len(batch.seqs))
+        _, tokens, by_row = self._forward_and_choose(packed)
         return self.readback.start(tokens, rows, by_row, len(batch.seqs))
 
-    def follow(self, packed: torch.Tensor) -> None:
-        """Ranks 1..N-1: runs a plain packed step exactly as rank 0's launch does (the same forward,
-        token choice and token-table writes, so the ranks' ids and tables agree bit for bit). Rank
-        0's logits processing is not repeated here: a step after a processed batch is never
-        launched ahead, so no rank reads those rows' table entries."""
-        self._forward_and_choose(packed)
+    def complete(self, handle: PendingStep | ProcessedStep) -> None:
+        """Rank 0: enqueues the token choice of a ProcessedStep (its logits processing, the min_tokens
+        bans except on grammar rows, the sampler, the token-table writes, the ids' copy to the host;
+        at TP > 1 the ids' broadcast to the other ranks). Call it once the tokens of the step before
+        are appended to the sequences and before the next step is launched. A no-op for other
+        steps and for a step already completed."""
+        if not isinstance(handle, ProcessedStep) or handle.pending is not None:
+            return
+        processing = handle.processing
+        with torch.inference_mode():  # not the readback's pinned buffers, which outlive this step
+            logits = processing.apply(handle.logits)
+            tokens = self._choose_tokens(handle.step, logits, processing.grammar_rows)
+            processing.record(tokens)
+            if self.config.tp_size > 1:
+                torch.distributed.broadcast(tokens, src=0)
+        self._write_table(handle.step, tokens)
+        handle.pending = self.readback.start(tokens, handle.rows, False, handle.num_rows)
 
-    def wait(self, pending: PendingStep) -> list[int | None]:
+    def follow(self, packed: torch.Tensor, from_rank0: bool = False) -> None:
+        """Ranks 1..N-1: runs a plain packed step exactly as rank 0 runs it (the same forward, token
+        choice and token-table writes, so the ranks' ids and tables agree bit for bit). from_rank0:
+        rank 0 chose the ids alone (its logits processing), and they arrive by broadcast."""
+        if not from_rank0:
+            self._forward_and_choose(packed)
+            return
+        step, _, _ = self._forward(packed, need_logits=True)
+        tokens = torch.empty(step.header.num_samples, dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(tokens, src=0)
+        self._write_table(step, tokens)
+
+    def wait(self, handle: PendingStep | ProcessedStep) -> list[int | None]:
         """Rank 0: the ids of a launched step, one entry per batch row (None: the row did not sample)."""
-        return self.readback.wait(pending)
+        if not isinstance(handle, ProcessedStep):
+            return self.readback.wait(handle)
+        self.complete(handle)
+        ids = self.readback.wait(handle.pending)
+        handle.processing.settle()
+        return ids
 
     def shutdown(self) -> None:
         self.release()

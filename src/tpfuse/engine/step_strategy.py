@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from tpfuse.engine.batch import Batch
     from tpfuse.engine.executor import Executor
-    from tpfuse.engine.logits_processing import LogitsProcessing
     from tpfuse.engine.scheduler import Scheduler
 
 
@@ -59,21 +58,18 @@ class StepStrategy(Protocol):
 
 class PlainSteps:
     """Every step on the executor. executor: ModelRunner or TensorParallelExecutor; scheduler: the
-    engine's; logits_processing: rank 0's (a batch that needs it is never launched ahead);
-    engine_seed: --seed. without_lookahead: the engine is speculative, and the step after a plain
+    engine's; engine_seed: --seed. without_lookahead: the engine is speculative, and the step after a plain
     one is asked for as a plain decode (schedule_following's `plain`)."""
 
     def __init__(
         self,
         executor: Executor,
         scheduler: Scheduler,
-        logits_processing: LogitsProcessing,
         engine_seed: int,
         without_lookahead: bool = False,
     ):
         self.executor = executor
         self.scheduler = scheduler
-        self.logits_processing = logits_processing
         self.engine_seed = engine_seed
         self.without_lookahead = without_lookahead
 
@@ -82,18 +78,13 @@ class PlainSteps:
         return LaunchedStep(batch, executor.launch(batch, executor.pack(batch, self.engine_seed)))
 
     def schedule_following(self, step: LaunchedStep) -> Batch | None:
-        """The batch after step when it can be planned now and may be launched ahead: not when a
-        row's logits processing needs step's tokens (grammar, penalties)."""
-        following = self.scheduler.schedule_following(step.batch, plain=self.without_lookahead)
-        if (
-            following is not None
-            and self.logits_processing.active
-            and any(seq.params.needs_logits_processing for seq in following.seqs)
-        ):
-            return None
-        return following
+        """The batch after step when it can be planned now."""
+        return self.scheduler.schedule_following(step.batch, plain=self.without_lookahead)
 
     def launch_following(self, step: LaunchedStep) -> LaunchedStep | None:
+        """Completes step first (a processed step chooses its tokens once the step before it is
+        read: that is now), then launches the step after it."""
+        self.executor.complete(step.handle)
         following = self.schedule_following(step)
         return None if following is None else self.launch(following)
 

@@ -46,3 +46,13 @@ class StepUpload:
         target.copy_(self._stage(packed), non_blocking=True)
         self._copy_done.record()
         return target
+
+
+def upload(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """values (a list, a NumPy array or a CPU tensor) as a new tensor on device, without waiting for
+    the device's queued work: a pageable host-to-device copy waits for the stream, so CUDA copies go
+    through pinned memory (the caching host allocator keeps it until the copy has run)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

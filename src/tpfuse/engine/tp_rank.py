@@ -24,7 +24,9 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.spin_errors import SpinErrorWatch
 
 # Step kinds on the channel: how a worker runs the packed step that follows.
-PLAIN_STEP, SPEC_STEP, CHAINED_SPEC_STEP = 0, 1, 2
+# Step kinds on the channel. PROCESSED_STEP: a plain step whose ids rank 0 chooses alone (logits
+# processing) and broadcasts.
+PLAIN_STEP, SPEC_STEP, CHAINED_SPEC_STEP, PROCESSED_STEP = 0, 1, 2, 3
 WATCH_INTERVAL_S = 0.5  # how often a worker checks its parent (and rank 0 its workers)
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -139,7 +141,7 @@ def follow_steps(rank: int, config: EngineConfig, runner, channel) -> None:
             forward = execute_spec(runner, packed, link)
             verified = worker_chain_result(forward, verifier) if chains else None
         else:
-            runner.follow(packed)
+            runner.follow(packed, from_rank0=kind == PROCESSED_STEP)
             verified = None
         channel.mark_done(rank, last)
         spin_errors.poll()

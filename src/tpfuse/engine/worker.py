@@ -27,6 +27,7 @@ from tpfuse.engine.tp_rank import (
     CHAINED_SPEC_STEP,
     PLAIN_STEP,
     PROCESS_GROUP_TIMEOUT,
+    PROCESSED_STEP,
     SPEC_STEP,
     WATCH_INTERVAL_S,
     build_rank,
@@ -175,7 +176,11 @@ class TensorParallelExecutor:
         return self.runner.pack(batch, engine_seed)
 
     def launch(self, batch, packed: torch.Tensor):
-        return self._in_lock_step(lambda: self.runner.launch(batch, packed), packed, PLAIN_STEP)
+        kind = PROCESSED_STEP if self.runner.chooses_alone(batch) else PLAIN_STEP
+        return self._in_lock_step(lambda: self.runner.launch(batch, packed), packed, kind)
+
+    def complete(self, pending) -> None:
+        self._in_lock_step(lambda: self.runner.complete(pending))
 
     def wait(self, pending) -> list[int | None]:
         ids = self._in_lock_step(lambda: self.runner.wait(pending))

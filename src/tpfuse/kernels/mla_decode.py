@@ -150,8 +150,8 @@ def mla_decode_tile(heads: int) -> tuple[int, int, int, int, bool]:
     swap_ab (keys on the MMA's 64-row side, so 16 or 32 heads get Hopper's wgmma) is a tile option
     the benchmark compares; on the H200 it was slower than these tiles at 16 and 32 heads (PERF.md)."""
     block_h = min(max(triton.next_power_of_2(heads), 16), 64)
-    if block_h == 64:
-        return 64, 64, 8, 2, False
+    if block_h == 64:  # 3 stages: 4-11 % faster than 2 on the H200 at 128 heads (PERF.md)
+        return 64, 64, 8, 3, False
     return block_h, 32, 4, 2, False
 
 
