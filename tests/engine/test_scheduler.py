@@ -4,10 +4,12 @@ A fake model stands in for the runner: the next token is a fixed function of the
 any bookkeeping mistake (a lost or repeated chunk, a wrong order) changes the outputs.
 """
 
+import pytest
+
 from tpfuse.engine.batch import Ban
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Scheduler
+from tpfuse.engine.scheduler import GrowthReserve, Scheduler
 from tpfuse.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
@@ -190,3 +192,63 @@ def test_the_scheduled_batch_carries_each_rows_ban_and_how_many_tokens_it_lasts(
     add(sched, range(4), "b")
     batch = sched.schedule()
     assert batch.seqs[0] is banning and batch.bans == {0: Ban([42, EOS], 2)}
+
+
+def _with_reserve(num_blocks, ratio, max_running=8):
+    bm = BlockManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    return Scheduler(
+        bm, max_running, 64, 256, eos_token_ids={EOS}, growth_reserve=GrowthReserve(ratio, ratio, 0.0)
+    )
+
+
+def test_admission_keeps_room_for_the_running_requests_growth():
+    """At ratio 0.5 a request with 4 prompt tokens and 16 to go reserves 8 tokens (2 blocks of 4):
+    of 8 blocks, the first takes 1 + 2, the second 1 + 2, the third would need 1 + 2 of the 2 left."""
+    sched = _with_reserve(num_blocks=8, ratio=0.5)
+    seqs = [add(sched, range(10 * i, 10 * i + 4), f"r{i}", max_tokens=16, ignore_eos=True) for i in range(3)]
+    step(sched)
+    assert [s.status for s in seqs] == [
+        SequenceStatus.RUNNING,
+        SequenceStatus.RUNNING,
+        SequenceStatus.WAITING,
+    ]
+    assert sched.block_manager.num_free_blocks == 6  # 2 taken: the reserve is kept, not allocated
+
+
+def test_a_lone_request_is_admitted_when_its_prompt_fits_whatever_its_max_tokens():
+    sched = _with_reserve(num_blocks=2, ratio=1.0)
+    seq = add(sched, range(4), "long", max_tokens=200)
+    step(sched)
+    assert seq.status == SequenceStatus.RUNNING
+
+
+def test_a_preemption_raises_the_reserve_and_steps_decay_it():
+    reserve = GrowthReserve(init=0.5, minimum=0.1, decay=0.1)
+    reserve.step()
+    assert reserve.ratio == pytest.approx(0.4)
+    reserve.preempted()
+    assert reserve.ratio == pytest.approx(0.7)
+    for _ in range(20):
+        reserve.step()
+    assert reserve.ratio == pytest.approx(0.1)
+    assert reserve.tokens(7) == 1 and reserve.tokens(-3) == 0
+
+
+def test_with_the_reserve_a_full_queue_runs_with_fewer_preemptions():
+    """Eight requests of 4 + 24 tokens on 32 blocks of 4 (room for four at full length): greedy
+    admission preempts over and over; the reserve admits fewer at once and preempts less. Both
+    finish every request with the same tokens."""
+    results = []
+    for reserve in (None, GrowthReserve()):
+        bm = BlockManager(32, BLOCK, enable_prefix_caching=False)
+        sched = Scheduler(bm, 8, 64, 256, eos_token_ids={EOS}, growth_reserve=reserve)
+        seqs = [
+            add(sched, range(10 * i, 10 * i + 4), f"r{i}", max_tokens=24, ignore_eos=True) for i in range(8)
+        ]
+        while sched.has_unfinished():
+            step(sched)
+        results.append((sched.num_preemptions, [s.output_token_ids for s in seqs]))
+    (greedy_preemptions, greedy_tokens), (reserved_preemptions, reserved_tokens) = results
+    assert reserved_tokens == greedy_tokens and all(len(t) == 24 for t in greedy_tokens)
+    assert greedy_preemptions > 0
+    assert reserved_preemptions < greedy_preemptions

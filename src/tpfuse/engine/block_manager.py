@@ -89,8 +89,9 @@ class BlockManager:
         in_use = sum(1 for _, b in hits if self.blocks[b].ref_count > 0)
         return seq.num_blocks_for(len(seq)) - in_use
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self._num_new_blocks(seq, self._cached_prefix(seq)) <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, keep_free: int = 0) -> bool:
+        """Whether seq's tokens fit with keep_free blocks left over (a reserve for others' growth)."""
+        return self._num_new_blocks(seq, self._cached_prefix(seq)) + keep_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Gives seq blocks for all of its tokens; sets num_computed_tokens and num_cached_tokens to

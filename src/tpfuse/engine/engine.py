@@ -26,7 +26,7 @@ from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.executor import Executor
 from tpfuse.engine.logits_processing import LogitsProcessing, TokenLogprobs
 from tpfuse.engine.sampling_params import SamplingParams
-from tpfuse.engine.scheduler import Scheduler
+from tpfuse.engine.scheduler import GrowthReserve, Scheduler
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_strategy import LaunchedStep, PlainSteps, StepStrategy
 
@@ -103,6 +103,7 @@ class LLMEngine:
             eos,
             num_lookahead_tokens=num_lookahead_tokens(spec) if spec.enabled else 0,
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+            growth_reserve=GrowthReserve(),
         )
         # Rank 0's per-request logits processing (penalties, bias, grammar, logprobs), used by the
         # runner for batches that need it.

@@ -10,15 +10,38 @@ is left is prefilled in chunks over several steps, alongside the decodes.
 When a running request needs a KV block and none is free, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue, to be recomputed (its full blocks
 usually come back from the prefix cache).
+
+Admission keeps room for growth (GrowthReserve), so that a full queue does not turn into a cycle of
+admissions and preemptions: a waiting request is admitted only while the free blocks also cover
+every running request's (and its own) next `ratio` x remaining output tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from tpfuse.engine.batch import Ban, Batch
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.sequence import Sequence, SequenceStatus
+
+
+class GrowthReserve:
+    """The share of each request's remaining output tokens that admission keeps KV room for. It
+    adapts: it starts at `init`, decays by `decay` a step towards `minimum` (requests usually end
+    before max_tokens), and each preemption (the reserve was too small) moves it half way to 1."""
+
+    def __init__(self, init: float = 0.7, minimum: float = 0.1, decay: float = 0.001):
+        self.ratio, self.minimum, self.decay = init, minimum, decay
+
+    def step(self) -> None:
+        self.ratio = max(self.minimum, self.ratio - self.decay)
+
+    def preempted(self) -> None:
+        self.ratio = (1.0 + self.ratio) / 2
+
+    def tokens(self, remaining: int) -> int:
+        return math.ceil(self.ratio * max(remaining, 0))
 
 
 class Scheduler:
@@ -31,10 +54,12 @@ class Scheduler:
         eos_token_ids: set[int],
         num_lookahead_tokens: int = 0,
         max_prefill_tokens_per_step: int | None = None,
+        growth_reserve: GrowthReserve | None = None,
     ):
         """num_lookahead_tokens: speculative decoding's draft tokens; a decode reserves KV blocks for
         that many positions past its newest token and takes 1 + that many tokens of the budget.
-        max_prefill_tokens_per_step: prompt tokens one step may carry (None: the whole budget)."""
+        max_prefill_tokens_per_step: prompt tokens one step may carry (None: the whole budget).
+        growth_reserve: admission's room for growth (None: admit whatever prompt fits)."""
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_running_requests = max_running_requests
@@ -45,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.growth_reserve = growth_reserve
         # Free token-table entries (a running request's newest token on the device), the last freed on top.
         self._free_slots = list(range(max_running_requests - 1, -1, -1))
 
@@ -56,6 +82,8 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         """The next step's batch, or None when nothing can run."""
+        if self.growth_reserve is not None:
+            self.growth_reserve.step()
         budget = self.max_num_batched_tokens
         ahead = self.num_lookahead_tokens
         decode_tokens = sum(1 + ahead for seq in self.running if seq.num_uncomputed_tokens == 1)
@@ -103,10 +131,16 @@ class Scheduler:
         """Admits waiting requests first come, first served while the token and prefill budgets,
         the running cap and the KV blocks allow; returns (sequence, prompt tokens this step)."""
         admitted = []
+        reserve = None  # blocks the running requests' growth is expected to take
         while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if reserve is None:
+                reserve = sum(self._growth_blocks(s) for s in self.running) if self.growth_reserve else 0
+            own = self._growth_blocks(seq)
+            alone = not self.running  # then its prompt fitting is enough
+            if not self.block_manager.can_allocate(seq, keep_free=0 if alone else reserve + own):
                 break
+            reserve += own
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -117,6 +151,16 @@ class Scheduler:
             budget -= n
             prefill -= n
         return admitted
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """KV blocks beyond seq's table that growth_reserve keeps for its remaining output tokens
+        (a waiting sequence: beyond the blocks of its tokens so far)."""
+        if self.growth_reserve is None:
+            return 0
+        length = len(seq.token_ids)
+        remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - length)
+        expected = length + self.growth_reserve.tokens(remaining)
+        return max(0, seq.num_blocks_for(expected) - max(len(seq.block_table), seq.num_blocks_for(length)))
 
     def _bans(self, seqs: list[Sequence], num_outputs: list[int]) -> dict[int, Ban]:
         """row -> its Ban while min_tokens is not reached (num_outputs: each row's output tokens
@@ -244,6 +288,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.growth_reserve is not None:
+            self.growth_reserve.preempted()
 
     def _bans_before(self, seq: Sequence, num_output: int) -> bool:
         """Whether seq still bans ids once it has num_output tokens: min_tokens not reached and some
