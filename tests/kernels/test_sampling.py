@@ -117,3 +117,84 @@ def test_top_k_and_top_p_together_keep_tokens_in_both_sets():
     probs, order = row[row.topk(6).indices].softmax(-1), row.topk(6).indices
     allowed = set(order[(probs.cumsum(0) - probs) < 0.5].tolist())
     assert set(tokens.tolist()) <= allowed
+
+
+def test_the_host_filter_plan_equals_the_plan_read_from_the_device():
+    """The runner reads the plan from the CPU packed step (no device sync); it must be what the
+    device tensors give: greedy rows ignored, top_k off (-1 or 0), top_p compared as float32 (a
+    float64 just below 1 rounds to 1), a k above the selection bound, mixed rows."""
+    from tpfuse.kernels.sampling import TOP_K_SELECT_MAX, _filter_plan, filter_plan
+
+    cases = [
+        ([0.0, 0.0], [5, -1], [0.5, 1.0]),
+        ([0.7, 0.0], [-1, 3], [1.0, 0.2]),
+        ([0.7], [0], [1 - 1e-12]),
+        ([0.7], [0], [0.999]),
+        ([1.0, 0.5], [20, 40], [1.0, 0.9]),
+        ([1.0, 0.5], [20, -1], [1.0, 1.0]),
+        ([1.0], [TOP_K_SELECT_MAX + 1], [1.0]),
+        ([1.0, 0.0, 0.3], [7, -1, 7], [0.95, 1.0, 1.0]),
+    ]
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        n = int(torch.randint(1, 6, (1,), generator=generator))
+        temps = (torch.rand(n, generator=generator) * 2 - 0.5).clamp(min=0).tolist()
+        ks = torch.randint(-1, 60, (n,), generator=generator).tolist()
+        ps = torch.where(
+            torch.rand(n, generator=generator) < 0.5, 1.0, torch.rand(n, generator=generator)
+        ).tolist()
+        cases.append((temps, ks, ps))
+    for temps, ks, ps in cases:
+        device = _filter_plan(
+            torch.tensor(temps, dtype=torch.float64).float(), torch.tensor(ks), torch.tensor(ps).float()
+        )
+        if not any(t > 0 for t in temps):
+            assert filter_plan(temps, ks, ps) == (False, 0)
+            continue
+        assert filter_plan(temps, ks, ps) == device, (temps, ks, ps)
+
+
+def test_given_a_plan_the_sampler_never_reads_one_back_from_the_device(monkeypatch):
+    from tpfuse.kernels import sampling
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    temps, ks, ps, seeds = _params(3, 0.8, top_k=5)
+    expected = sample_triton(logits, temps, ks, ps, seeds)
+
+    def device_read(*args):
+        raise AssertionError("the sampler read its plan back from the device")
+
+    monkeypatch.setattr(sampling, "_filter_plan", device_read)
+    plan = sampling.filter_plan(temps.tolist(), ks.tolist(), ps.tolist())
+    assert torch.equal(sample_triton(logits, temps, ks, ps, seeds, plan), expected)
+
+
+def test_the_runner_passes_the_host_plan_of_every_sampled_step(monkeypatch):
+    """Sampled steps (decodes and prefills, greedy and sampled rows mixed) carry the plan read from
+    the CPU packed step, equal to the one the device tensors give, so launching them needs no sync."""
+    from tpfuse.engine import runner as runner_module
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+    from tpfuse.kernels.sampling import _filter_plan
+
+    plans = []
+    real = runner_module.sample
+
+    def recording(logits, temperatures, top_ks, top_ps, seeds, plan=None):
+        plans.append((plan, _filter_plan(temperatures, top_ks, top_ps)))
+        return real(logits, temperatures, top_ks, top_ps, seeds, plan)
+
+    monkeypatch.setattr(runner_module, "sample", recording)
+    llm = LLM("tiny", device="cpu", num_kv_blocks=64)
+    try:
+        params = [
+            SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            SamplingParams(temperature=1.1, top_p=0.9, seed=2, max_tokens=4, ignore_eos=True),
+        ]
+        outputs = llm.generate(["one", "two", "three"], params)
+    finally:
+        llm.shutdown()
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    assert len(plans) >= 4
+    assert all(plan is not None and plan == device for plan, device in plans)

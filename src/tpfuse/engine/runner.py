@@ -200,10 +200,10 @@ class ModelRunner:
             # A step without token-table entries (not packed by pack()) has another layout.
             device_packed = self.upload.into(packed, graphs.packed) if header.uses_table else None
             if device_packed is None:  # too many banned pairs for the static buffer, or no table
-                step = unpack_step(header, self.upload.to_device(packed))
+                step = unpack_step(header, self.upload.to_device(packed), packed)
                 out = graphs.run(step)  # the graph takes the ids from the token table itself
             else:
-                step = unpack_step(header, device_packed)
+                step = unpack_step(header, device_packed, packed)
                 out = graphs.replay_packed(header.num_seqs)
             if not header.num_samples:
                 return step, None, False
@@ -211,7 +211,7 @@ class ModelRunner:
                 return step, None, True
             rows = out.index_select(0, step.sample_indices)
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
-        step = unpack_step(header, self.upload.to_device(packed))
+        step = unpack_step(header, self.upload.to_device(packed), packed)
         self._gather_input_ids(step)
         hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
         if self.hook is not None:
@@ -234,7 +234,7 @@ class ModelRunner:
             logits[rows, ids] = float("-inf")
         if step.header.all_greedy:
             return logits.argmax(dim=-1)
-        return sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds)
+        return sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds, step.filter_plan)
 
     def sample(self, step: StepInputs, logits: torch.Tensor) -> list[int]:
         """Rank 0: the next token of each sampled row, as Python ints."""

@@ -71,7 +71,7 @@ def run_spec_forward(runner: ModelRunner, packed: torch.Tensor, shift=None) -> S
     header = read_header(packed)
     spec_header = read_spec_header(packed, header)
     device_packed = runner.upload.to_device(packed)
-    step = unpack_step(header, device_packed)
+    step = unpack_step(header, device_packed, packed)
     spec = unpack_spec(header, spec_header, device_packed)
     if shift is not None:
         accepted, emitted, max_shift = shift

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tpfuse.engine.batch import Batch
+from tpfuse.kernels.sampling import filter_plan
 from tpfuse.model.attention import AttentionMetadata
 
 HEADER_LEN = 11
@@ -100,6 +101,7 @@ class StepInputs:
     top_ps: torch.Tensor  # [N] float32 (float64 when header.all_greedy: unused)
     banned_rows: torch.Tensor  # [K]
     banned_ids: torch.Tensor  # [K]
+    filter_plan: tuple[bool, int] | None = None  # kernels.sampling.filter_plan, when read on the host
 
     def attention_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(
@@ -288,16 +290,26 @@ def read_header(packed: torch.Tensor) -> StepHeader:
     return StepHeader(*packed[:HEADER_LEN].tolist())
 
 
-def unpack_step(header: StepHeader, packed_device: torch.Tensor) -> StepInputs:
-    """Views of the device copy of a packed step (the float fields are converted to float32)."""
+def unpack_step(
+    header: StepHeader, packed_device: torch.Tensor, packed: torch.Tensor | None = None
+) -> StepInputs:
+    """Views of the device copy of a packed step (the float fields are converted to float32).
+    packed: the CPU packed step, from which the sampler's filter plan is read (no device sync)."""
     views = {}
     offset = HEADER_LEN
+    host = {}
     for name, size in header.sizes():
         views[name] = packed_device[offset : offset + size]
+        if packed is not None and name in ("top_ks", "temperatures", "top_ps"):
+            host[name] = packed[offset : offset + size]
         offset += size
     views["block_tables"] = views["block_tables"].view(header.num_seqs, header.max_blocks)
     for name in ("temperatures", "top_ps"):
         views[name] = views[name].view(torch.float64)
         if not header.all_greedy:  # greedy steps never read them: skip the conversion kernels
             views[name] = views[name].float()
-    return StepInputs(header=header, **views)
+    plan = None
+    if host and not header.all_greedy:
+        temperatures, top_ps = (host[name].view(torch.float64).numpy() for name in ("temperatures", "top_ps"))
+        plan = filter_plan(temperatures, host["top_ks"].numpy(), top_ps)
+    return StepInputs(header=header, **views, filter_plan=plan)

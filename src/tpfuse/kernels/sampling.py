@@ -13,6 +13,7 @@ other rows, but not the same stream as the torch reference's generator.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -109,10 +110,26 @@ def _sample_kernel(
 TOP_K_SELECT_MAX = 1024  # above this a full sort is about as cheap as torch.topk
 
 
+def filter_plan(temperatures, top_ks, top_ps) -> tuple[bool, int]:
+    """(whether any sampled row filters, k bound for top-k selection or 0 for a full sort) of the
+    rows' values as the host knows them (sequences of floats and ints; top_p compared as float32,
+    as the device holds it), so that a launch need not read them back from the device."""
+    t = np.asarray(temperatures, dtype=np.float32)
+    k = np.asarray(top_ks, dtype=np.int64)
+    p = np.asarray(top_ps, dtype=np.float32)
+    sampled = t > 0
+    if not sampled.any():
+        return False, 0
+    any_filter = bool((sampled & ((k > 0) | (p < 1))).any())
+    ks = np.where(sampled, k, 1)  # greedy rows never read the filtered logits
+    k_min, k_max = int(ks.min()), int(ks.max())
+    return any_filter, (k_max if k_min > 0 and k_max <= TOP_K_SELECT_MAX else 0)
+
+
 def _filter_plan(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> tuple[bool, int]:
-    """(whether any sampled row filters, k bound for top-k selection or 0 for a full sort); one host sync."""
+    """filter_plan of device tensors: one host sync (none while capturing: then filter by sorting)."""
     if temperatures.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True, 0  # no host sync while capturing: filter unconditionally, by sorting
+        return True, 0
     sampled = temperatures > 0
     filters = sampled & ((top_ks > 0) | (top_ps < 1))
     ks = torch.where(sampled, top_ks.long(), 1)  # greedy rows never read the filtered logits
@@ -139,17 +156,19 @@ def sample_triton(
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
     seeds: torch.Tensor,
+    plan: tuple[bool, int] | None = None,
 ) -> torch.Tensor:
     """Triton sample_ref: same arguments and result ([B] int64). Greedy rows (temperature <= 0) are
     exactly torch.argmax of the logits; sampled rows are deterministic for a given seed and row
-    contents, whatever else is in the batch. logits may be any float dtype, last dim contiguous."""
+    contents, whatever else is in the batch. logits may be any float dtype, last dim contiguous.
+    plan: filter_plan of the rows when the caller knows it (else read from the device: a sync)."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     filtered = logits
-    use_filter, k_bound = _filter_plan(temperatures, top_ks, top_ps)
+    use_filter, k_bound = plan if plan is not None else _filter_plan(temperatures, top_ks, top_ps)
     if use_filter:
         temps = temperatures.float().clamp(min=1e-6)[:, None]
         filtered = filter_top_k_top_p(logits.float() / temps, top_ks, top_ps.float(), k_bound)
