@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
-from tpfuse.kernels.quant_int import IntTile, MagicTile, StreamTile
+from tpfuse.kernels.quant_int import IntTile, MagicTile
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
 log = logging.getLogger("tpfuse")
@@ -240,19 +240,14 @@ def reset() -> None:
 # and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 1.7 with the
 # words prefetched in registers, 2.1 through a 4-stage cp.async pipeline, which adds 16 KB of shared
 # memory traffic per 8 KB of codes; split-K so the 4096-row projections fill the SMs; shapes it does
-# not fit run the GEMV's default tile), and the streaming GEMV (StreamTile: codes as denormals, one
-# scale per 16-byte chunk, the next steps prefetched into L2; about 2.6 instructions per weight at 64
-# rows, 2.9 at 32, 3.1 at 32 with the next step in registers; split-K 2 / 4 for the 4096-row
-# projections; its row strides are constants, so it compiles once per distinct K);
+# not fit run the GEMV's default tile);
 # 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows, swap), x (32 columns,
 # twice the programs for the 4096-row projections), or split-K (o_proj / down: 64 of 132 SMs busy
 # otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
     1: (IntTile(1, 16, 1024, 1, 4), IntTile(1, 32, 512, 1, 4), IntTile(1, 8, 1024, 1, 4),
         MagicTile(1, 128, 128, 1, 4), MagicTile(1, 128, 128, 1, 4, split_k=2),
-        MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2),
-        StreamTile(1, 32, 1024, 2, 4), StreamTile(1, 64, 1024, 1, 4),
-        StreamTile(1, 32, 1024, 1, 4, split_k=2), StreamTile(1, 64, 1024, 1, 4, split_k=4)),
+        MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2)),
     **{
         b: (IntTile(b, 64, 128, 3, 4, swap=True), IntTile(b, 32, 128, 3, 4),
             IntTile(b, 64, 128, 3, 4, swap=True, split_k=2))
