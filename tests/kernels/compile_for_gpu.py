@@ -47,6 +47,7 @@ from tpfuse.kernels import (
     rope,
     rope_store_kv,
     sampling,
+    sampling_cut,
     skinny_linear,
 )
 from tpfuse.kernels.mla_prefill import mla_prefill_tile_config
@@ -166,7 +167,7 @@ def _variants(dtype: str):
         {"stream_word": "i64", "n": "i32", "stride_cb": "i64"},
         dict(BLOCK=counter_random.UNIFORM_BLOCK),
     )
-    for filtered in (False, True):
+    for filtered, cut in ((False, False), (True, False), (False, True)):
         yield (
             sampling._sample_kernel,
             {
@@ -175,10 +176,17 @@ def _variants(dtype: str):
                 "temperatures_ptr": "*fp32",
                 "seeds_ptr": "*i64",
                 "out_ptr": "*i64",
+                "cuts_ptr": "*fp32",
             },
             {},
-            dict(FILTERED=filtered, BLOCK_V=4096),
+            dict(FILTERED=filtered, CUT=cut, BLOCK_V=4096),
         )
+    yield (
+        sampling_cut._row_cut_kernel,
+        {"*": "*fp32", "logits_ptr": p, "top_ks_ptr": "*i64"},
+        {},
+        dict(BLOCK_V=4096, STEPS=sampling_cut.BISECTION_STEPS),
+    )
     for hidden, even, has_bias in ((4096, True, False), (14336, True, False), (2000, False, True)):
         yield (
             gemv._gemv_kernel,

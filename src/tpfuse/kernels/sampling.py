@@ -4,9 +4,9 @@ Each row carries its own seed (the engine derives it from the request's seed and
 so a seeded request gives the same tokens whatever else is in the batch. Sampling is Gumbel-max:
 argmax(logits / T + Gumbel noise) over the tokens that survive top-k and top-p.
 
-The Triton version filters top-k/top-p in torch, only when some sampled row asks for it (torch.topk
-when every row has a small top_k, else one sort of the vocabulary), and runs the final noise +
-argmax in one kernel, one program per row streaming the vocabulary. Its noise comes from Philox
+The Triton version filters top-k/top-p only when some sampled row asks for it: torch.topk when every
+row has a small top_k, else one cut value per row found without sorting (sampling_cut.py); then the
+noise + argmax run in one kernel, one program per row streaming the vocabulary. Its noise comes from Philox
 (tl.rand) keyed by the row's seed and the token index: deterministic per seed, independent of the
 other rows, but not the same stream as the torch reference's generator.
 """
@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from tpfuse.kernels.sampling_cut import row_cuts
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -59,9 +61,11 @@ def sample_ref(
 
 
 @triton.jit
-def _row_argmax(values_ptr, vocab, temperature, seed, ADD_NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_argmax(values_ptr, vocab, temperature, seed, ADD_NOISE: tl.constexpr, BLOCK_V: tl.constexpr,
+                cut, CUT: tl.constexpr):  # fmt: skip
     """Index of the largest value of one row (ties: the lowest index); with ADD_NOISE, of
-    values / temperature + Gumbel(seed, token index)."""
+    values / temperature + Gumbel(seed, token index); with CUT, over the tokens whose
+    values / temperature is >= cut (sampling_cut.row_cuts)."""
     best_value = tl.full([], float("-inf"), tl.float32)
     best_index = tl.full([], 0, tl.int32)
     for chunk_start in range(0, vocab, BLOCK_V):
@@ -69,7 +73,10 @@ def _row_argmax(values_ptr, vocab, temperature, seed, ADD_NOISE: tl.constexpr, B
         values = tl.load(values_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
         if ADD_NOISE:
             u = tl.maximum(tl.rand(seed, tokens), 1.0e-20)
-            values = values / temperature - tl.log(-tl.log(u))
+            scaled = values / temperature
+            if CUT:
+                scaled = tl.where(scaled >= cut, scaled, float("-inf"))
+            values = scaled - tl.log(-tl.log(u))
         chunk_best = tl.max(values, axis=0)
         chunk_index = chunk_start + tl.argmax(values, axis=0)
         # Strictly greater: an earlier chunk keeps a tie, as torch.argmax does.
@@ -86,24 +93,34 @@ def _sample_kernel(
     temperatures_ptr,
     seeds_ptr,
     out_ptr,
+    cuts_ptr,
     vocab,
     stride_logits,
     stride_filtered,
     FILTERED: tl.constexpr,
+    CUT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperatures_ptr + row).to(tl.float32)
     seed = tl.load(seeds_ptr + row)
     if temperature <= 0.0:
-        token = _row_argmax(logits_ptr + row * stride_logits, vocab, 1.0, seed, False, BLOCK_V)
+        token = _row_argmax(logits_ptr + row * stride_logits, vocab, 1.0, seed, False, BLOCK_V, 0.0, False)
         tl.store(out_ptr + row, token.to(tl.int64))
     elif FILTERED:
         # filtered rows are already divided by the temperature
-        token = _row_argmax(filtered_ptr + row * stride_filtered, vocab, 1.0, seed, True, BLOCK_V)
+        token = _row_argmax(filtered_ptr + row * stride_filtered, vocab, 1.0, seed, True, BLOCK_V, 0.0, False)
+        tl.store(out_ptr + row, token.to(tl.int64))
+    elif CUT:
+        cut = tl.load(cuts_ptr + row)
+        token = _row_argmax(
+            logits_ptr + row * stride_logits, vocab, temperature, seed, True, BLOCK_V, cut, True
+        )
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
-        token = _row_argmax(logits_ptr + row * stride_logits, vocab, temperature, seed, True, BLOCK_V)
+        token = _row_argmax(
+            logits_ptr + row * stride_logits, vocab, temperature, seed, True, BLOCK_V, 0.0, False
+        )
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -169,7 +186,11 @@ def sample_triton(
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     filtered = logits
     use_filter, k_bound = plan if plan is not None else _filter_plan(temperatures, top_ks, top_ps)
-    if use_filter:
+    cut = use_filter and k_bound == 0  # no small top_k everywhere: one cut per row, no sort
+    cuts = out
+    if cut:
+        cuts = row_cuts(logits, temperatures, top_ks, top_ps)
+    elif use_filter:
         temps = temperatures.float().clamp(min=1e-6)[:, None]
         filtered = filter_top_k_top_p(logits.float() / temps, top_ks, top_ps.float(), k_bound)
     _sample_kernel[(batch,)](
@@ -178,10 +199,12 @@ def sample_triton(
         temperatures,
         seeds,
         out,
+        cuts,
         vocab,
         logits.stride(0),
         filtered.stride(0),
-        FILTERED=use_filter,
+        FILTERED=use_filter and not cut,
+        CUT=cut,
         BLOCK_V=min(triton.next_power_of_2(vocab), 4096),
         num_warps=8,
     )
