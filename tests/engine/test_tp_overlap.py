@@ -65,8 +65,8 @@ def checkpoint(tmp_path_factory):
     return directory, expected
 
 
-def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monkeypatch):
-    directory, expected = checkpoint
+def _generate_at_tp2_recorded(directory, params, monkeypatch) -> tuple[list, RecordingExecutor]:
+    """(each prompt's tokens, the executor's recorded launches and waits) of a TP = 2 run."""
     make = engine_module._make_executor
     recorders = []
 
@@ -77,10 +77,17 @@ def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monk
     monkeypatch.setattr(engine_module, "_make_executor", recording)
     llm = LLM(directory, tp_size=2, **ENGINE)
     try:
-        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
     finally:
         llm.shutdown()
     [recorder] = recorders
+    return tokens, recorder
+
+
+def test_at_tp2_step_n_plus_1_is_launched_before_step_n_is_read(checkpoint, monkeypatch):
+    directory, expected = checkpoint
+    tokens, recorder = _generate_at_tp2_recorded(directory, PARAMS, monkeypatch)
+    assert tokens == expected
     assert isinstance(recorder.inner, TensorParallelExecutor)
     order = {event: i for i, event in enumerate(recorder.events)}
     chained = [n for kind, n, *rest in recorder.events if kind == "launch" and rest[0]]
@@ -103,20 +110,8 @@ def test_at_tp2_rows_with_logits_processing_get_rank0s_ids_and_are_launched_ahea
     llm = LLM(directory, **ENGINE)
     expected = [o.token_ids for o in llm.generate(PROMPTS, PROCESSED)]
     llm.shutdown()
-    make = engine_module._make_executor
-    recorders = []
-
-    def recording(config):
-        recorders.append(RecordingExecutor(make(config)))
-        return recorders[-1]
-
-    monkeypatch.setattr(engine_module, "_make_executor", recording)
-    llm = LLM(directory, tp_size=2, **ENGINE)
-    try:
-        assert [o.token_ids for o in llm.generate(PROMPTS, PROCESSED)] == expected
-    finally:
-        llm.shutdown()
-    [recorder] = recorders
+    tokens, recorder = _generate_at_tp2_recorded(directory, PROCESSED, monkeypatch)
+    assert tokens == expected
     assert sum(1 for kind, _, *rest in recorder.events if kind == "launch" and rest[0]) >= 5
 
 
