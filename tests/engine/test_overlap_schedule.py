@@ -224,3 +224,27 @@ def test_requests_with_logits_processing_are_launched_ahead_and_match_sync():
     assert [t for t, _, _ in sync_logprobs["r1"]] == sync["r1"] and len(sync["r1"]) == 18
     json.loads(engine.tokenizer.decode(sync["r3"][:-1]))  # the grammar row wrote its object, then EOS
     assert chained > 10
+
+
+def test_processed_requests_preempted_or_aborted_mid_run_match_sync():
+    """Processed rows (penalties, logprobs) under a KV budget that preempts, with an abort while a
+    processed step is in flight: the overlapped engine gives the synchronous tokens of every
+    request that was not aborted."""
+    params = {
+        "r0": greedy(30, repetition_penalty=2.0, logprobs=1),
+        "r1": seeded(30, 4, presence_penalty=1.0),
+        "r2": greedy(30, frequency_penalty=0.7),
+        "r3": seeded(30, 6, logit_bias={70: 3.0}),
+    }
+    results = []
+    for overlap in (False, True):
+        engine = _engine(overlap, num_kv_blocks=10, block_size=16)
+        engine.scheduler.growth_reserve = None  # admit what fits, so that this budget preempts
+        tokens = _run(engine, {0: list(params.items())}, {7: ["r3"]})
+        results.append((tokens, engine.scheduler.num_preemptions, engine.launch_counts["ahead"]))
+        engine.shutdown()
+    (sync, sync_preempted, _), (overlapped, preempted, chained) = results
+    assert {r: v for r, v in overlapped.items() if r != "r3"} == {r: v for r, v in sync.items() if r != "r3"}
+    assert overlapped["r3"][1] == sync["r3"][1] == "abort"
+    assert sync_preempted > 0 and preempted > 0
+    assert chained > 10
