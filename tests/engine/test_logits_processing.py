@@ -201,3 +201,27 @@ def test_a_complete_grammar_answer_keeps_sampling_end_ids_instead_of_raising(eng
     assert json.loads(engine.tokenizer.decode(answer[:first_end])) in (True, False)
     assert set(answer[first_end:]) <= ends and len(answer) >= 10
     assert len(tokens["plain"]) == 12
+
+
+def test_a_byte_tokenizer_grammar_covers_its_own_ids_and_masks_the_models_padding():
+    """The byte tokenizer's grammars are compiled over its bytes and specials only (xgrammar's fill
+    time grows with the width); ids past them, which preset models have, are never allowed."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    vocab = tokenizer.vocab_size + 300
+    processing = LogitsProcessing(vocab, tokenizer, sorted(tokenizer.eos_token_ids))
+    assert processing.grammar_vocab_size == tokenizer.vocab_size
+    params = SamplingParams(
+        temperature=0, max_tokens=8, grammar=Grammar("json_schema", json.dumps({"type": "integer"}))
+    )
+    seq = _seq(params, [65], [])
+    processing.register(seq)
+    logits = torch.zeros(1, vocab)
+    out = processing.for_batch(SimpleNamespace(seqs=[seq], samples=lambda i: True)).apply(logits)
+    allowed = (out[0] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and set(allowed) <= {ord(c) for c in "-0123456789"}
+    assert torch.all(out[0, tokenizer.vocab_size :] == float("-inf"))

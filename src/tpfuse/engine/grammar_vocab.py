@@ -7,9 +7,23 @@ forbids them raw inside strings, yet xgrammar 0.2's length-bounded string rule a
 compact JSON needs no whitespace outside strings; escapes such as \n remain). Hugging Face
 tokenizers go through xgrammar's own reader. vocab_size is the model's (its logits' width), which
 may exceed the tokenizer's.
+
+`grammar_vocab_size` is the width grammars are compiled and masked over: xgrammar's mask fill costs
+time in proportion to it, even for empty entries, so the byte tokenizer's grammars cover its own
+ids (bytes and specials) and the model's ids past them are masked without asking xgrammar.
 """
 
 from __future__ import annotations
+
+
+def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
+    """The leading ids a grammar can allow (the rest are never allowed): the byte tokenizer's own
+    ids, else the model's whole vocabulary."""
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return min(vocab_size, tokenizer.vocab_size)
+    return vocab_size
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):

@@ -59,7 +59,10 @@ class LogitsProcessing:
     grammar compiler); eos_token_ids: the tokens that end a grammar's output."""
 
     def __init__(self, vocab_size: int, tokenizer, eos_token_ids):
+        from tpfuse.engine.grammar_vocab import grammar_vocab_size
+
         self.vocab_size = vocab_size
+        self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size)  # ids past it: never allowed
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,7 +101,7 @@ class LogitsProcessing:
 
             from tpfuse.engine.grammar_vocab import tokenizer_info
 
-            info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            info = tokenizer_info(self.tokenizer, self.grammar_vocab_size, self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler
 
@@ -194,7 +197,7 @@ class BatchProcessing:
         one pass."""
         import xgrammar
 
-        vocab = logits.shape[-1]
+        vocab = self.owner.grammar_vocab_size  # the ids past it are never allowed
         bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # all allowed
         complete = []  # rows whose grammar has accepted its stop token
         live, live_rows = [], []  # the other rows' matchers and bitmask rows
@@ -215,7 +218,10 @@ class BatchProcessing:
             self.owner.batch_matcher().batch_fill_next_token_bitmask(live, bitmask, live_rows)
         index = upload(rows, logits.device)
         allowed = _unpack_bitmask(upload(bitmask, logits.device, torch.int32), vocab)
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+        masked = logits.index_select(0, index)
+        masked[:, :vocab].masked_fill_(~allowed, float("-inf"))
+        masked[:, vocab:] = float("-inf")
+        logits.index_copy_(0, index, masked)
         if complete:
             # A complete answer admits only an end-of-sequence token (ignore_eos or min_tokens keep
             # such a request sampling): every other logit -inf, the end ids a finite 0.
