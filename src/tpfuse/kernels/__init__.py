@@ -159,9 +159,7 @@ def warm_up_mla_attention(cache, rope_dim, num_heads, max_query_len) -> int:
 def sample(logits, temperatures, top_ks, top_ps, seeds, plan=None):
     """plan: sampling.filter_plan of the rows, when the caller knows it (the Triton path then needs
     no host sync)."""
-    if use_triton(logits):
-        return sampling.sample_triton(logits, temperatures, top_ks, top_ps, seeds, plan)
-    return sampling.sample_ref(logits, temperatures, top_ks, top_ps, seeds)
+    return _pick(sampling, "sample", logits)(logits, temperatures, top_ks, top_ps, seeds, plan)
 
 
 def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
