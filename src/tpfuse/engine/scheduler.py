@@ -82,8 +82,6 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         """The next step's batch, or None when nothing can run."""
-        if self.growth_reserve is not None:
-            self.growth_reserve.step()
         budget = self.max_num_batched_tokens
         ahead = self.num_lookahead_tokens
         decode_tokens = sum(1 + ahead for seq in self.running if seq.num_uncomputed_tokens == 1)
@@ -327,6 +325,8 @@ class Scheduler:
         (with one token or none before it is appended, so also when it finishes the sequence; with
         accepted drafts after they are appended). Returns (sequence, tokens it got) pairs; a sequence
         that finished (or was aborted) after batch was launched ahead gets nothing."""
+        if self.growth_reserve is not None:
+            self.growth_reserve.step()  # once per step run, whichever schedule planned it
         updated = []
         bm = self.block_manager
         sealing, block_size = bm.enable_prefix_caching, bm.block_size
