@@ -76,3 +76,32 @@ def test_bf16_logits_give_the_cut_of_their_float32_values():
     assert torch.equal(
         row_cuts(logits, temperatures, top_ks, top_ps), row_cuts(logits.float(), temperatures, top_ks, top_ps)
     )
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_cut_keeps_the_float64_sort_set_in_and_out_of_a_cuda_graph():
+    """128k bf16 logits (ties at the cut are kept too), the sampler's cut path in a CUDA graph
+    replay giving the eager tokens."""
+    from tpfuse.kernels.sampling import sample_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    vocab = 128256
+    logits = (torch.randn(5, vocab, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    temperatures = torch.tensor([0.8, 1.0, 0.6, 0.0, 1.2], device="cuda")
+    top_ks = torch.tensor([0, 2000, 0, 0, 5000], device="cuda")
+    top_ps = torch.tensor([0.95, 0.9, 0.5, 1.0, 1.0], device="cuda")
+    cuts = row_cuts(logits, temperatures, top_ks, top_ps)
+    z = (logits.float() / temperatures.clamp(min=1e-6)[:, None]).cpu()
+    for b in (0, 1, 2, 4):
+        kept = set((z[b] >= cuts[b].cpu()).nonzero().flatten().tolist())
+        by_sort = _kept_float64(z[b], int(top_ks[b]), float(top_ps[b]))
+        assert by_sort <= kept and all(z[b, t] == cuts[b].cpu() for t in kept - by_sort), b
+    seeds = torch.arange(5, device="cuda")
+    eager = sample_triton(logits, temperatures, top_ks, top_ps, seeds, (True, 0))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sample_triton(logits, temperatures, top_ks, top_ps, seeds, (True, 0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert all(z[b, int(eager[b])] >= cuts[b].cpu() for b in (0, 1, 2, 4))
