@@ -10,8 +10,8 @@ place, in this order: raw log-probabilities kept for logprobs, repetition penalt
 and output, HF's rule: positive logits divided, negative multiplied), presence and frequency
 penalties (over output tokens, OpenAI's rule), logit_bias (these three for the whole batch at once,
 engine/penalties.py), and the grammar mask (filled on xgrammar's thread pool; disallowed tokens
-to -inf; once the grammar is complete only end-of-sequence ids remain; min_tokens bans do not
-apply to grammar rows: the grammar decides where the answer ends); then `record(tokens)` keeps
+to -inf; once the grammar is complete only end-of-sequence ids remain; the scheduler gives grammar
+rows no min_tokens bans: the grammar decides where the answer ends); then `record(tokens)` keeps
 each logprobs row's chosen and top log-probabilities on the device and `settle()` stores them
 once the step is read. Logprobs are those of the model (log_softmax of the raw logits, before any
 processing or temperature), as vLLM reports them by default.

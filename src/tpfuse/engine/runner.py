@@ -33,7 +33,7 @@ from tpfuse.engine.step_inputs import (
     unpack_step,
 )
 from tpfuse.engine.step_limits import max_step_rows, resolve_max_model_len
-from tpfuse.engine.step_upload import StepUpload, upload
+from tpfuse.engine.step_upload import StepUpload
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.kernels import sample
 from tpfuse.model import linear_choice, moe_choice
@@ -221,17 +221,10 @@ class ModelRunner:
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
 
     @torch.inference_mode()
-    def _choose_tokens(
-        self, step: StepInputs, logits: torch.Tensor, exempt_rows: list[int] = ()
-    ) -> torch.Tensor:
-        """Device ids [N] of the sampled rows: the min_tokens bans masked except in exempt_rows
-        (grammar rows: the grammar alone decides where their answer ends), then argmax or the sampler."""
+    def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+        """Device ids [N] of the sampled rows: the min_tokens bans masked, then argmax or the sampler."""
         if step.header.num_banned:
-            rows, ids = step.banned_rows, step.banned_ids
-            if exempt_rows:
-                keep = ~torch.isin(rows, upload(exempt_rows, rows.device, rows.dtype))
-                rows, ids = rows[keep], ids[keep]
-            logits[rows, ids] = float("-inf")
+            logits[step.banned_rows, step.banned_ids] = float("-inf")
         if step.header.all_greedy:
             return logits.argmax(dim=-1)
         return sample(logits, step.temperatures, step.top_ks, step.top_ps, step.seeds, step.filter_plan)
@@ -276,9 +269,10 @@ class ModelRunner:
         ids to the host; returns without waiting (see wait). A batch with rows that need logits
         processing gets its forward only: `complete` chooses its tokens."""
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        if self.chooses_alone(batch):
+        processing = self.logits_processing.for_batch(batch) if self.logits_processing is not None else None
+        if processing is not None:
             step, logits, _ = self._forward(packed, need_logits=True)
-            return ProcessedStep(step, logits, self.logits_processing.for_batch(batch), rows, len(batch.seqs))
+            return ProcessedStep(step, logits, processing, rows, len(batch.seqs))
         _, tokens, by_row = self._forward_and_choose(packed)
         return self.readback.start(tokens, rows, by_row, len(batch.seqs))
 
@@ -292,8 +286,7 @@ class ModelRunner:
             return
         processing = handle.processing
         with torch.inference_mode():  # not the readback's pinned buffers, which outlive this step
-            logits = processing.apply(handle.logits)
-            tokens = self._choose_tokens(handle.step, logits, processing.grammar_rows)
+            tokens = self._choose_tokens(handle.step, processing.apply(handle.logits))
             processing.record(tokens)
             if self.config.tp_size > 1:
                 torch.distributed.broadcast(tokens, src=0)

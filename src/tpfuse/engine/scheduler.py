@@ -291,17 +291,22 @@ class Scheduler:
 
     def _bans_before(self, seq: Sequence, num_output: int) -> bool:
         """Whether seq still bans ids once it has num_output tokens: min_tokens not reached and some
-        id to ban (min_tokens with ignore_eos and no stop ids bans nothing, so it chains)."""
+        id to ban (min_tokens with ignore_eos and no stop ids bans nothing, so it chains; nor does a
+        grammar's, see banned_token_ids)."""
         p = seq.params
-        if num_output >= p.min_tokens:
+        if num_output >= p.min_tokens or p.grammar is not None:
             return False
         return bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids))
 
     def banned_token_ids(self, seq: Sequence, num_output: int | None = None) -> list[int]:
         """Tokens that must not be sampled next: end-of-sequence and stop ids before min_tokens.
-        num_output: seq's output tokens before that token (default: those it has now)."""
+        num_output: seq's output tokens before that token (default: those it has now). None for a
+        grammar-constrained request: its grammar alone decides where the answer ends."""
         p = seq.params
-        if (seq.num_output_tokens if num_output is None else num_output) >= p.min_tokens:
+        if (
+            p.grammar is not None
+            or (seq.num_output_tokens if num_output is None else num_output) >= p.min_tokens
+        ):
             return []
         banned = set(p.stop_token_ids)
         if not p.ignore_eos:

@@ -295,13 +295,11 @@ def unpack_step(
 ) -> StepInputs:
     """Views of the device copy of a packed step (the float fields are converted to float32).
     packed: the CPU packed step, from which the sampler's filter plan is read (no device sync)."""
-    views = {}
+    views, offsets = {}, {}
     offset = HEADER_LEN
-    host = {}
     for name, size in header.sizes():
         views[name] = packed_device[offset : offset + size]
-        if packed is not None and name in ("top_ks", "temperatures", "top_ps"):
-            host[name] = packed[offset : offset + size]
+        offsets[name] = offset
         offset += size
     views["block_tables"] = views["block_tables"].view(header.num_seqs, header.max_blocks)
     for name in ("temperatures", "top_ps"):
@@ -309,7 +307,13 @@ def unpack_step(
         if not header.all_greedy:  # greedy steps never read them: skip the conversion kernels
             views[name] = views[name].float()
     plan = None
-    if host and not header.all_greedy:
-        temperatures, top_ps = (host[name].view(torch.float64).numpy() for name in ("temperatures", "top_ps"))
-        plan = filter_plan(temperatures, host["top_ks"].numpy(), top_ps)
+    if packed is not None and not header.all_greedy and header.num_samples:
+        n = header.num_samples
+        host = {
+            name: packed[offsets[name] : offsets[name] + n] for name in ("temperatures", "top_ks", "top_ps")
+        }
+        plan = filter_plan(
+            host["temperatures"].view(torch.float64).numpy(), host["top_ks"].numpy(),
+            host["top_ps"].view(torch.float64).numpy(),
+        )  # fmt: skip
     return StepInputs(header=header, **views, filter_plan=plan)
