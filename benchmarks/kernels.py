@@ -10,7 +10,8 @@ Sections: (1) per-op table at batch 1, 8, 64 and context 1024, 4096, with old vs
 (2) the decode split sweep (best split count per shape vs the rule); (3) the small ops of one
 batch-1 decode step (32 layers), before vs after this round's changes. `--prefill` adds prefill
 attention vs SDPA (do_bench); `--verify` (or `--verify-only`) verify-pass attention (k + 1 queries per
-sequence) against the K/V bytes it reads.
+sequence) against the K/V bytes it reads. `--decode-attention-only 256x1280,416x1280` runs section (2) alone
+at those batch x context shapes, also at key tiles of 32 and 128.
 
 Usage (device machine, repo root): python benchmarks/kernels.py [--prefill]   # JSON to $OUT if set
 """
@@ -127,10 +128,18 @@ class DecodeAttentionCase:
         self.q = _randn(batch, HEADS, HEAD_DIM)
         self.kv_bytes = per_copy
 
-    def calls(self, splits: int, merge_in_kernel: bool = False):
+    def calls(self, splits: int, merge_in_kernel: bool = False, block_n: int = DECODE_BLOCK_N):
         return [
             lambda kc=kc, vc=vc: decode_attention_launch(
-                self.q, kc, vc, self.tables, self.lens, SCALE, splits, merge_in_kernel=merge_in_kernel
+                self.q,
+                kc,
+                vc,
+                self.tables,
+                self.lens,
+                SCALE,
+                splits,
+                block_n,
+                merge_in_kernel=merge_in_kernel,
             )
             for kc, vc in self.copies
         ]
@@ -172,7 +181,9 @@ def bench_small_ops(batch: int) -> None:
         record(name, f"B={batch} V={VOCAB}", us, batch * VOCAB * 4)
 
 
-def bench_decode_attention(batch: int, context: int, sweep: bool) -> None:
+def bench_decode_attention(batch: int, context: int, sweep: bool, block_ns: tuple[int, ...] = ()) -> None:
+    """The split rule against the old rule (and every split count with sweep), the last-split merge,
+    SDPA; block_ns: also the rule's split count at each of these key tiles."""
     case = DecodeAttentionCase(batch, context)
     shape = f"B={batch} ctx={context}"
     new = choose_num_splits(batch, KV_HEADS, TABLE_WIDTH, BLOCK, case.q.device)
@@ -189,6 +200,9 @@ def bench_decode_attention(batch: int, context: int, sweep: bool) -> None:
         us = graph_us(case.calls(splits, merge_in_kernel=True), min_launches=launches)
         record("decode_attention last split merges", shape, us, case.kv_bytes, splits=splits,
                vs_merge_launch_us=round(us - times[splits], 2))  # fmt: skip
+    for block_n in (n for n in block_ns if n != DECODE_BLOCK_N):
+        us = graph_us(case.calls(new, block_n=block_n), min_launches=launches)
+        record(f"decode_attention keys {block_n} a tile", shape, us, case.kv_bytes, splits=new)
     kc, vc = case.copies[0]
     used = case.tables[:, : triton.cdiv(context, BLOCK)].long()
     k, v = (c[used].flatten(1, 2).transpose(1, 2).contiguous() for c in (kc, vc))  # [B, Hk, ctx, D]
@@ -285,6 +299,12 @@ def main() -> int:
     versions = f"torch {torch.__version__} triton {triton.__version__}"
     print(f"{props.name} sms={props.multi_processor_count} {versions}")
     started = time.perf_counter()
+    if "--decode-attention-only" in sys.argv:  # e.g. --decode-attention-only 256x1280,416x1280
+        shapes = sys.argv[sys.argv.index("--decode-attention-only") + 1]
+        for shape in shapes.split(","):
+            batch, context = (int(v) for v in shape.split("x"))
+            bench_decode_attention(batch, context, sweep=True, block_ns=(32, 64, 128))
+        return 0
     if "--verify-only" in sys.argv:  # the verify section alone
         for batch, q_len, context in VERIFY_SHAPES:
             bench_verify(batch, q_len, context)

@@ -34,6 +34,22 @@ class ExactSweepConfig(SweepConfig):
         return self.requests_per_level or super().requests_at(concurrency)
 
 
+ENGINE_COUNTERS = ("num_preemptions", "num_generated_tokens", "num_prompt_tokens", "num_kv_blocks")
+
+
+def engine_counters(url: str) -> str:
+    """The engine's cumulative counters from the server's /metrics, one line (or why not)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    except OSError as error:
+        return f"engine counters: /metrics unreadable ({error})"
+    gauges = (line.split() for line in text.splitlines() if line.startswith("tpfuse_engine_"))
+    found = {name.removeprefix("tpfuse_engine_"): value for name, *_, value in gauges}
+    return "engine counters: " + ", ".join(f"{k} {found[k]}" for k in ENGINE_COUNTERS if k in found)
+
+
 def serve_and_bench(args, server_args: list[str], label: str, out: Path, single: bool) -> Path:
     """Starts `tpfuse serve` with args' model/device/load format plus server_args, runs the single
     method (when `single`; into out/single_LABEL) and the sweep (into out/sweep_LABEL), stops the
@@ -78,6 +94,7 @@ def serve_and_bench(args, server_args: list[str], label: str, out: Path, single:
         )
         sweep = run_sweep(options, config)
         print_sweep(sweep, console)
+        console.print(engine_counters(server.url))
         sweep_dir = out / f"sweep_{label}"
         write_sweep(sweep, sweep_dir)
     return sweep_dir
