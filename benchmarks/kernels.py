@@ -11,7 +11,8 @@ Sections: (1) per-op table at batch 1, 8, 64 and context 1024, 4096, with old vs
 batch-1 decode step (32 layers), before vs after this round's changes. `--prefill` adds prefill
 attention vs SDPA (do_bench); `--verify` (or `--verify-only`) verify-pass attention (k + 1 queries per
 sequence) against the K/V bytes it reads. `--decode-attention-only 256x1280,416x1280` runs section (2) alone
-at those batch x context shapes, also at key tiles of 32 and 128.
+at those batch x context shapes, also at key tiles of 32 and 128. `--mixed-attention-only`: a mixed step's
+attention, decode rows in the prefill kernel against the split of model/attention.mixed_attention.
 
 Usage (device machine, repo root): python benchmarks/kernels.py [--prefill]   # JSON to $OUT if set
 """
@@ -45,6 +46,7 @@ SCALE, EPS = HEAD_DIM**-0.5, 1e-5
 L2_DEFEAT_BYTES = 192 << 20  # H200 L2 is 60 MB
 DEVICE = "cuda"  # tests/kernels/test_kernels_benchmark.py runs this file on CPU at tiny shapes
 ROWS: list[dict] = []
+MIXED_SHAPES = ((64, 1280, 512), (256, 1280, 512), (256, 1280, 2048), (416, 1280, 512))  # decodes, ctx, chunk
 VERIFY_SHAPES = ((1, 4, 1024), (32, 4, 512), (128, 2, 512), (128, 4, 512))  # (batch, k + 1, context)
 
 
@@ -211,6 +213,35 @@ def bench_decode_attention(batch: int, context: int, sweep: bool, block_ns: tupl
     record("sdpa (contiguous K/V, L2-warm)", shape, us, case.kv_bytes)
 
 
+def bench_mixed_attention(decodes: int, context: int, chunk: int) -> None:
+    """A mixed step's attention: `decodes` one-token rows at `context` keys and one prompt chunk of
+    `chunk` tokens at the end of a `context`-token prompt, all rows by the prefill kernel against
+    model/attention.mixed_attention (decode kernel, then the prefill kernel for the chunk)."""
+    from tpfuse.kernels.prefill_attention import prefill_attention_triton
+    from tpfuse.model.attention import AttentionMetadata, mixed_attention
+
+    per_seq = triton.cdiv(context, BLOCK)
+    blocks = (decodes + 1) * per_seq
+    kc, vc = _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM), _randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(decodes + 1, per_seq)
+    lens = torch.full((decodes + 1,), context, device=DEVICE, dtype=torch.int32)
+    q_lens = [1] * decodes + [chunk]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
+    q = _randn(decodes + chunk, HEADS, HEAD_DIM)
+    attn = AttentionMetadata(
+        torch.empty(0), tables, lens, starts, chunk, context, False, num_decode_rows=decodes
+    )
+    kv_bytes = 2 * (decodes + 1) * context * KV_HEADS * HEAD_DIM * 2
+    shape = f"{decodes} decodes + {chunk} ctx={context}"
+    one_kernel = graph_us(
+        [lambda: prefill_attention_triton(q, kc, vc, tables, lens, starts, chunk, SCALE)], 8
+    )
+    split = graph_us([lambda: mixed_attention(q, (kc, vc), attn, SCALE)], 8)
+    record("mixed attention, every row by the prefill kernel", shape, one_kernel, kv_bytes)
+    record("mixed attention, decode rows by the decode kernel", shape, split, kv_bytes,
+           speedup=round(one_kernel / split, 2))  # fmt: skip
+
+
 def bench_decode_step(batch: int, context: int) -> None:
     """The small ops of one decode step (32 layers): norms, rope/store, attention, silu; no GEMMs."""
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 131072, 500000.0).to(DEVICE)
@@ -304,6 +335,10 @@ def main() -> int:
         for shape in shapes.split(","):
             batch, context = (int(v) for v in shape.split("x"))
             bench_decode_attention(batch, context, sweep=True, block_ns=(32, 64, 128))
+        return 0
+    if "--mixed-attention-only" in sys.argv:
+        for decodes, context, chunk in MIXED_SHAPES:
+            bench_mixed_attention(decodes, context, chunk)
         return 0
     if "--verify-only" in sys.argv:  # the verify section alone
         for batch, q_len, context in VERIFY_SHAPES:

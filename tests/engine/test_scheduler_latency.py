@@ -96,7 +96,8 @@ def test_prompts_wait_in_the_queue_rather_than_exceed_the_prefill_budget():
     for i in range(3):
         add(sched, f"r{i}", range(10 * i + 1, 10 * i + 4))  # 3-token prompts
     _, batch = step(sched)
-    assert [s.request_id for s in batch.seqs] == ["r0", "r1"] and batch.num_new_tokens == [3, 1]
+    rows = dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens, strict=True))
+    assert rows == {"r0": 3, "r1": 1}  # r1's one-token chunk is a decode row, ahead of r0's chunk
     assert [s.request_id for s in sched.waiting] == ["r2"]
 
 

@@ -54,6 +54,17 @@ def test_pack_then_unpack_gives_positions_slots_and_sampling_rows():
     assert torch.allclose(step.top_ps, torch.tensor([0.8]))
     assert step.banned_rows.tolist() == [0] and step.banned_ids.tolist() == [7]
     assert step.header.all_greedy == 0 and step.header.is_decode == 0
+    assert step.header.decode_rows == 1 and step.attention_metadata().num_decode_rows == 1
+
+
+def test_a_mixed_batch_moves_its_one_token_rows_first_with_their_bans_and_begins():
+    seqs = [Sequence(f"s{i}", list(range(1, 9)), SamplingParams(), BLOCK) for i in range(4)]
+    batch = Batch(seqs, [5, 1, 3, 1], {1: Ban([7], 2), 2: Ban([9], 1)}, [0, 7, 2, 7])
+    ordered = batch.decodes_first()
+    assert [s.request_id for s in ordered.seqs] == ["s1", "s3", "s0", "s2"]
+    assert ordered.num_new_tokens == [1, 1, 5, 3] and ordered.begins == [7, 7, 0, 2]
+    assert ordered.bans == {0: batch.bans[1], 3: batch.bans[2]}
+    assert ordered.decodes_first() is ordered and Batch(seqs[:2], [1, 1]).decodes_first().seqs == seqs[:2]
 
 
 def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
@@ -70,6 +81,7 @@ def test_decode_batch_padded_to_a_bucket_has_inert_padding_rows():
     assert step.query_start_loc.tolist() == list(range(9))
     assert step.block_tables[3:].abs().sum() == 0
     assert step.header.all_greedy == 1 and step.header.is_decode == 1
+    assert step.header.decode_rows == 8  # padding rows included
 
 
 def test_a_batch_planned_ahead_packs_as_after_the_tokens_arrive_but_takes_them_from_the_table():

@@ -44,3 +44,20 @@ class Batch:
         """Whether seqs[i] reaches its last token this step, so a new token is sampled for it (a row
         that starts at a token still on the device reaches past the known ones)."""
         return self.begin(i) + self.num_new_tokens[i] >= len(self.seqs[i])
+
+    def decodes_first(self) -> Batch:
+        """This batch with its one-token rows moved ahead of its prompt chunks (stable), so that
+        attention runs them with the decode kernel (AttentionMetadata.num_decode_rows); bans follow
+        their rows. Returns self when the one-token rows already lead."""
+        counts = self.num_new_tokens
+        first_chunk = next((i for i, n in enumerate(counts) if n != 1), len(counts))
+        if all(n != 1 for n in counts[first_chunk:]):
+            return self
+        order = [i for i, n in enumerate(counts) if n == 1] + [i for i, n in enumerate(counts) if n != 1]
+        row_of = {old: new for new, old in enumerate(order)}
+        return Batch(
+            [self.seqs[i] for i in order],
+            [counts[i] for i in order],
+            {row_of[row]: ban for row, ban in self.bans.items()},
+            None if self.begins is None else [self.begins[i] for i in order],
+        )

@@ -123,7 +123,7 @@ class Scheduler:
             counts.append(n)
         if not seqs:
             return None
-        return Batch(seqs, counts, self._bans(seqs, [seq.num_output_tokens for seq in seqs]))
+        return Batch(seqs, counts, self._bans(seqs, [seq.num_output_tokens for seq in seqs])).decodes_first()
 
     def _admit(self, budget: int, prefill: int) -> list[tuple[Sequence, int]]:
         """Admits waiting requests first come, first served while the token and prefill budgets,
@@ -231,7 +231,7 @@ class Scheduler:
             outputs.append(seq.num_output_tokens)
         if not seqs:
             return None
-        return Batch(seqs, counts, self._bans(seqs, outputs), begins)
+        return Batch(seqs, counts, self._bans(seqs, outputs), begins).decodes_first()
 
     def schedule_next_spec_decode(self, batch: Batch) -> Batch | None:
         """Chained speculative steps: the batch schedule() will return after batch, a speculative

@@ -26,7 +26,7 @@ from tpfuse.engine.batch import Batch
 from tpfuse.kernels.sampling import filter_plan
 from tpfuse.model.attention import AttentionMetadata
 
-HEADER_LEN = 11
+HEADER_LEN = 12
 _MASK63 = (1 << 63) - 1
 
 
@@ -58,6 +58,7 @@ class StepHeader:
     all_greedy: int  # every sampled row has temperature 0: argmax, no sampler
     uses_table: int  # 1: id_slots and write_slots follow (the token table)
     num_gathered: int  # input ids taken from the token table (id_slots >= 0)
+    decode_rows: int  # leading rows with one query token (B for a decode step)
 
     def sizes(self) -> list[tuple[str, int]]:
         b, t, n, k = self.num_seqs, self.num_tokens, self.num_samples, self.num_banned
@@ -112,6 +113,7 @@ class StepInputs:
             max_query_len=self.header.max_query_len,
             max_seq_len=self.header.max_seq_len,
             is_decode=bool(self.header.is_decode),
+            num_decode_rows=self.header.decode_rows,
         )
 
 
@@ -224,7 +226,10 @@ def encode_rows(
     int_parts: input_ids, positions, slot_mapping, seq_lens, query_start_loc, id_slots, write_slots
     (both empty: the step leaves the token table alone), block_tables, sample_indices, top_ks, seeds
     (the order of StepHeader.sizes); bans: [banned_rows, banned_ids]; num_gathered: id_slots >= 0."""
-    input_ids, _, _, seq_lens, _, id_slots, _, _, sample_indices, _, _ = int_parts
+    input_ids, _, _, seq_lens, starts, id_slots, _, _, sample_indices, _, _ = int_parts
+    decode_rows = len(seq_lens)
+    if not is_decode:
+        decode_rows = next((b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] != 1), decode_rows)
     header = StepHeader(
         num_seqs=len(seq_lens),
         num_tokens=len(input_ids),
@@ -237,6 +242,7 @@ def encode_rows(
         all_greedy=int(all(t == 0.0 for t in temperatures)),
         uses_table=int(bool(id_slots)),
         num_gathered=num_gathered,
+        decode_rows=decode_rows,
     )
     return encode_step(header, int_parts, temperatures + top_ps, bans)
 
@@ -268,7 +274,7 @@ def decode_offsets(num_seqs: int) -> dict[str, int]:
     block-table width M (header slot MAX_BLOCKS_INDEX), which comes last among them, so a CUDA graph
     can read a step of any width from one static buffer."""
     offsets, offset = {}, HEADER_LEN
-    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1, 1, 0)  # uses the token table
+    probe = StepHeader(num_seqs, num_seqs, 0, 0, 1, 1, 1, 0, 1, 1, 0, num_seqs)  # uses the token table
     for name, size in probe.sizes():
         offsets[name] = offset
         if name == "block_tables":

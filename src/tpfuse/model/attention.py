@@ -35,6 +35,7 @@ class AttentionMetadata:
     max_seq_len: int
     is_decode: bool  # every sequence has exactly one query token
     tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
+    num_decode_rows: int = 0  # leading sequences with one query token (a mixed step's decodes)
 
 
 def paged_attention(
@@ -69,6 +70,8 @@ def paged_attention(
         )  # fmt: skip
     if attn.is_decode:
         return decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
+    if 0 < attn.num_decode_rows < attn.block_tables.shape[0] and attn.tree_mask is None:
+        return mixed_attention(q, kv_cache, attn, scale)
     return prefill_attention_op(
         q,
         k_cache,
@@ -80,6 +83,21 @@ def paged_attention(
         scale,
         tree_mask=attn.tree_mask,
     )
+
+
+def mixed_attention(q, kv_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of a mixed step whose first D = attn.num_decode_rows sequences have one query token
+    (rows 0..D-1 of q): those by the decode kernel, the prompt chunks after them by the prefill
+    kernel, whose tiles are sized for a chunk and would run a decode row at a few rows of 128.
+    Returns [T, Hq, D_head] as paged_attention does."""
+    k_cache, v_cache = kv_cache
+    d = attn.num_decode_rows
+    decodes = decode_attention_op(q[:d], k_cache, v_cache, attn.block_tables[:d], attn.seq_lens[:d], scale)
+    chunks = prefill_attention_op(
+        q[d:], k_cache, v_cache, attn.block_tables[d:], attn.seq_lens[d:], attn.query_start_loc[d:] - d,
+        attn.max_query_len, scale,
+    )  # fmt: skip
+    return torch.cat([decodes, chunks])
 
 
 class Attention(nn.Module):

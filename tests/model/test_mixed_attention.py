@@ -1,0 +1,52 @@
+"""A mixed step's attention: its leading one-token rows by the decode kernel, its prompt chunks by
+the prefill kernel, giving what the prefill kernel gives for every row (float64 reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.paged import assert_close_to_float64, random_paged_kv
+from tpfuse import knobs
+from tpfuse.kernels.prefill_attention import prefill_attention_ref
+from tpfuse.model import attention
+from tpfuse.model.attention import AttentionMetadata, mixed_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 32, 4
+
+
+# bf16 on the Triton kernels only on a GPU: the interpreter multiplies bf16 tl.dot operands as raw bits
+@pytest.mark.parametrize(
+    ("kernels", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.float32)]
+)
+def test_decode_rows_then_chunks_equal_the_float64_prefill_of_every_row(kernels, dtype, monkeypatch):
+    monkeypatch.setenv("TPFUSE_KERNELS", kernels)
+    knobs.reload()
+    gen = torch.Generator().manual_seed(7)
+    context_lens, query_lens = [5, 17, 1, 33, 9], [1, 1, 1, 6, 9]  # three decodes, then two chunks
+    k_cache, v_cache, tables, seq_lens = random_paged_kv(context_lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, gen)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    attn = AttentionMetadata(
+        slot_mapping=torch.full((int(starts[-1]),), -1), block_tables=tables, seq_lens=seq_lens,
+        query_start_loc=starts, max_query_len=max(query_lens), max_seq_len=max(context_lens),
+        is_decode=False, num_decode_rows=3,
+    )  # fmt: skip
+    calls = []
+    decode = _counting(attention.decode_attention_op, calls, "decode")
+    monkeypatch.setattr(attention, "decode_attention_op", decode)
+    scale = HEAD_DIM**-0.5
+    got = mixed_attention(q, (k_cache, v_cache), attn, scale)
+    caches = k_cache.double(), v_cache.double()
+    want = prefill_attention_ref(q.double(), *caches, tables, seq_lens, starts, max(query_lens), scale)
+    assert calls == [("decode", 3)]
+    assert got.shape == q.shape
+    assert_close_to_float64(got, want, dtype)
+
+
+def _counting(op, calls, name):
+    def counted(q, *args):
+        calls.append((name, q.shape[0]))
+        return op(q, *args)
+
+    return counted
