@@ -64,7 +64,8 @@ def main() -> None:
         "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 1},  # no processing: the sampler's path
     }
     variants = {name: variants[name] for name in ["plain", *args.variants.split(",")] if name in variants}
-    _run(engine, 2, 8, variants.get("json_schema", {}), "warmup")  # compiles the grammar machinery once
+    for params in variants.values():  # every path compiled (grammar machinery, sampler) before timing
+        _run(engine, 2, 8, params, "warmup")
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         rates = {

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from tpfuse.kernels.sampling import apply_top_k_top_p, filter_top_k_top_p, sample_ref, sample_triton
+from tpfuse.kernels.sampling import (
+    apply_top_k_top_p,
+    filter_plan,
+    filter_top_k_top_p,
+    sample_ref,
+    sample_triton,
+)
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
 CHI2_CRITICAL_DF5 = 20.52
@@ -31,6 +37,30 @@ def test_greedy_rows_are_exactly_argmax_with_ties_to_the_lowest_index(dtype):
     assert tokens.dtype == torch.int64
     assert torch.equal(tokens[:3], logits[:3].float().argmax(-1))
     assert tokens[:3].tolist() == [7, 100, 4999]
+
+
+def test_the_tokens_do_not_depend_on_how_many_programs_share_a_row():
+    """Greedy, plain, cut and top-k-selected rows; ties and masked (-inf) tokens across the chunks;
+    a row of -inf only gives token 0, as one program streaming the row does."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 9000, generator=gen) * 3
+    logits[0, [10, 8500]] = 30.0  # a greedy tie across chunks
+    logits[2, :4096] = float("-inf")
+    logits[5] = float("-inf")
+    temperatures = torch.tensor([0.0, 1.0, 0.8, 1.3, 0.0, 1.0])
+    seeds = torch.arange(6) + 100
+    none, cut = torch.zeros(6, dtype=torch.int64), torch.tensor([0, 0, 0, 40, 0, 0])
+    small_k = torch.tensor([5, 40, 30, 40, 5, 10])
+    top_ps = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0])
+    # no filter; the cut; torch.topk then the sort (plans as filter_plan gives them)
+    for top_ks, plan in ((none, (False, 0)), (cut, (True, 0)), (small_k, (True, 40))):
+        ps = top_ps if plan[0] else torch.ones(6)
+        one = sample_triton(logits, temperatures, top_ks, ps, seeds, plan, parts=1)
+        three = sample_triton(logits, temperatures, top_ks, ps, seeds, plan, parts=3)
+        assert torch.equal(one, three), plan
+        assert plan == filter_plan(temperatures.tolist(), top_ks.tolist(), ps.tolist())
+        assert one[0] == 10 and one[4] == logits[4].argmax() and one[5] == 0
+        assert one[2] >= 4096
 
 
 def test_greedy_matches_the_reference_on_random_logits():
@@ -75,8 +105,8 @@ def test_top_k_never_returns_a_token_outside_the_top_k():
 def test_top_p_never_returns_a_token_outside_the_nucleus():
     row = torch.randn(40, generator=torch.Generator().manual_seed(5))
     temperature, top_p = 1.0, 0.6
-    logits = row.expand(80, 40).contiguous()
-    tokens = sample_triton(logits, *_params(80, temperature, top_p=top_p))
+    logits = row.expand(16, 40).contiguous()
+    tokens = sample_triton(logits, *_params(16, temperature, top_p=top_p))
     probs, order = (row / temperature).softmax(-1).sort(descending=True)
     mass_before = probs.cumsum(0) - probs
     nucleus = set(order[mass_before < top_p].tolist())

@@ -39,14 +39,38 @@ def test_decode_rows_then_chunks_equal_the_float64_prefill_of_every_row(kernels,
     got = mixed_attention(q, (k_cache, v_cache), attn, scale)
     caches = k_cache.double(), v_cache.double()
     want = prefill_attention_ref(q.double(), *caches, tables, seq_lens, starts, max(query_lens), scale)
-    assert calls == [("decode", 3)]
+    assert calls == [("decode", 3, {"split": False})]  # one compiled variant, whatever the rows
     assert got.shape == q.shape
     assert_close_to_float64(got, want, dtype)
 
 
 def _counting(op, calls, name):
-    def counted(q, *args):
-        calls.append((name, q.shape[0]))
-        return op(q, *args)
+    def counted(q, *args, **kwargs):
+        calls.append((name, q.shape[0], kwargs))
+        return op(q, *args, **kwargs)
 
     return counted
+
+
+def test_a_mixed_steps_decode_rows_launch_a_variant_compiled_at_start_up(monkeypatch):
+    """The decode kernel's compile key in a mixed step (unsplit, a 16-byte aligned table of any width)
+    is one that decode_attention.compile_unsplit_variants launches over the same caches."""
+    from tests.engine.test_prefill_variants_compiled_ahead import RecordingKernel
+    from tpfuse.kernels import decode_attention
+
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    recorder = RecordingKernel(decode_attention._decode_split_kernel)
+    monkeypatch.setattr(decode_attention, "_decode_split_kernel", recorder)
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, seq_lens = random_paged_kv(
+        [9, 30, 7], BLOCK, KV_HEADS, HEAD_DIM, torch.float32, gen
+    )
+    qkv = torch.randn(3 + 5, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    q = qkv[:, : HEADS * HEAD_DIM].view(8, HEADS, HEAD_DIM)
+    starts = torch.tensor([0, 1, 2, 8], dtype=torch.int32)
+    attn = AttentionMetadata(torch.full((8,), -1), tables, seq_lens, starts, 6, 30, False, num_decode_rows=2)
+    mixed_attention(q, (k_cache, v_cache), attn, HEAD_DIM**-0.5)
+    launched, recorder.keys = recorder.keys, set()
+    decode_attention.compile_unsplit_variants(k_cache, v_cache, HEADS)
+    assert launched and launched <= recorder.keys, launched - recorder.keys

@@ -35,7 +35,7 @@ from tpfuse.engine.step_inputs import (
 from tpfuse.engine.step_limits import max_step_rows, resolve_max_model_len
 from tpfuse.engine.step_upload import StepUpload
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
-from tpfuse.kernels import sample
+from tpfuse.kernels import sample, warm_up_sampling
 from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
@@ -137,6 +137,7 @@ class ModelRunner:
         tree = self.hook is not None and self.hook.tree_attention
         num_heads = self.model.layers[0].self_attn.num_heads
         self.kv_layout.warm_up(self.kv_caches[0], num_heads, config.max_num_batched_tokens, tree)
+        warm_up_sampling(self.model_config.vocab_size, self.device)
         self.logits_processing = None  # rank 0: per-request processing (engine/logits_processing.py)
         # The token table (step_inputs.py): entry s holds the newest token of the request in slot s;
         # the last entry takes the tokens of rows without a slot.

@@ -71,6 +71,7 @@ __all__ = [
     "use_triton",
     "warm_up_mla_attention",
     "warm_up_prefill_attention",
+    "warm_up_sampling",
 ]
 
 rope_cos_sin_cache = rope.rope_cos_sin_cache
@@ -127,8 +128,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return _pick(kv_store, "store_kv", k)(k, v, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    return _pick(decode_attention, "decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale, split=True):
+    """split False: one program per (sequence, KV head) (kernels/decode_attention.py)."""
+    return _pick(decode_attention, "decode_attention", q)(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, split
+    )
 
 
 def prefill_attention_op(
@@ -141,11 +145,13 @@ def prefill_attention_op(
 
 
 def warm_up_prefill_attention(k_cache, v_cache, num_q_heads, max_query_len, tree) -> int:
-    """Compiles every prefill-attention variant an engine can meet before it serves (CUDA with
-    Triton only: elsewhere nothing compiles at first use). Returns the number of launches."""
+    """Compiles every prefill-attention variant an engine can meet before it serves, and the unsplit
+    decode kernel a mixed step's decode rows take (CUDA with Triton only: elsewhere nothing compiles
+    at first use). Returns the number of launches."""
     if not (k_cache.is_cuda and use_triton(k_cache)):
         return 0
-    return prefill_attention.compile_prefill_variants(k_cache, v_cache, num_q_heads, max_query_len, tree)
+    launches = prefill_attention.compile_prefill_variants(k_cache, v_cache, num_q_heads, max_query_len, tree)
+    return launches + decode_attention.compile_unsplit_variants(k_cache, v_cache, num_q_heads)
 
 
 def warm_up_mla_attention(cache, rope_dim, num_heads, max_query_len) -> int:
@@ -154,6 +160,14 @@ def warm_up_mla_attention(cache, rope_dim, num_heads, max_query_len) -> int:
     if not (cache.is_cuda and use_triton(cache)):
         return 0
     return mla_prefill.compile_mla_variants(cache, rope_dim, num_heads, max_query_len)
+
+
+def warm_up_sampling(vocab: int, device: torch.device) -> int:
+    """Compiles the sampler's variants before serving (CUDA with Triton only: elsewhere nothing
+    compiles at first use). Returns the number of launches."""
+    if device.type != "cuda" or knobs.current.kernels == "torch":
+        return 0
+    return sampling.warm_up_sampling(vocab, device)
 
 
 def sample(logits, temperatures, top_ks, top_ps, seeds, plan=None):

@@ -36,10 +36,12 @@ def decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    split: bool = True,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (keys 0..seq_len-1 are attended, the current token's included).
-    Returns a new [B, Hq, D] tensor of q.dtype. Hq must be a multiple of Hk.
+    Returns a new [B, Hq, D] tensor of q.dtype. Hq must be a multiple of Hk. split: the Triton
+    twin's launch choice, without effect here.
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
@@ -225,13 +227,37 @@ def decode_attention_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    split: bool = True,
 ) -> torch.Tensor:
     """Triton decode_attention_ref (same shapes and dtypes); CUDA-graph safe: the launch depends only
-    on shapes, seq_lens is read on the device. A sequence with seq_len 0 gives zeros.
+    on shapes, seq_lens is read on the device. A sequence with seq_len 0 gives zeros. split False:
+    one program per (sequence, KV head), whatever the shapes (the decode rows of a mixed step: one
+    compiled variant, which compile_unsplit_variants builds at start-up).
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
     head_dim is strided."""
-    num_splits = choose_num_splits(
-        q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], q.device
-    )
+    num_splits = 1
+    if split:
+        num_splits = choose_num_splits(
+            q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], q.device
+        )
     return decode_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+UNSPLIT_TABLE_WIDTHS = (1, 16, 17)  # block-table row strides Triton specialises apart: 1, 16k, other
+
+
+def compile_unsplit_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> int:
+    """Launches the unsplit decode kernel once per block-table stride class, on one query over the
+    real caches' layout (q a view of a fused qkv output, as the model makes it), so that a mixed
+    step's decode rows never stop to compile. The caches are only read. Returns the launches."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    qkv = torch.zeros(
+        1, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=k_cache.dtype, device=k_cache.device
+    )
+    q = qkv[:, : num_q_heads * head_dim].view(1, num_q_heads, head_dim)
+    lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
+    for width in UNSPLIT_TABLE_WIDTHS:
+        tables = torch.zeros(1, width, dtype=torch.int32, device=k_cache.device)
+        decode_attention_launch(q, k_cache, v_cache, tables, lens, 1.0, num_splits=1)
+    return len(UNSPLIT_TABLE_WIDTHS)

@@ -3,6 +3,7 @@ and the attention layer."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,22 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one query token
     tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
     num_decode_rows: int = 0  # leading sequences with one query token (a mixed step's decodes)
+
+    @functools.cached_property
+    def chunks(self) -> AttentionMetadata:
+        """The sequences after the leading num_decode_rows, as metadata of their own, built once a
+        step. Fresh copies, not views: a view past row 0 is not 16-byte aligned, and Triton would
+        compile new variants of the kernels warmed up at start-up for it."""
+        d = self.num_decode_rows
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[d:],  # the decodes' d tokens come first
+            block_tables=self.block_tables[d:].clone(),
+            seq_lens=self.seq_lens[d:].clone(),
+            query_start_loc=self.query_start_loc[d:] - d,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            is_decode=False,
+        )
 
 
 def paged_attention(
@@ -91,11 +108,14 @@ def mixed_attention(q, kv_cache, attn: AttentionMetadata, scale: float) -> torch
     kernel, whose tiles are sized for a chunk and would run a decode row at a few rows of 128.
     Returns [T, Hq, D_head] as paged_attention does."""
     k_cache, v_cache = kv_cache
-    d = attn.num_decode_rows
-    decodes = decode_attention_op(q[:d], k_cache, v_cache, attn.block_tables[:d], attn.seq_lens[:d], scale)
+    d, rest = attn.num_decode_rows, attn.chunks
+    # Unsplit: the split rule depends on d and the table width, and each count is a compile.
+    decodes = decode_attention_op(
+        q[:d], k_cache, v_cache, attn.block_tables[:d], attn.seq_lens[:d], scale, split=False
+    )
     chunks = prefill_attention_op(
-        q[d:], k_cache, v_cache, attn.block_tables[d:], attn.seq_lens[d:], attn.query_start_loc[d:] - d,
-        attn.max_query_len, scale,
+        q[d:], k_cache, v_cache, rest.block_tables, rest.seq_lens, rest.query_start_loc, rest.max_query_len,
+        scale,
     )  # fmt: skip
     return torch.cat([decodes, chunks])
 
