@@ -1,6 +1,7 @@
-"""INT4 W4A16 (group 128, symmetric, bf16 scales) at one row: the FMA GEMV (kernels/quant_int.py) vs the
-tensor-core kernel (kernels/quant_int_magic.py) at every candidate tile start-up timing tries
-(model/linear_choice.py QUANT_TILES[1]), at the llama-3.1-8b projections.
+"""INT4 W4A16 (group 128, symmetric, bf16 scales) at one row: the FMA GEMV (kernels/quant_int.py), its
+GemvTile forms (kernels/quant_int_gemv.py: "vec", "xs") and the tensor-core kernel
+(kernels/quant_int_magic.py) at every candidate tile start-up timing tries (model/linear_choice.py
+QUANT_TILES[1]), at the llama-3.1-8b projections.
 
 Each case is timed by CUDA-graph replay (gpu_timing.graph_us: launches captured back to back, the
 median of repeats) round-robin over enough weight copies to exceed the L2, as 32 layers' weights do.
@@ -9,7 +10,11 @@ a 1 GiB device copy measured here). max_abs_err is against x.float() @ the float
 weight; rel is that over max |reference|.
 
 Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4.3] [--json PATH] [--sweep]
---sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K).
+    [--forms int,vec,xs,magic] [--shapes qkv,o_proj,gate_up,down]
+--sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K) and
+GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers).
+--forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV); --shapes those shapes.
+Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, else "gemv".
 --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one call each, no timing: a check that
 the script runs; the interpreter multiplies bf16 tl.dot operands as raw bits, so the tensor-core rows'
 errors mean something only where tests/kernels/test_quant_int_magic.py patches that).
@@ -28,7 +33,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tpfuse.kernels import quant_int  # noqa: E402
-from tpfuse.kernels.quant_int import MagicTile  # noqa: E402
+from tpfuse.kernels.quant_int import GemvTile, MagicTile  # noqa: E402
 from tpfuse.model.linear_choice import QUANT_TILES  # noqa: E402
 
 SWEEP = tuple(  # --sweep: more tensor-core tiles than start-up times, to choose its candidates from
@@ -37,6 +42,21 @@ SWEEP = tuple(  # --sweep: more tensor-core tiles than start-up times, to choose
     for stages in stage_set
     for split in (1, 2, 4, 8)
 )
+GEMV_SWEEP = (  # --sweep: more GemvTile forms than start-up times (kernels/quant_int_gemv.py)
+    GemvTile(1, 8, 4096, 1, 4, pin=True),  # once a start-up candidate: 1.05-1.3x the 8-row GEMV (H200)
+    GemvTile(1, 8, 4096, 1, 4, form="xs", pin=True, programs_per_sm=5),  # likewise: 1.2-1.9x
+    GemvTile(1, 8, 4096, 1, 4),  # the pinned candidate's schedule left to ptxas: 80 registers
+    GemvTile(1, 8, 4096, 1, 4, form="xs", programs_per_sm=8),  # 72 registers, loads sunk
+    GemvTile(1, 8, 4096, 1, 4, form="xs", prefetch=True, programs_per_sm=4),
+    GemvTile(1, 4, 4096, 1, 4, form="xs", pin=True, programs_per_sm=8),
+    GemvTile(1, 4, 4096, 1, 2, form="xs", prefetch=True, programs_per_sm=8),
+    GemvTile(1, 8, 2048, 1, 2, pin=True),  # two steps at K = 4096, each issued up front
+    GemvTile(1, 4, 2048, 1, 2, prefetch=True),
+    GemvTile(1, 8, 1024, 1, 1, prefetch=True),  # one warp: no cross-warp reduction
+    GemvTile(1, 8, 1024, 1, 1, pin=True),
+    GemvTile(1, 16, 2048, 1, 2, max_registers=128),
+)
+FORMS = ("int", "vec", "xs", "magic")
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (32, 384)}
 GROUP = 128
@@ -56,6 +76,13 @@ def make_case(num_cols: int, hidden: int, device: str, copies: int):
     return layers, x
 
 
+def family(tile) -> str:
+    """The kernel family of a tile: "magic", a GemvTile's form, else "int" (kernels/quant_int.py)."""
+    if isinstance(tile, MagicTile):
+        return "magic"
+    return tile.form if isinstance(tile, GemvTile) else "int"
+
+
 def time_us(calls, smoke: bool) -> float:
     if smoke:
         start = time.perf_counter()
@@ -73,8 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no timing")
-    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles")
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP and GEMV_SWEEP tiles")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"families to time, of {','.join(FORMS)}")
+    parser.add_argument("--shapes", default=None, help="shapes to time (default: all)")
     args = parser.parse_args(argv)
+    forms = set(args.forms.split(","))
+    if not forms <= set(FORMS):
+        parser.error(f"--forms takes {','.join(FORMS)}; got {args.forms}")
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         copy_tbps = 1.0
@@ -85,11 +117,17 @@ def main(argv: list[str] | None = None) -> int:
 
         copy_tbps = measure()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
+    tiles = QUANT_TILES[1]
+    if args.sweep:
+        tiles += tuple(t for t in SWEEP + GEMV_SWEEP if t not in QUANT_TILES[1])
+    tiles = tuple(t for t in tiles if family(t) in forms)
     print(
         f"INT4 group {GROUP}, 1 row, bf16 x; copy bandwidth {copy_tbps:.2f} TB/s" + (" (smoke)" * args.smoke)
     )
     header = ("shape", "N x K", "kernel", "us", "GB/s", "of copy", "max_abs_err", "rel")
-    print("{:8} {:>13} {:32} {:>8} {:>7} {:>8} {:>12} {:>8}".format(*header))
+    print("{:8} {:>13} {:38} {:>8} {:>7} {:>8} {:>12} {:>8}".format(*header))
     rows = []
     for name, (num_cols, hidden) in shapes.items():
         weight_bytes = num_cols * hidden // 2 + num_cols * (hidden // GROUP) * 2
@@ -100,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = x.float() @ weight.T
         call_bytes = weight_bytes + hidden * 2
         best: dict[str, tuple[float, str]] = {}
-        tiles = QUANT_TILES[1] + tuple(t for t in SWEEP if args.sweep and t not in QUANT_TILES[1])
         for tile in tiles:
-            family = "magic" if isinstance(tile, MagicTile) else "gemv"
+            form = family(tile)
             calls = [
                 lambda p=p, s=s, x=x, tile=tile: quant_int.int_linear_triton(
                     x, p, s, None, 4, GROUP, tile=tile
@@ -114,18 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             rel = err / reference.abs().max().item()
             us = time_us(calls, args.smoke)
             gbps = call_bytes / us / 1e3
-            best[family] = min(best.get(family, (float("inf"), "")), (us, tile.label()))
-            row = dict(shape=name, N=num_cols, K=hidden, kernel=family, tile=tile.label(), us=round(us, 2),
+            best[form] = min(best.get(form, (float("inf"), "")), (us, tile.label()))
+            row = dict(shape=name, N=num_cols, K=hidden, kernel="magic" if form == "magic" else "gemv",
+                       form=form, tile=tile.label(), us=round(us, 2),
                        candidate=tile in QUANT_TILES[1],
                        GBps=round(gbps, 1), of_copy=round(gbps / (copy_tbps * 1e3), 3),
                        max_abs_err=err, rel_err=rel)  # fmt: skip
             rows.append(row)
-            print(f"{name:8} {num_cols:>5} x {hidden:<5} {tile.label():32} {us:8.2f} {gbps:7.0f} "
+            print(f"{name:8} {num_cols:>5} x {hidden:<5} {tile.label():38} {us:8.2f} {gbps:7.0f} "
                   f"{gbps / (copy_tbps * 1e3):8.1%} {err:12.3e} {rel:8.1e}", flush=True)  # fmt: skip
-        if len(best) == 2:
-            (magic_us, magic_tile), (gemv_us, gemv_tile) = best["magic"], best["gemv"]
-            print(f"{name:8} best: {magic_tile} {magic_us:.2f} us, {gemv_tile} {gemv_us:.2f} us "
-                  f"(magic / gemv {magic_us / gemv_us:.2f})")  # fmt: skip
+        if best:
+            ranked = sorted(best.items(), key=lambda b: b[1])
+            print(f"{name:8} best: " + ", ".join(f"{form} {tile} {us:.2f} us" for form, (us, tile) in ranked))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_tbps=copy_tbps, rows=rows), f, indent=1)

@@ -167,26 +167,27 @@ def _variants(dtype: str):
         {"stream_word": "i64", "n": "i32", "stride_cb": "i64"},
         dict(BLOCK=counter_random.UNIFORM_BLOCK),
     )
-    for filtered, cut in ((False, False), (True, False), (False, True)):
+    sample = {
+        "*": "*fp32",
+        "logits_ptr": p,
+        "seeds_ptr": "*i64",
+        "out_ptr": "*i64",
+        "part_tokens_ptr": "*i32",
+    }
+    modes = ((False, False, True), (True, False, True), (False, True, True), (False, True, False))
+    for filtered, cut, split in modes:  # (FILTERED, CUT, SPLIT)
         yield (
-            sampling._sample_kernel,
-            {
-                "*": "*fp32",
-                "logits_ptr": p,
-                "temperatures_ptr": "*fp32",
-                "seeds_ptr": "*i64",
-                "out_ptr": "*i64",
-                "cuts_ptr": "*fp32",
-            },
-            {},
-            dict(FILTERED=filtered, CUT=cut, BLOCK_V=4096),
-        )
-    yield (
-        sampling_cut._row_cut_kernel,
-        {"*": "*fp32", "logits_ptr": p, "top_ks_ptr": "*i64"},
-        {},
-        dict(BLOCK_V=4096, STEPS=sampling_cut.BISECTION_STEPS),
-    )
+            sampling._sample_kernel, sample, {"chunk": "i32"},
+            dict(FILTERED=filtered, CUT=cut, BLOCK_V=sampling.SAMPLE_BLOCK, SPLIT=split),
+            {"num_warps": sampling.SAMPLE_WARPS},
+        )  # fmt: skip
+    yield sampling._merge_kernel, sample, {"parts": "i32"}, dict(PARTS=128), {"num_warps": 1}
+    cut = {"*": "*fp32", "logits_ptr": p, "top_ks_ptr": "*i64", "counts_ptr": "*i32", "work_ptr": "*i64"}
+    cut_ints = {"chunk": "i32", "parts": "i32"}
+    parts = sampling_cut.parts_per_row(1, 128256)
+    for kernel, constexprs in sampling_cut.pass_launches(parts):
+        yield kernel, cut, cut_ints, constexprs, {"num_warps": sampling_cut.PASS_WARPS}
+    yield sampling_cut._finish_kernel, cut, cut_ints, {}, {"num_warps": 1}
     for hidden, even, has_bias in ((4096, True, False), (14336, True, False), (2000, False, True)):
         yield (
             gemv._gemv_kernel,
@@ -249,6 +250,23 @@ def _quant_variants(p: str):
                      SUM_STEPS=quant_int_magic.SUM_STEPS, SPLIT_K=tile.split_k,
                      PREFETCH=tile.num_stages == 1, EVEN=not offsets),
                 {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+            )  # fmt: skip
+    gemv_forms = quant_int.quant_int_gemv
+    form_ints = {"num_cols": "i32", "m_lo": "i32", "m_hi": "i32", "zero": "i32"}
+    for index, tile in enumerate(t for t in QUANT_TILES[1] if isinstance(t, gemv_forms.GemvTile)):
+        cases = [(4, 4096, 128, False), (4, 14336, 128, False), (4, 4096, 32, True)]
+        for bits, hidden, group, odd in cases + [(8, 4096, 128, True)] * (index == 0):
+            block_k = gemv_forms.gemv_step(tile, hidden, bits)
+            xs = tile.form == "xs" and block_k >= hidden
+            kernel = gemv_forms._xs_kernel if xs else gemv_forms._vec_kernel
+            yield (
+                kernel, {"*": p, "q_ptr": i32, "o_ptr": "*fp32"}, form_ints,
+                dict(hidden=hidden, stride_qn=hidden * bits // 32, stride_sn=hidden // group, BITS=bits,
+                     GROUP=group, HAS_OFFSET=odd, HAS_BIAS=odd, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                     PREFETCH=tile.prefetch, EVEN_N=not odd, K_MASK=gemv_forms.k_mask(hidden, block_k, bits),
+                     X_PAIRS=p == "*bf16", PIN=tile.pin),
+                {"num_warps": tile.num_warps, "num_stages": 1}
+                | ({"maxnreg": tile.max_registers} if tile.max_registers else {}),
             )  # fmt: skip
     for scale_k in (128, 4096):
         tile = quant_fp8.FP8_TILES[1][0]

@@ -1,7 +1,8 @@
 """Instructions per weight in the steady-state K loop of the one-row INT4 kernels for sm_90, without a
-GPU: the FMA GEMV of kernels/quant_int.py and the tensor-core kernel of kernels/quant_int_magic.py, at
-the tiles start-up timing tries (model/linear_choice.py QUANT_TILES[1]), K = 4096, group 128, bf16 x,
-symmetric codes.
+GPU: the FMA GEMV of kernels/quant_int.py, the tensor-core kernel of kernels/quant_int_magic.py and the
+GemvTile forms of kernels/quant_int_gemv.py ("vec" / "xs" rows), at the tiles start-up timing tries
+(model/linear_choice.py QUANT_TILES[1]; --sweep: also benchmarks/int4_gemv.py's GEMV_SWEEP), K = 4096,
+group 128, bf16 x, symmetric codes.
 
 The real compiler builds each cubin with its arguments specialized as the JIT does at run time
 (every pointer and integer divisible by 16, except the magic kernel's nibble mask 0x000F000F), and
@@ -10,7 +11,12 @@ SASS. Its instructions over the weights a thread handles per iteration (BLOCK_N 
 are the instructions per weight. An SM issues 128 per clock; 4.3 TB/s of INT4 weights over 132 SMs
 at 1.98 GHz is about 33 weights per clock per SM, so a loop above 128 / 33 = 3.9 per weight cannot
 reach the copy bandwidth.
-Usage: python tests/kernels/quant_int_asm.py [--json], with TRITON_INTERPRET unset.
+A GemvTile form at K = 4096 may have no K loop (one step): its per_weight counts the whole program as
+it runs at gate_up (N = 28672; the "xs" loop's iterations as launched on 132 SMs), reduction and
+set-up included, and code_loads gives the positions of its codes' loads among the instructions of
+the step (the loop body, or the program): ptxas sinks loads towards their first use unless the
+tile pins them (GemvTile.pin).
+Usage: python tests/kernels/quant_int_asm.py [--json] [--sweep], with TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tpfuse.kernels import quant_int, quant_int_magic
+from tpfuse.kernels import quant_int, quant_int_gemv, quant_int_magic
 from tpfuse.model.linear_choice import QUANT_TILES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compile_for_gpu import _signature  # noqa: E402
 
 HIDDEN, GROUP = 4096, 128
+NUM_COLS, SMS = 28672, 132  # gate_up on an H200: the "xs" form's iterations per program
 ISSUE_LIMIT = 128 / 33  # instructions per weight an SM can issue at 4.3 TB/s of INT4 weights
 _LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", re.M)
 
@@ -68,6 +75,59 @@ def compile_magic(tile):
     pointers = {"*": "*bf16", "q_ptr": "*i32", "partials_ptr": "*fp32", "counter_ptr": "*i32"}
     return _compile(quant_int_magic._magic_kernel, pointers, ints, constexprs,
                     tile), block_k  # fmt: skip
+
+
+def compile_form(tile):
+    """kernels/quant_int_gemv.py's kernel for a GemvTile, bf16 x as pairs, symmetric, N a multiple of
+    the rows per program; K, the strides and the masks specialized as its launcher does."""
+    block_k = quant_int_gemv.gemv_step(tile, HIDDEN, 4)
+    form = "xs" if tile.form == "xs" and block_k >= HIDDEN else "vec"
+    kernel = quant_int_gemv._xs_kernel if form == "xs" else quant_int_gemv._vec_kernel
+    constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, BITS=4, GROUP=GROUP,
+                      HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                      PREFETCH=tile.prefetch, EVEN_N=True, K_MASK=quant_int_gemv.k_mask(HIDDEN, block_k, 4),
+                      X_PAIRS=True, PIN=tile.pin)  # fmt: skip
+    ints = {"num_cols": "i32", "m_lo": "i32", "m_hi": "i32", "zero": "i32"}
+    signature = _signature(kernel, {"*": "*bf16", "q_ptr": "*i32"}, ints, constexprs)
+    # as the JIT specializes them: every argument divisible by 16 but zero (do_not_specialize)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if signature[name] != "constexpr" and name != "zero"}  # fmt: skip
+    options = {"num_warps": tile.num_warps, "num_stages": 1}
+    if tile.max_registers:
+        options["maxnreg"] = tile.max_registers
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    return compiled, block_k, form
+
+
+def form_stats(tile) -> dict:
+    """A GemvTile's row: see the module doc."""
+    compiled, block_k, form = compile_form(tile)
+    usage, sass = _disassemble(compiled.asm["cubin"])
+    code = [(int(a, 16), op, rest) for a, _, op, rest in _LINE.findall(sass)]
+    loop = k_loop(sass)
+    threads = 32 * tile.num_warps
+    if form == "xs":
+        groups = -(-NUM_COLS // tile.block_n)
+        programs = -(-groups // -(-groups // (tile.programs_per_sm * SMS)))
+        iterations = -(-groups // programs)
+        weights = tile.block_n * HIDDEN * iterations / threads
+    else:
+        iterations = -(-HIDDEN // block_k)
+        weights = tile.block_n * HIDDEN / threads
+    executed = len(code) - len(loop) + len(loop) * iterations if loop else len(code)
+    body = loop if loop else code
+    loads = [i for i, (_, op, rest) in enumerate(body) if op == "LDG" and ".EF" in rest]  # the codes
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    ops = Counter(op for _, op, _ in body)
+    return {
+        "kernel": form, "tile": tile.label(), "block_k": block_k, "loop_instructions": len(loop),
+        "program_instructions": len(code), "weights_per_thread": weights,
+        "per_weight": round(executed / weights, 2), "registers": int(regs.group(1)),
+        "stack": int(regs.group(2)), "shared": compiled.metadata.shared,
+        "code_loads": f"{loads[0]}-{loads[-1]} of {len(body)}" if loads else "",
+        "mix": dict(ops.most_common(12)),
+    }  # fmt: skip
 
 
 def _disassemble(cubin: bytes) -> tuple[str, str]:
@@ -109,26 +169,47 @@ def stats(name: str, tile) -> dict:
     }  # fmt: skip
 
 
-def rows() -> list[dict]:
+def rows(tiles=None) -> list[dict]:
     out = []
-    for tile in QUANT_TILES[1]:
-        name = "magic" if isinstance(tile, quant_int_magic.MagicTile) else "gemv"
-        out.append(stats(name, tile))
+    for tile in QUANT_TILES[1] if tiles is None else tiles:
+        if isinstance(tile, quant_int_gemv.GemvTile):
+            out.append(form_stats(tile))
+        else:
+            out.append(stats("magic" if isinstance(tile, quant_int_magic.MagicTile) else "gemv", tile))
     return out
+
+
+def sweep_tiles() -> tuple:
+    """QUANT_TILES[1] and benchmarks/int4_gemv.py's GEMV_SWEEP."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "int4_gemv.py")
+    spec = importlib.util.spec_from_file_location("int4_gemv", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return QUANT_TILES[1] + tuple(t for t in bench.GEMV_SWEEP if t not in QUANT_TILES[1])
 
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles the kernels for real")
         return 2
-    table = rows()
+    table = rows(sweep_tiles() if "--sweep" in sys.argv else None)
     if "--json" in sys.argv:
         print(json.dumps(table))
         return 0
     print(f"K = {HIDDEN}, group {GROUP}, bf16 x; 4.3 TB/s needs at most {ISSUE_LIMIT:.1f} per weight")
     for r in table:
+        if r["kernel"] in ("vec", "xs"):
+            print(
+                f"{r['kernel']:6} {r['tile']:38} program {r['program_instructions']:4}, loop "
+                f"{r['loop_instructions']:4}: {r['per_weight']:5.2f} per weight over the program, "
+                f"{r['registers']} registers, stack {r['stack']}, shared {r['shared']}, code loads at "
+                f"{r['code_loads']}  {r['mix']}"
+            )
+            continue
         print(
-            f"{r['kernel']:6} {r['tile']:30} loop {r['loop_instructions']:4} / "
+            f"{r['kernel']:6} {r['tile']:38} loop {r['loop_instructions']:4} / "
             f"{r['weights_per_thread']:4.0f} weights = {r['per_weight']:5.2f} per weight, "
             f"{r['registers']} registers, stack {r['stack']}, shared {r['shared']}  {r['mix']}"
         )

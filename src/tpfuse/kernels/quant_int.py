@@ -8,11 +8,12 @@ Weight layout (the kernels' own, which every integer format is converted to at l
   offsets: None (symmetric: w = (q - 2^(bits-1)) * s) or [N, ceil(K / group_size)] float32
            (w = q * s + offset: GPTQ zero points as -z * s, Q4_1's minimum).
 
-One row (decode) runs the GEMV kernel here, laid out for bandwidth as kernels/gemv.py is: each
-program takes BLOCK_N weight rows over the whole of K, loads BLOCK_K / V contiguous words per row per
-step, and for each of the V values of a word multiplies the value's float pattern 1 + q / 2^bits (two
-integer ops, no int-to-float conversion) by the x entries it meets; the scale multiplies once per
-word (once per step when the group spans it), and the [BLOCK_N, words] accumulator is reduced once.
+One row (decode) runs the GEMV kernel here (a GemvTile: a form of kernels/quant_int_gemv.py), laid
+out for bandwidth as kernels/gemv.py is: each program takes BLOCK_N weight rows over the whole of K,
+loads BLOCK_K / V contiguous words per row per step, and for each of the V values of a word
+multiplies the value's float pattern 1 + q / 2^bits (two integer ops, no int-to-float conversion) by
+the x entries it meets; the scale multiplies once per word (once per step when the group spans it),
+and the [BLOCK_N, words] accumulator is reduced once.
 Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot); kernels/quant_int_magic.py
 is the one-row tensor-core alternative (a MagicTile). Which tile runs each shape is measured at
 start-up (model/linear_choice.py).
@@ -24,13 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import quant_int_magic
+from tpfuse.kernels import quant_int_gemv, quant_int_magic
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
+from tpfuse.kernels.quant_int_gemv import GemvTile, x_pairs
 from tpfuse.kernels.quant_int_magic import MagicTile
 
 __all__ = [
-    "IntTile", "MagicTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int", "unpack_int",
+    "GemvTile", "IntTile", "MagicTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int",
+    "unpack_int",
 ]  # fmt: skip
 
 SUPPORTED_BITS = (4, 8)
@@ -210,16 +213,6 @@ def _int_gemv_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def x_pairs(x: torch.Tensor) -> bool:
-    """Whether the GEMV may read x's bf16 values as int32 pairs (bf16, 4-byte aligned rows, K even)."""
-    return (
-        x.dtype == torch.bfloat16
-        and x.shape[-1] % 2 == 0
-        and x.data_ptr() % 4 == 0
-        and (x.dim() == 1 or x.stride(0) % 2 == 0)
-    )
-
-
 def check_int_weights(packed, scales, offsets, bits: int, group_size: int, hidden: int) -> None:
     """Raises ValueError naming the tensor whose shape or dtype does not fit the layout above."""
     per_word = values_per_word(bits)
@@ -253,9 +246,9 @@ def int_linear_triton(
 ):
     """Triton int_linear_ref. x: [M, K] bf16/fp16/fp32, contiguous along K; bias [N] or None.
     One row runs the GEMV kernel above, more rows kernels/quant_dot.py; a MagicTile runs
-    kernels/quant_int_magic.py where it fits (else the default tile). Returns a new [M, N] of
-    x.dtype. Raises ValueError for shapes that do not fit the layout, or a group size that splits a
-    packed word."""
+    kernels/quant_int_magic.py and a GemvTile kernels/quant_int_gemv.py where they fit (else the
+    default tile). Returns a new [M, N] of x.dtype. Raises ValueError for shapes that do not fit the
+    layout, a group size that splits a packed word, or a GEMV tile given several rows."""
     num_rows, hidden = x.shape
     check_int_weights(packed, scales, offsets, bits, group_size, hidden)
     if x.stride(1) != 1:
@@ -271,6 +264,12 @@ def int_linear_triton(
     if isinstance(tile, MagicTile):
         if quant_int_magic.fits(x, bits, group_size):
             return quant_int_magic.magic_int4_gemv(x, packed, scales, offsets, group_size, bias, tile=tile)
+        tile = None
+    if isinstance(tile, GemvTile):
+        if num_rows != 1:
+            raise ValueError(f"the GEMV tile takes one row; got {num_rows}")
+        if quant_int_gemv.fits(bits, group_size, hidden):
+            return quant_int_gemv.int_gemv(x, packed, scales, offsets, bits, group_size, bias, tile=tile)
         tile = None
     tile = launch_tile(tile, num_rows)
     if tile.block_m > 1:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
-from tpfuse.kernels.quant_int import IntTile, MagicTile
+from tpfuse.kernels.quant_int import GemvTile, IntTile, MagicTile
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
 log = logging.getLogger("tpfuse")
@@ -235,9 +235,15 @@ def reset() -> None:
 # timed the same way over the model's own layers of that shape; there is no cuBLAS route to race.
 # A method that takes part exposes product(layer, x, bias, tile) and tile_key(layer) (its name and
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
-# are few (each is a compile at start-up): bucket 1 the GEMV at 8-32 rows per program and 4-8 KB
-# of codes per step (16 rows x 128 words: about 5.3 instructions per weight on sm_90, 8 rows: 6.2),
-# and kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns: about 1.7 with the
+# are few (each is a compile at start-up): bucket 1 the GEMV of kernels/quant_int.py at 8 rows per
+# program (41.9 us at gate_up on an H200, against 46.6 at 16 rows and 72 at 32: those two dropped;
+# about 6.1 instructions per weight on sm_90), two forms of kernels/quant_int_gemv.py (GemvTile: one
+# 16-byte vector of codes per thread and row, x and scales in the codes' registers, 3.1-3.4
+# instructions per weight, 125-128 registers: 16 rows x 2048 a step on 2 warps, the fastest at
+# gate_up; 8 rows x 2048 on 2 warps with each step's loads issued up front, the fastest at qkv,
+# o_proj and down; its one-step and x-stationary forms lost everywhere: docs/PERF.md), and
+# kernels/quant_int_magic.py's
+# tensor-core form (128 rows x 128 columns: about 1.7 with the
 # words prefetched in registers, 2.1 through a 4-stage cp.async pipeline, which adds 16 KB of shared
 # memory traffic per 8 KB of codes; split-K so the 4096-row projections fill the SMs; shapes it does
 # not fit run the GEMV's default tile);
@@ -245,7 +251,7 @@ def reset() -> None:
 # twice the programs for the 4096-row projections), or split-K (o_proj / down: 64 of 132 SMs busy
 # otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
-    1: (IntTile(1, 16, 1024, 1, 4), IntTile(1, 32, 512, 1, 4), IntTile(1, 8, 1024, 1, 4),
+    1: (IntTile(1, 8, 1024, 1, 4), GemvTile(1, 16, 2048, 1, 2), GemvTile(1, 8, 2048, 1, 2, pin=True),
         MagicTile(1, 128, 128, 1, 4), MagicTile(1, 128, 128, 1, 4, split_k=2),
         MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2)),
     **{
