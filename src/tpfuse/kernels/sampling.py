@@ -50,10 +50,11 @@ def sample_ref(
     top_ps: torch.Tensor,
     seeds: torch.Tensor,
     plan: tuple[bool, int] | None = None,
+    parts: int | None = None,
 ) -> torch.Tensor:
     """logits: [B, V] (any float dtype); temperatures: [B] float (0: greedy); top_ks: [B] int;
-    top_ps: [B] float; seeds: [B] int64. Returns [B] int64 token ids. plan: the Triton twin's
-    filter plan, not needed here (the reference always sorts)."""
+    top_ps: [B] float; seeds: [B] int64. Returns [B] int64 token ids. plan, parts: the Triton twin's
+    filter plan and row split, not needed here (the reference always sorts, one row at a time)."""
     logits = logits.float()
     greedy = logits.argmax(-1)
     temps = temperatures.float().clamp(min=1e-6)[:, None]
