@@ -196,4 +196,62 @@ def test_the_sampler_warm_up_runs_every_filter_path_off_the_gpu_only_when_asked(
     from tpfuse.kernels import sampling
 
     assert kernels.warm_up_sampling(300, torch.device("cpu")) == 0  # nothing compiles ahead on a CPU
-    assert sampling.warm_up_sampling(300, torch.device("cpu")) == 6  # the launches themselves run
+    assert sampling.warm_up_sampling(300, torch.device("cpu")) == 7  # the launches themselves run
+
+
+def _compile_key(kernel, args, kwargs):
+    """What Triton compiles a launch by: the constexprs and options, each int argument's class (1, a
+    multiple of 16, other) and each tensor's dtype and 16-byte alignment, less do_not_specialize."""
+    skipped = set(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter's kernel
+    key = []
+    for index, (name, value) in enumerate(zip(kernel.arg_names, args, strict=False)):
+        if index in skipped or name in skipped:
+            continue
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append((name, "one" if value == 1 else "16k" if value % 16 == 0 else "int"))
+    return tuple(sorted(kwargs.items())), tuple(key)
+
+
+class _Recording:
+    """Stands in for a Triton kernel: records each launch's compile key (into keys), then launches."""
+
+    def __init__(self, kernel, keys: set):
+        self.kernel, self.keys = kernel, keys
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.keys.add((self.kernel.fn.__name__, _compile_key(self.kernel, args, kwargs)))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_sampled_steps_of_any_batch_launch_only_what_the_warm_up_compiled(monkeypatch):
+    """After kernels.sampling.warm_up_sampling, no batch size, filter path or unaligned view of a
+    packed step (seeds and top_ks are views into it) launches a sampler or cut variant it did not."""
+    from tpfuse.kernels import sampling
+
+    keys: set = set()
+    kernels = [(sampling, "_sample_kernel"), (sampling, "_merge_kernel"),
+               (sampling_cut, "_top_k_pass_kernel"), (sampling_cut, "_top_p_pass_kernel"),
+               (sampling_cut, "_finish_kernel")]  # fmt: skip
+    for module, name in kernels:
+        monkeypatch.setattr(module, name, _Recording(getattr(module, name), keys))
+    vocab = 9000  # several parts a row under the interpreter's 4096-token blocks
+    sampling.warm_up_sampling(vocab, torch.device("cpu"))
+    warmed = set(keys)
+    keys.clear()
+    for batch in (3, 17):
+        packed = torch.zeros(2 * batch + 1, dtype=torch.int64)  # odd offsets: unaligned views
+        top_ks, seeds = packed[1 : batch + 1], packed[batch + 1 :]
+        seeds.copy_(torch.arange(batch))
+        logits = torch.randn(batch, vocab)
+        temperatures = torch.full((batch,), 0.7)
+        for top_k, top_p in ((0, 1.0), (0, 0.9), (5, 1.0)):
+            top_ks.fill_(top_k)
+            top_ps = torch.full((batch,), top_p)
+            plan = sampling.filter_plan(temperatures.tolist(), top_ks.tolist(), top_ps.tolist())
+            sampling.sample_triton(logits, temperatures, top_ks, top_ps, seeds, plan)
+    assert keys and keys <= warmed, keys - warmed

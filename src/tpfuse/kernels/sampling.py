@@ -149,7 +149,7 @@ def _sample_kernel(
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _merge_kernel(part_values_ptr, part_tokens_ptr, out_ptr, parts, PARTS: tl.constexpr):
     """out[row]: the token of the row's largest part value; ties: the lowest token (the parts are
     in token order), 0 if every value is -inf; the same token one program over the row would give."""
@@ -221,6 +221,12 @@ def filter_top_k_top_p(
     return torch.full_like(scaled, float("-inf")).scatter_(-1, indices, kept)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where its data is not 16-byte aligned (a view into a packed step): Triton
+    compiles a kernel apart for each pointer alignment, and the warm-up compiles the aligned one."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def sample_triton(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -240,6 +246,7 @@ def sample_triton(
     if batch == 0:
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    temperatures, top_ks, top_ps, seeds = (_aligned(t) for t in (temperatures, top_ks, top_ps, seeds))
     filtered = logits
     use_filter, k_bound = plan if plan is not None else _filter_plan(temperatures, top_ks, top_ps)
     cut = use_filter and k_bound == 0  # no small top_k everywhere: one cut per row, no sort
@@ -282,4 +289,8 @@ def warm_up_sampling(vocab: int, device: torch.device) -> int:
             top_ps = torch.full((batch,), 0.9 if use_filter else 1.0, device=device)
             sample_triton(logits, temperatures, top_ks, top_ps, seeds, (use_filter, k_bound))
             calls += 1
-    return calls
+    ones = torch.ones(1, device=device)  # one program a row: the split-free variant (huge batches)
+    sample_triton(
+        torch.zeros(1, vocab, device=device), ones, ones.long(), ones, ones.long(), (False, 0), parts=1
+    )
+    return calls + 1

@@ -290,7 +290,7 @@ def _top_p_pass_kernel(
             tl.atomic_add(mass_row + PASS * _MASS_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _finish_kernel(
     temperatures_ptr,
     top_ks_ptr,
