@@ -17,6 +17,7 @@ LINEAR_MARGIN = "TPFUSE_LINEAR_MARGIN"  # share of cuBLAS's time a Triton route 
 PEER_MEMORY = "TPFUSE_PEER_MEMORY"  # "symm_mem" | "cuda_ipc": try only that peer-memory backend
 COMM_CHECK = "TPFUSE_COMM_CHECK"  # "1": synchronise and check the error word after every collective
 STEP_TIMEOUT = "TPFUSE_STEP_TIMEOUT_S"  # seconds a TP worker may take to run a step before rank 0 stops
+PDL = "TPFUSE_PDL"  # "0": no programmatic dependent launch (kernels/pdl.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Knobs:
     peer_memory: str | None = None
     comm_check: bool = False
     step_timeout_s: str | None = None
+    pdl: bool = True
 
 
 def read() -> Knobs:
@@ -38,6 +40,7 @@ def read() -> Knobs:
         peer_memory=env.get(PEER_MEMORY) or None,
         comm_check=env.get(COMM_CHECK) == "1",
         step_timeout_s=env.get(STEP_TIMEOUT),
+        pdl=env.get(PDL) != "0",
     )
 
 

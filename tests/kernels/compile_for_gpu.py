@@ -61,6 +61,10 @@ INT_ARGS = (  # i32 scalars by name
 
 
 def _signature(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict):
+    """Triton's signature of a launch variant. A kernel that takes PDL (kernels/pdl.py) compiles with it
+    on, as Hopper runs it, unless constexprs says otherwise (set there in place)."""
+    if "PDL" in kernel.arg_names:
+        constexprs.setdefault("PDL", True)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:

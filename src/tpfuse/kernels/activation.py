@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] (gate then up). Returns a new [T, I] tensor of x.dtype."""
@@ -14,7 +16,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -36,7 +39,9 @@ def silu_and_mul_launch(x: torch.Tensor, block: int | None = None, num_warps: in
         return out
     block = block or min(triton.next_power_of_2(inter), 1024)
     grid = (x.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps)
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps, **pdl.launch(x.device)
+    )
     return out
 
 

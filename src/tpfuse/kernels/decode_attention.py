@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.decode_merge import arrival_counters, launch_merge, merge_group_in_last_split
 from tpfuse.kernels.paged_attention_common import (
     DECODE_BLOCK_N,
@@ -86,7 +87,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl.begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,6 +217,7 @@ def decode_attention_launch(
         MERGE_IN_KERNEL=merge_in_kernel,
         num_warps=4,
         num_stages=2,
+        **pdl.launch(q.device),
     )
     if num_splits > 1 and not merge_in_kernel:
         launch_merge(part_out, part_lse, out, num_splits, block_d)

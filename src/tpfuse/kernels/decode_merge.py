@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
+
 MERGE_MAX_SPLITS = 16  # the most splits decode (DECODE_MAX_SPLITS) and verify attention use; more still work
 
 _ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -90,7 +92,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl.begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -131,6 +135,7 @@ def launch_merge(part_out, part_lse, out, num_splits: int, block_d: int) -> None
         BLOCK_S=max(triton.next_power_of_2(max(num_splits, MERGE_MAX_SPLITS)), 2),
         BLOCK_D=block_d,
         num_warps=4,
+        **pdl.launch(part_out.device),
     )
 
 
@@ -142,7 +147,9 @@ def launch_merge(part_out, part_lse, out, num_splits: int, block_d: int) -> None
 def _chunked_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * num_heads + head
     b = row // num_heads
     head = row % num_heads
@@ -196,4 +203,5 @@ def launch_chunked_merge(part_out, part_lse, out, num_splits: int) -> None:
     _chunked_merge_kernel[(batch * num_heads, triton.cdiv(head_dim, block_d))](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
         HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        **pdl.launch(part_out.device),
     )  # fmt: skip

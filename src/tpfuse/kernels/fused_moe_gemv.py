@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 
 
@@ -18,8 +19,10 @@ from tpfuse.kernels.fused_moe_tiles import MoeTile
 def _slot_gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k."""
+    pdl.begin(PDL)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // TOP_K).to(tl.int64)
@@ -45,8 +48,10 @@ def _slot_gate_up_kernel(
 def _slot_down_kernel(
     act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
     stride_act, stride_we, stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """Per-slot GEMV: out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
+    pdl.begin(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,8 +79,10 @@ def slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
         x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, **opts,
+        **pdl.launch(x.device),
     )  # fmt: skip
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
         act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         slot_out.stride(0), **opts,
+        **pdl.launch(x.device),
     )  # fmt: skip

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
+
 BLOCK_N = 4
 BLOCK_K = 2048
 NUM_WARPS = 4
@@ -53,6 +55,25 @@ def gemv_ref(
 
 
 @triton.jit
+def _step_weights(w_rows, col_mask, k0, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weights of the K step at k0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+    mask = col_mask[:, None] & (ks < HIDDEN)[None, :]
+    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _step_x(x_ptr, k0, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """x's [BLOCK_K] float32 values of the K step at k0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(x_ptr + ks).to(tl.float32)
+    return tl.load(x_ptr + ks, mask=ks < HIDDEN, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -65,22 +86,17 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides HIDDEN: no masks
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py: the first step's weights load before the wait
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + ks)
-        else:
-            k_mask = ks < HIDDEN
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w = _step_weights(w_rows, col_mask, 0, HIDDEN, BLOCK_K, EVEN)
+    pdl.begin(PDL)
+    acc = w.to(tl.float32) * _step_x(x_ptr, 0, HIDDEN, BLOCK_K, EVEN)[None, :]
+    for k0 in range(BLOCK_K, HIDDEN, BLOCK_K):
+        w = _step_weights(w_rows, col_mask, k0, HIDDEN, BLOCK_K, EVEN)
+        acc += w.to(tl.float32) * _step_x(x_ptr, k0, HIDDEN, BLOCK_K, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -146,6 +162,6 @@ def gemv_triton(
         x, weight, bias if bias is not None else x, out, num_cols, weight.stride(0),
         HIDDEN=hidden, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=num_cols % block_n == 0 and hidden % block_k == 0, HAS_BIAS=bias is not None,
-        num_warps=num_warps, num_stages=1,
+        num_warps=num_warps, num_stages=1, **pdl.launch(x.device),
     )  # fmt: skip
     return out

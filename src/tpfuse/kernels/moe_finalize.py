@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.rmsnorm import rmsnorm_ref, rmsnorm_row_weighted
 
 
@@ -30,8 +31,18 @@ def moe_finalize_ref(
 
 @triton.jit
 def _moe_finalize_kernel(
-    slot_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+    slot_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    hidden,
+    eps,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -63,5 +74,6 @@ def moe_finalize_triton(
         _moe_finalize_kernel[(num_tokens,)](
             slot_out.contiguous(), residual, weight, out, new_residual, hidden, eps,
             TOP_K=top_k, BLOCK_H=block, num_warps=min(max(block // 512, 1), 16),
+            **pdl.launch(residual.device),
         )  # fmt: skip
     return out, new_residual

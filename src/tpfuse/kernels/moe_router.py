@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.moe_routing import MAX_EXPERTS, moe_topk_ref, topk_of_row
 
@@ -53,7 +54,9 @@ def _moe_route_kernel(
     x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, hidden, num_experts, stride_x, stride_g,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_experts
@@ -110,5 +113,6 @@ def moe_route_triton(
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=tile.rows,
             BLOCK_H=min(triton.next_power_of_2(hidden), 1024), BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=tile.num_warps,
+            **pdl.launch(x.device),
         )  # fmt: skip
     return weights, ids

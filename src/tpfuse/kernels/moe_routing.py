@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
+
 MAX_EXPERTS = 1024
 
 
@@ -54,7 +56,9 @@ def topk_of_row(x, valid, cols, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, 
 def _moe_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < num_experts
@@ -81,5 +85,6 @@ def moe_topk_triton(
             logits, weights, ids, logits.stride(0), num_experts,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e >= 256 else 1,
+            **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.rmsnorm import _launch_config, rmsnorm_ref
 from tpfuse.kernels.rope_store_kv import check_rope_store_kv_args, rope_store_kv_ref
 
@@ -95,7 +96,9 @@ def _qk_norm_rope_store_kv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl.begin(PDL)
     # grid (T, Hq + Hk): one head per program; heads below num_q_heads are q heads (written in place),
     # the others are KV heads (rotated k and the untouched v written to the token's cache slot).
     token = tl.program_id(0).to(tl.int64)
@@ -188,5 +191,6 @@ def qk_norm_rope_store_kv_triton(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=num_warps,
+        **pdl.launch(q.device),
     )
     return q

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile as Fp8Tile
 from tpfuse.kernels.quant_dot import launch_tile, pow2_part, quant_dot
@@ -136,9 +137,11 @@ def _fp8_gemv_kernel(
     SUB_K: tl.constexpr,
     SUBS: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and SUBS * SUB_K divides hidden: no masks
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """One row: BLOCK_N weight rows x the whole of K per program (the layout of kernels/gemv.py),
     a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop."""
+    pdl.begin(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -198,5 +201,6 @@ def fp8_linear_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | Non
         BLOCK_N=tile.block_n, SUB_K=sub_k, SUBS=subs,
         EVEN=num_cols % tile.block_n == 0 and hidden % (sub_k * subs) == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import quant_int_gemv, quant_int_magic
+from tpfuse.kernels import pdl, quant_int_gemv, quant_int_magic
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
 from tpfuse.kernels.quant_int_gemv import GemvTile, x_pairs
@@ -186,9 +186,11 @@ def _int_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_N divides num_cols and BLOCK_K divides hidden: no masks
     X_PAIRS: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """One row: BLOCK_N weight rows x the whole of K per program, [BLOCK_N, words] fp32
     accumulators reduced once after the loop (the layout of kernels/gemv.py)."""
+    pdl.begin(PDL)
     WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
@@ -286,5 +288,6 @@ def int_linear_triton(
         BITS=bits, GROUP=group_size, HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN=num_cols % tile.block_n == 0 and hidden % block_k == 0,
         X_PAIRS=x_pairs(x), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out

@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.paged_attention_common import device_sms
 from tpfuse.kernels.quant_dot import IntTile
 
@@ -355,9 +356,11 @@ def _vec_kernel(
     K_MASK: tl.constexpr,  # 0: BLOCK_K divides K; 1: the vector (VK) does, masks per vector; 2: per value
     X_PAIRS: tl.constexpr,
     PIN: tl.constexpr,  # a step's loads issued together before its arithmetic (_pin; not with PREFETCH)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """BLOCK_N rows over the whole of K per program (module doc, form "vec"). Offsets are int32 (the
     launcher checks N * row stride < 2^31)."""
+    pdl.begin(PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     VK: tl.constexpr = 4 * PER_WORD
     CH: tl.constexpr = BLOCK_K // VK
@@ -422,8 +425,10 @@ def _xs_kernel(
     K_MASK: tl.constexpr,
     X_PAIRS: tl.constexpr,
     PIN: tl.constexpr,  # as in _vec_kernel (a row group's loads)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """x-stationary (module doc, form "xs"): x loaded once; row groups pid, pid + P, ... of BLOCK_N."""
+    pdl.begin(PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     VK: tl.constexpr = 4 * PER_WORD
     CH: tl.constexpr = BLOCK_K // VK
@@ -517,7 +522,7 @@ def int_gemv(x, packed, scales, offsets, bits, group_size, bias=None, *, tile: G
     if tile.max_registers:
         meta["maxnreg"] = tile.max_registers
     if form == "xs":
-        _xs_kernel[(xs_programs(tile, num_cols, x.device),)](*args, **meta)
+        _xs_kernel[(xs_programs(tile, num_cols, x.device),)](*args, **meta, **pdl.launch(x.device))
     else:
-        _vec_kernel[(triton.cdiv(num_cols, tile.block_n),)](*args, **meta)
+        _vec_kernel[(triton.cdiv(num_cols, tile.block_n),)](*args, **meta, **pdl.launch(x.device))
     return out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
+
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H]; weight: [H]. Returns a new [T, H] tensor of x.dtype."""
@@ -46,12 +48,14 @@ def rmsnorm_row(row_f32, w_ptr, cols, mask, hidden, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     # The weight is loaded up front: loads are not moved across the reduction's barrier.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.begin(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     y = rmsnorm_row_weighted(x, w, hidden, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -70,12 +74,14 @@ def _fused_add_rmsnorm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     # The weight is loaded up front: loads are not moved across the reduction's barrier.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.begin(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     # The rounded sum is the new residual; the norm is taken from the rounded value, not the fp32 sum.
@@ -109,7 +115,16 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         return out
     block, warps = _launch_config(x.shape[1])
     _rmsnorm_kernel[(x.shape[0],)](
-        x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK_H=block, num_warps=warps
+        x,
+        weight,
+        out,
+        x.stride(0),
+        out.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK_H=block,
+        num_warps=warps,
+        **pdl.launch(x.device),
     )
     return out
 
@@ -140,6 +155,7 @@ def fused_add_rmsnorm_launch(
         eps,
         BLOCK_H=block,
         num_warps=num_warps or warps,
+        **pdl.launch(x.device),
     )
     return out, new_residual
 

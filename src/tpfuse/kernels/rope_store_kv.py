@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.kv_store import store_kv_ref
 from tpfuse.kernels.rope import _rotate_heads, rope_ref
 
@@ -63,7 +64,9 @@ def _rope_store_kv_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl.begin(PDL)
     # grid (T, 2): part 0 rotates q in place, part 1 rotates k and stores k and v, so that a
     # batch-1 decode step spreads its few kilobytes over two SMs.
     token = tl.program_id(0).to(tl.int64)
@@ -170,5 +173,6 @@ def rope_store_kv_triton(
         BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=4,
+        **pdl.launch(q.device),
     )
     return q
