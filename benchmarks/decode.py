@@ -174,6 +174,8 @@ def main() -> None:
     projection_routes = [choice.describe() for choice in linear_choice.decisions()]
     for route in projection_routes:
         print(f"projection {route}")
+    pdl_choice = getattr(engine.executor.runner, "pdl_choice", None)
+    print(f"programmatic dependent launch: {pdl_choice}")  # engine/launch_choice.py
 
     bandwidth = copy_bandwidth(args.device, num_bytes=(4 << 30) if args.device == "cuda" else 64 << 20)
     weights = weight_bytes_per_step(engine)
@@ -237,6 +239,7 @@ def main() -> None:
         "step_ms": {str(b): ms for b, ms in step_times.items()},
         "enforce_eager": args.enforce_eager,
         "projection_routes": projection_routes,
+        "pdl_choice": pdl_choice,
         "tpfuse_linear": os.environ.get("TPFUSE_LINEAR", "auto"),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -74,7 +74,16 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None, choices=["fp8", "fp8-block", "int4"])
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="launch the decode kernels with PDL where supported (kernels/pdl.py)",
+    )
     args = parser.parse_args()
+    if args.pdl:
+        from tpfuse.kernels import pdl
+
+        pdl.choose(torch.device("cuda", torch.cuda.current_device()), True)
 
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, load_format="dummy", quantization=args.quantization

@@ -112,7 +112,16 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "quant_decode.json"))
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="launch the decode kernels with PDL where supported (kernels/pdl.py)",
+    )
     args = parser.parse_args()
+    if args.pdl:
+        from tpfuse.kernels import pdl
+
+        pdl.choose(torch.device("cuda", torch.cuda.current_device()), True)
     bandwidth = copy_bandwidth("cuda")
     device = torch.cuda.get_device_name()
     fp8_dot = fp8_dot_supported(torch.device("cuda", torch.cuda.current_device()))

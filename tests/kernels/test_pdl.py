@@ -8,7 +8,7 @@ from tpfuse import knobs
 from tpfuse.kernels import gemv, pdl, rmsnorm
 
 
-def test_off_on_the_cpu_and_the_launch_says_so():
+def test_off_on_the_cpu_and_until_chosen():
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch(torch.device("cpu")) == {"PDL": False}
 
@@ -45,8 +45,22 @@ def _graph_run(fn):
     return [t.clone() for t in out]
 
 
+def test_choose_turns_it_off_and_tp_runs_plain():
+    from tpfuse.engine.launch_choice import choose_pdl
+
+    device = torch.device("cuda", 0)  # no CUDA call is made: unsupported here, so nothing is timed
+    assert choose_pdl(None, device, tp_size=1) is None
+    assert choose_pdl(None, device, tp_size=2) is None
+    assert not pdl.enabled(device)
+    pdl.choose(device, True)
+    try:
+        assert pdl.enabled(device) == pdl.supported(device)
+    finally:
+        pdl.choose(device, False)
+
+
 @pytest.mark.gpu
-def test_a_pdl_chain_in_a_cuda_graph_equals_the_plain_chain(monkeypatch):
+def test_a_pdl_chain_in_a_cuda_graph_equals_the_plain_chain():
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
     hidden = 1000  # odd: masked steps
@@ -54,16 +68,15 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_the_plain_chain(monkeypatch):
     norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
     x0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
     res0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
-    with_pdl = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
-    used = pdl.enabled(device)
-    monkeypatch.setenv(knobs.PDL, "0")
-    knobs.reload()
+    pdl.choose(device, True)
     try:
-        plain = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
+        used = pdl.enabled(device)
+        with_pdl = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
     finally:
-        monkeypatch.delenv(knobs.PDL)
-        knobs.reload()
-    for a, b in zip(with_pdl, plain):
+        pdl.choose(device, False)
+    assert pdl.launch(device) == {"PDL": False}
+    plain = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
+    for a, b in zip(with_pdl, plain, strict=True):
         assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
     ref_h, _ = _chain(ws, norm_w, x0, res0)
     assert torch.isfinite(ref_h.float()).all()

@@ -168,35 +168,39 @@ class DecodeGraphs:
         pool = None
         for r in reversed(range(self.max_extra_rows + 1)):
             for size in reversed(self.sizes):
-                if r == 0:  # warm-up and capture: one-token contexts in block 0 that store no KV
-                    views = self._packed_views(size)
-                    self.packed.zero_()
-                    views["seq_lens"].fill_(1)
-                    views["slot_mapping"].fill_(-1)
-                    views["id_slots"].fill_(-1)
-                    views["write_slots"].fill_(self._table_sink())
-                out = self._forward(
-                    size, r
-                )  # warm-up: autotuning and lazy allocations happen outside capture
-                if not self.graph_logits and self.hidden is None:
-                    rows = self.input_ids.shape[0]
-                    self.hidden = torch.empty(rows, out.shape[-1], dtype=out.dtype, device=out.device)
-                target = self.logits if self.graph_logits else self.hidden
-
-                def body(size=size, r=r, target=target):
-                    out = target[: size * (r + 1)]
-                    if not self.graph_logits:
-                        out.copy_(self._forward(size, r))
-                        return
-                    self._forward(size, r, logits=out)  # the logits land in the shared buffer
-                    if r == 0:
-                        torch.argmax(out, dim=-1, out=self.token_ids[:size])
-                        if self.token_table is not None:
-                            slots = self._packed_views(size)["write_slots"]
-                            self.token_table[slots] = self.token_ids[:size]
-
-                self.graphs[(size, r)], pool = self._capture_graph(body, pool)
+                self.graphs[(size, r)], pool = self.capture_one(size, r, pool)
         self._synchronize()
+
+    @torch.inference_mode()
+    def capture_one(self, size: int, r: int, pool=None):
+        """Warms up and captures the graph of (size, r) in pool (None: a new one); returns (graph,
+        pool). capture() keeps them; a caller may capture one more to time it and drop it."""
+        if r == 0:  # warm-up and capture: one-token contexts in block 0 that store no KV
+            views = self._packed_views(size)
+            self.packed.zero_()
+            views["seq_lens"].fill_(1)
+            views["slot_mapping"].fill_(-1)
+            views["id_slots"].fill_(-1)
+            views["write_slots"].fill_(self._table_sink())
+        out = self._forward(size, r)  # warm-up: autotuning and lazy allocations happen outside capture
+        if not self.graph_logits and self.hidden is None:
+            rows = self.input_ids.shape[0]
+            self.hidden = torch.empty(rows, out.shape[-1], dtype=out.dtype, device=out.device)
+        target = self.logits if self.graph_logits else self.hidden
+
+        def body():
+            out = target[: size * (r + 1)]
+            if not self.graph_logits:
+                out.copy_(self._forward(size, r))
+                return
+            self._forward(size, r, logits=out)  # the logits land in the shared buffer
+            if r == 0:
+                torch.argmax(out, dim=-1, out=self.token_ids[:size])
+                if self.token_table is not None:
+                    slots = self._packed_views(size)["write_slots"]
+                    self.token_table[slots] = self.token_ids[:size]
+
+        return self._capture_graph(body, pool)
 
     def _capture_graph(self, body, pool):
         """Records body() as a CUDA graph in the shared pool; returns (graph, pool)."""

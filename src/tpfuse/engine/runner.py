@@ -23,6 +23,7 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine import kv_cache
 from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import DecodeGraphs
+from tpfuse.engine.launch_choice import choose_pdl
 from tpfuse.engine.logits_processing import BatchProcessing
 from tpfuse.engine.runner_hook import HookFactory, RunnerHook
 from tpfuse.engine.step_inputs import (
@@ -35,7 +36,7 @@ from tpfuse.engine.step_inputs import (
 from tpfuse.engine.step_limits import max_step_rows, resolve_max_model_len
 from tpfuse.engine.step_upload import StepUpload
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
-from tpfuse.kernels import sample, warm_up_sampling
+from tpfuse.kernels import pdl, sample, warm_up_sampling
 from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.layers import ParallelContext, projections
 from tpfuse.model.loader import load_model
@@ -94,6 +95,8 @@ class ModelRunner:
         if hook is not None:
             self.hook = hook(self.model, self.model_config, parallel, self.device)
         if self.device.type == "cuda":  # projection routes, timed before any graph is captured
+            # with plain launches: PDL slows the large GEMVs (engine/launch_choice.py may turn it on)
+            pdl.choose(self.device, False)
             models = [self.model] + (self.hook.models() if self.hook is not None else [])
             linear_choice.choose(
                 (p for m in models for p in projections(m)),
@@ -159,6 +162,11 @@ class ModelRunner:
                 hook=self.hook,
                 token_table=self.token_table,
             )
+        # Launches with or without PDL, measured on the decode graph before the graphs are captured.
+        self.pdl_choice = (
+            choose_pdl(self.graphs, self.device, config.tp_size) if self.device.type == "cuda" else None
+        )
+        if self.graphs is not None:
             self.graphs.capture()
 
     @property

@@ -14,9 +14,12 @@ The contract of a kernel that takes PDL (a `PDL: tl.constexpr` argument, and lau
 Kernels launched without it (torch's, cuBLAS) keep plain stream order, so the chain stays correct
 when only some kernels take part.
 
-`enabled(device)` says whether launches on a device use it: found once per device by compiling and
-running a two-kernel chain with it (never from an architecture list), off on CPUs and under the
-interpreter, and off when TPFUSE_PDL=0.
+`supported(device)`: whether the device runs it, found once per device by compiling and running a
+chain of PDL kernels in a CUDA graph (never from an architecture list); off on CPUs, under the
+interpreter and with TPFUSE_PDL=0. `enabled(device)`: whether launches use it now: supported and
+turned on by `choose`. Launches are plain until then: the engine measures its decode graph both ways
+at start-up (engine/launch_choice.py; on the H200 PDL paid for a MoE model and slowed a dense one's
+large GEMVs), benchmarks choose it with a flag.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import triton.language as tl
 
 from tpfuse import knobs
 
-__all__ = ["begin", "enabled", "launch", "launch_dependents", "wait"]
+__all__ = ["begin", "choose", "enabled", "launch", "launch_dependents", "supported", "wait"]
 
-_ENABLED: dict[int, bool] = {}
+_SUPPORTED: dict[int, bool] = {}  # probe results by device index
+_CHOSEN: dict[int, bool] = {}  # choose(): on / off by device index
+_LAUNCH: dict[int, dict] = {}  # launch()'s keyword arguments by device index
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 
 try:  # Triton with grid dependency control (3.3 and later)
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
@@ -98,19 +104,39 @@ def _probe(device: torch.device) -> bool:
         return False
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on this device launch with PDL (probed once per device; see the module doc)."""
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def supported(device: torch.device) -> bool:
+    """Whether this device runs PDL launches correctly (probed once per device; module doc)."""
     if device.type != "cuda" or not HAVE_GDC or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if not knobs.current.pdl:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ENABLED:
-        _ENABLED[index] = _probe(torch.device("cuda", index))
-    return _ENABLED[index]
+    index = _index(device)
+    if index not in _SUPPORTED:
+        _SUPPORTED[index] = _probe(torch.device("cuda", index))
+    return _SUPPORTED[index]
+
+
+def choose(device: torch.device, on: bool) -> None:
+    """Turns PDL launches on (where supported) or off (the default) for this device from now on."""
+    _CHOSEN[_index(device)] = on
+    _LAUNCH.pop(_index(device), None)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on this device launch with PDL now (supported, and turned on by choose)."""
+    return device.type == "cuda" and _CHOSEN.get(_index(device), False) and supported(device)
 
 
 def launch(device: torch.device) -> dict:
-    """Keyword arguments for a PDL kernel's launch: its PDL constexpr and Triton's launch_pdl."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+    """Keyword arguments for a PDL kernel's launch: its PDL constexpr and Triton's launch_pdl (decided
+    once per device until the next choose)."""
+    if device.type != "cuda":
+        return _OFF
+    kwargs = _LAUNCH.get(device.index)
+    if kwargs is None:
+        kwargs = _LAUNCH[_index(device)] = _ON if enabled(device) else _OFF
+    return kwargs
