@@ -25,7 +25,7 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 from roofline import copy_tbps  # noqa: E402
 from tpfuse import gpu_timing  # noqa: E402
 from tpfuse.kernels import gemv  # noqa: E402

@@ -31,7 +31,7 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 from tpfuse.kernels import quant_int  # noqa: E402
 from tpfuse.kernels.quant_int import GemvTile, MagicTile  # noqa: E402
 from tpfuse.model.linear_choice import QUANT_TILES  # noqa: E402

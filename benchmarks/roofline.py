@@ -3,7 +3,7 @@ time per call, a decode step captured in a CUDA graph, its per-kernel profile, s
 random paged KV caches, and the bytes a step reads.
 
 Imported by deepseek_decode.py, moe_decode.py, quant_decode.py, model_decode_roofline.py, mla_decode.py
-and gemv.py (each puts benchmarks/ on sys.path first).
+and gemv.py (each appends benchmarks/ to sys.path first).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 import gemv as gemv_bench  # noqa: E402  (benchmarks/gemv.py: shapes, copy bandwidth, timing)
 from tpfuse.kernels.gemv import gemv_triton  # noqa: E402
 from tpfuse.kernels.skinny_linear import Tile, row_bucket, skinny_linear_triton  # noqa: E402

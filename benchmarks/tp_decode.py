@@ -28,7 +28,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 from decode import PROMPT, copy_bandwidth, decode_tok_s, step_ms  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
 from tpfuse.engine.engine import LLMEngine  # noqa: E402

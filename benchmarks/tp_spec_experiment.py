@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 from serve_bench import serve_and_bench  # noqa: E402  (a sibling script)
 
 SPEC = (

@@ -34,7 +34,7 @@ def test_spec_decode_benchmark_smoke_run_writes_every_mode_and_the_targets(tmp_p
 
 
 def test_one_off_stalls_are_found_per_round_and_the_prefill_step_is_not_one():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    sys.path.append(os.path.dirname(SCRIPT))
     from spec_decode import find_stalls
 
     steady = [90.0] + [6.0] * 50  # the prefill step first: not a stall
