@@ -286,16 +286,23 @@ def _quant_variants(p: str):
             (0, 128, fp8_tiles[16][0], False), (0, 128, fp8_tiles[64][1], False),
             (0, 4096, fp8_tiles[32][0], False), (4, 128, quant_dot.default_tile(65), True),
             (0, 128, fp8_tiles[64][2], False), (4, 128, QUANT_TILES[16][2], False)]  # fmt: skip
+    # the W8A8 decode candidates (kernels/quant_fp8_w8a8.py) at per-channel and 128-block scales
+    dots += [(0, scale_k, tile, False) for tiles in quant_fp8_w8a8.W8A8_TILES.values() for tile in tiles
+             for scale_k in (128, 4096)]  # fmt: skip
     for bits, scale_k, tile, offsets in dots:
         block_k, mode = quant_dot.scale_plan(tile.block_k, scale_k, 4096, offsets)
         scales = "*fp32" if bits == 0 else p
+        x_fp8 = quant_dot.X_AS_IS
+        if isinstance(tile, quant_fp8_w8a8.W8A8Tile):
+            x_fp8 = quant_dot.X_QUANTIZED if tile.prequantize else quant_dot.X_QUANTIZE_HERE
         yield (
             quant_dot._quant_dot_kernel,
             {"*": p, "w_ptr": fp8 if bits == 0 else i32, "s_ptr": scales, "o_ptr": "*fp32",
-             "partials_ptr": "*fp32", "counter_ptr": i32}, ints,
+             "partials_ptr": "*fp32", "counter_ptr": i32, "xs_ptr": "*fp32"}
+            | ({"x_ptr": fp8} if x_fp8 == quant_dot.X_QUANTIZED else {}), ints,
             dict(BITS=bits, SCALE_N=1, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets,
                  HAS_BIAS=offsets, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-                 SWAP=tile.swap, SPLIT_K=tile.split_k, EVEN_K=not offsets, DOT_PRECISION="tf32"),
+                 SWAP=tile.swap, SPLIT_K=tile.split_k, EVEN_K=not offsets, DOT_PRECISION="tf32", X_FP8=x_fp8),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
     for per_block, (block_m, warps) in ((True, (64, 4)), (False, (128, 8))):

@@ -1,6 +1,9 @@
-"""The float64 check shared by the linear-layer kernel tests (test_gemv.py, test_skinny_linear.py)."""
+"""The float64 check shared by the linear-layer kernel tests (test_gemv.py, test_skinny_linear.py), and
+activations that FP8 quantizes exactly (the W8A8 tests under the interpreter)."""
 
 import torch
+
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 
 
 def float64_reference(x, w, bias=None):
@@ -62,3 +65,18 @@ def assert_eager_and_graph_replay_match_float64(linear, rows, num_cols, hidden, 
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, eager)
+
+
+def e4m3_exact_activations(rows, k, group, gen):
+    """x [rows, k] whose every (row, group) quantizes exactly: random e4m3 values with one +-448 per
+    group, times a power of two per (row, group), so amax / 448 is that power and x / scale is the
+    e4m3 value (the interpreter's float -> e4m3 cast mis-rounds some values that need rounding); one
+    group of row 0 is all zero (scale 1). Returns x, float32."""
+    codes = (torch.randn(rows, k, generator=gen) * 40).clamp(-440, 440).to(FP8_DTYPE).float()
+    groups = -(-k // group)
+    for g in range(groups):
+        codes[:, g * group] = torch.where(torch.rand(rows, generator=gen) < 0.5, -448.0, 448.0)
+    powers = 2.0 ** torch.randint(-12, 2, (rows, groups), generator=gen).float()
+    x = codes * powers.repeat_interleave(group, 1)[:, :k]
+    x[0, :group] = 0
+    return x

@@ -49,7 +49,7 @@ def compile_dot(bits: int, tile: IntTile, scale_k: int = 128, hidden: int = 4096
     constexprs = dict(BITS=bits, SCALE_N=1, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=False,
                       HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
                       SWAP=tile.swap, SPLIT_K=tile.split_k, EVEN_K=hidden % block_k == 0,
-                      DOT_PRECISION="tf32")  # fmt: skip
+                      DOT_PRECISION="tf32", X_FP8=0)  # fmt: skip
     pointers = {"*": "*bf16", "w_ptr": "*fp8e4nv" if bits == 0 else "*i32",
                 "s_ptr": "*fp32" if bits == 0 else "*bf16", "o_ptr": "*fp32", "partials_ptr": "*fp32",
                 "counter_ptr": "*i32"}  # fmt: skip

@@ -140,6 +140,34 @@ def test_fp8_tensor_core_product_matches_float64_of_the_quantized_activations(n,
     _close(_in_graph(lambda inp: quant_fp8_w8a8.fp8_w8a8_triton(inp, weight, scale, block), x), expected)
 
 
+@pytest.mark.parametrize(
+    "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128))]
+)
+def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_graphs(n, k, block):
+    """The W8A8 decode candidates (kernels/quant_fp8_w8a8.py) at each row bucket's extremes, against
+    float64 of x quantized per row and step by the reference (tolerance: an e4m3 step of rounding on a
+    few activations, where the kernel's x * (1 / scale) and the reference's x / scale round apart)."""
+    if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
+        pytest.skip("this GPU failed the FP8-dot probe (no FP8 tensor cores): the W8A16 form runs instead")
+    gen = torch.Generator(DEVICE).manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+    scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+    dequantized = quant_fp8.dequantize_fp8(weight, scale, block).double()
+    for bucket, tiles in quant_fp8_w8a8.W8A8_TILES.items():
+        for rows in sorted({bucket, max(1, bucket // 2 + 1)}):
+            x = torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16()
+            for tile in tiles:
+                group = quant_fp8_w8a8.decode_group(block, k, tile)
+                xq, xs = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
+                expected = (xq.double() * xs.double().repeat_interleave(group, 1)[:, :k]) @ dequantized.T
+
+                def run(inp, tile=tile):
+                    return quant_fp8_w8a8.fp8_w8a8_decode_triton(inp, weight, scale, block, tile=tile)
+
+                _close(run(x), expected)
+                _close(_in_graph(run, x), expected)
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block", "int4"])
 def test_quantized_dummy_models_generate_under_cuda_graphs(quantization):
     from tpfuse.engine.llm import LLM

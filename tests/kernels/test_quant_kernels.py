@@ -4,6 +4,7 @@ against float64 products of the dequantized weights, at odd shapes and group siz
 import pytest
 import torch
 
+from tests.kernels.float64_linear import e4m3_exact_activations
 from tpfuse.kernels import quant_fp8, quant_fp8_w8a8, quant_int
 from tpfuse.kernels.quant_int import IntTile
 
@@ -282,3 +283,39 @@ def test_split_k_sums_in_split_order_and_leaves_its_counters_at_zero():
     first = quant_fp8.fp8_linear_triton(x, weight, scale, (1, 64), tile=tile)
     assert torch.equal(first, quant_fp8.fp8_linear_triton(x, weight, scale, (1, 64), tile=tile))
     assert not arrival_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,block,split_k,prequantize,dtype",
+    [
+        (1, 37, 200, (1, 200), 1, False, torch.float32),  # per-channel: steps of 128 then 72
+        (5, 150, 300, (128, 128), 1, False, torch.float32),  # block scales over odd N and K
+        (5, 150, 300, (128, 128), 1, True, torch.float32),
+        (33, 70, 256, (1, 256), 2, True, torch.float32),  # split-K
+        (33, 70, 256, (1, 256), 2, False, torch.float32),
+        (64, 40, 96, (1, 96), 1, True, torch.bfloat16),  # K shorter than a step: one group a row
+        (3, 64, 320, (32, 64), 2, False, torch.float32),  # K blocks of 64: steps of 64
+        (3, 64, 320, (32, 64), 1, True, torch.float32),
+    ],
+)
+def test_fp8_w8a8_decode_form_matches_float64_of_its_activation_groups(
+    rows, n, k, block, split_k, prequantize, dtype
+):
+    gen = torch.Generator().manual_seed(rows * 13 + n)
+    weight, scale = _fp8_weights(n, k, block, gen)
+    tile = quant_fp8_w8a8.W8A8Tile(max(16, 1 << (rows - 1).bit_length()), 64, 128, 1, 4, swap=True,
+                                   split_k=split_k, prequantize=prequantize)
+    group = quant_fp8_w8a8.decode_group(block, k, tile)
+    assert group == (min(128, block[1]) if block[1] < k else (k if prequantize else 128))
+    x = e4m3_exact_activations(rows, k, group, gen).to(dtype)
+    expected = x.double() @ quant_fp8.dequantize_fp8(weight, scale, block).double().T
+    out = quant_fp8_w8a8.fp8_w8a8_decode_triton(x, weight, scale, block, tile=tile)
+    _close(out, expected, dtype)
+    _close(quant_fp8_w8a8.fp8_w8a8_decode_ref(x, weight, scale, block, tile=tile), expected, dtype)
+
+
+def test_fp8_w8a8_decode_form_refuses_k_blocks_without_a_step():
+    gen = torch.Generator().manual_seed(3)
+    weight, scale = _fp8_weights(8, 96, (1, 24), gen)  # 24 = 8 x 3: no power-of-two step >= 16
+    with pytest.raises(ValueError, match="power-of-two part >= 16"):
+        quant_fp8_w8a8.fp8_w8a8_decode_triton(torch.randn(1, 96), weight, scale, (1, 24))

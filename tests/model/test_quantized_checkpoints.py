@@ -239,3 +239,52 @@ def test_the_start_up_tile_of_a_quantized_shape_is_the_one_its_kernel_runs(int4_
     knobs.reload()
     assert seen == [tile]
     torch.testing.assert_close(out.float(), layer(x.float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "name,w8a8",
+    [("fp8-channel", True), ("fp8-block", True), ("fp8-channel-qwen3-moe", False)],  # the last: weight-only
+)
+def test_fp8_decode_tiles_take_the_w8a8_form_only_where_the_format_quantizes_activations(
+    name, w8a8, tmp_path, monkeypatch
+):
+    from tests.kernels.float64_linear import e4m3_exact_activations
+    from tpfuse import knobs
+    from tpfuse.kernels import quant_fp8_w8a8
+    from tpfuse.model import linear_choice
+    from tpfuse.model.quant import fp8
+
+    kind, quantizer, config, shape = FORMATS[name]
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path)
+    layer = model.layers[0].self_attn.o_proj
+    assert layer.method.activations is w8a8
+    monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)  # as on a GPU with FP8 tensor cores
+    for bucket in linear_choice.BUCKETS:
+        candidates = layer.method.tile_candidates(bucket, layer)
+        chosen = [t for t in candidates if isinstance(t, quant_fp8_w8a8.W8A8Tile)]
+        assert chosen == (list(quant_fp8_w8a8.W8A8_TILES[bucket]) if w8a8 else [])
+    if not w8a8:
+        return
+    # a chosen W8A8 tile is the one the layer runs (interpreter), and it gives the decode form's reference
+    tile = quant_fp8_w8a8.W8A8_TILES[1][0]
+    monkeypatch.setitem(linear_choice._QUANT_TILES, (layer.method.tile_key(layer), 1), tile)
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    seen = []
+    real = fp8.fp8_linear_op
+
+    def recording(*args, tile=None, **kwargs):
+        seen.append(tile)
+        return real(*args, tile=tile, **kwargs)
+
+    monkeypatch.setattr(fp8, "fp8_linear_op", recording)
+    group = quant_fp8_w8a8.decode_group(layer.fp8_block, layer.shards.k_local, tile)
+    x = e4m3_exact_activations(1, layer.shards.k_local, group, torch.Generator().manual_seed(0))
+    out = layer(x)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
+    assert seen == [tile]
+    method = layer.method
+    expected = x.double() @ method.dequantize(layer).double().T  # x quantizes exactly
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -33,6 +33,9 @@ from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.skinny_linear import Tile, partials_buffer
 
 ROW, STEP, ELEMENT = 0, 1, 2
+# x_fp8 of quant_dot (W8A8, e4m3 weights): x as given (W8A16); each K step of each row quantized to
+# e4m3 in the kernel; or x given quantized (e4m3) with a float32 scale per row and K step
+X_AS_IS, X_QUANTIZE_HERE, X_QUANTIZED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ def _quant_dot_kernel(
     stride_wn,
     stride_sn,
     stride_om,
+    xs_ptr,  # X_FP8 == X_QUANTIZED: x's float32 scales, [M, K steps] ([M, 1] with ROW weight scales)
+    stride_xsm,
     BITS: tl.constexpr,  # 0: FP8 e4m3 weights; 4 / 8: packed integer codes
     SCALE_N: tl.constexpr,  # weight rows per scale row
     SCALE_K: tl.constexpr,  # weight columns per scale
@@ -134,6 +139,7 @@ def _quant_dot_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # BLOCK_K divides hidden (and k_per_split): K unmasked
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit inputs ignore it)
+    X_FP8: tl.constexpr = 0,  # X_AS_IS, X_QUANTIZE_HERE or X_QUANTIZED (W8A8: BITS 0, SCALE_MODE 0 / 1)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,6 +149,8 @@ def _quant_dot_kernel(
     s_cols = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     lanes = tl.arange(0, BLOCK_K)
+    # W8A8: x's scales per K step (quantized here, or given with STEP weight scales), else one per row
+    X_STEP: tl.constexpr = X_FP8 == 1 or (X_FP8 == 2 and SCALE_MODE == 1)
     if BITS > 0:
         PER_WORD: tl.constexpr = 32 // BITS
         WORDS: tl.constexpr = BLOCK_K // PER_WORD
@@ -162,9 +170,18 @@ def _quant_dot_kernel(
             x_mask = row_mask[:, None] & (ks < hidden)[None, :]
             w_mask = col_mask[:, None] & (ks < hidden)[None, :]
         xt = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if X_FP8 == 2 and X_STEP:
+            x_scale = tl.load(xs_ptr + rows * stride_xsm + k0 // BLOCK_K, mask=row_mask, other=1.0)
+        elif X_FP8 == 1:  # per row and step: scale amax / 448 (1 where all zero); the cast saturates at 448
+            xf = xt.to(tl.float32)
+            x_scale = tl.max(tl.abs(xf), axis=1) / 448.0
+            x_scale = tl.where(x_scale > 0, x_scale, 1.0)
+            xt = (xf * (1.0 / x_scale)[:, None]).to(tl.float8e4nv)
         if BITS == 0:
             raw = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-            if SCALE_MODE == 2:
+            if X_FP8 > 0:
+                w = raw  # e4m3 x e4m3 on the tensor cores
+            elif SCALE_MODE == 2:
                 w = raw.to(tl.float32)
             else:
                 w = raw.to(xt.dtype)
@@ -191,21 +208,27 @@ def _quant_dot_kernel(
                 w = (w * s + o).to(xt.dtype)
             else:
                 w = (w * s).to(xt.dtype)
-        if SCALE_MODE == 1:  # the step's product scaled as it is added
+        if SCALE_MODE == 1 or X_STEP:  # the step's product scaled as it is added
             if SWAP:
                 part = tl.dot(w, tl.trans(xt), input_precision=DOT_PRECISION)
             else:
                 part = tl.dot(xt, tl.trans(w), input_precision=DOT_PRECISION)
-            s = tl.load(s_cols + k0 // SCALE_K, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_OFFSET:
-                o = tl.load(o_ptr + cols.to(tl.int64) * stride_sn + k0 // SCALE_K, mask=col_mask, other=0.0)
-                xsum = tl.sum(xt.to(tl.float32), axis=1)
+            if X_STEP:  # each row's step scale
                 if SWAP:
-                    part = part * s[:, None] + o[:, None] * xsum[None, :]
+                    part = part * x_scale[None, :]
                 else:
-                    part = part * s[None, :] + xsum[:, None] * o[None, :]
-            else:
-                if SWAP:
+                    part = part * x_scale[:, None]
+            if SCALE_MODE == 1:
+                s = tl.load(s_cols + k0 // SCALE_K, mask=col_mask, other=0.0).to(tl.float32)
+                if HAS_OFFSET:
+                    o_cols = o_ptr + cols.to(tl.int64) * stride_sn
+                    o = tl.load(o_cols + k0 // SCALE_K, mask=col_mask, other=0.0)
+                    xsum = tl.sum(xt.to(tl.float32), axis=1)
+                    if SWAP:
+                        part = part * s[:, None] + o[:, None] * xsum[None, :]
+                    else:
+                        part = part * s[None, :] + xsum[:, None] * o[None, :]
+                elif SWAP:
                     part = part * s[:, None]
                 else:
                     part = part * s[None, :]
@@ -235,19 +258,28 @@ def _quant_dot_kernel(
     if last:
         if SCALE_MODE == 0:
             acc *= tl.load(s_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if X_FP8 == 2 and not X_STEP:
+            acc *= tl.load(xs_ptr + rows * stride_xsm, mask=row_mask, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def quant_dot(x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scale_k: int, tile: IntTile):
-    """out [M, N] of x.dtype = x @ dequant(weight).T (+ bias) on tl.dot. weight: [N, K] e4m3 (bits 0)
-    or [N, ceil(K / (32 / bits))] int32 codes; scales [ceil(N / scale_n), ceil(K / scale_k)] (and
-    offsets of the same shape, integer codes only). Shapes are checked by the callers."""
+def quant_dot(
+    x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scale_k: int, tile: IntTile,
+    x_fp8: int = X_AS_IS, x_scales=None, out_dtype=None,
+):  # fmt: skip
+    """out [M, N] of out_dtype (default x.dtype) = x @ dequant(weight).T (+ bias) on tl.dot. weight:
+    [N, K] e4m3 (bits 0) or [N, ceil(K / (32 / bits))] int32 codes; scales [ceil(N / scale_n),
+    ceil(K / scale_k)] (and offsets of the same shape, integer codes only). x_fp8 (e4m3 weights, ROW
+    or STEP scales; kernels/quant_fp8_w8a8.py's decode form): X_QUANTIZE_HERE quantizes each K step
+    of each row of x to e4m3 in the kernel; X_QUANTIZED takes x as e4m3 and x_scales float32, one per
+    row and K step of scale_plan's size ([M, K steps]), or one per row ([M, 1]) where the weight
+    scales are per row (ROW). Shapes are checked by the callers."""
     num_rows, hidden = x.shape
     num_cols = weight.shape[0]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, num_cols), dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0 or num_cols == 0:
         return out
     block_k, mode = scale_plan(tile.block_k, scale_k, hidden, offsets is not None)
@@ -263,10 +295,11 @@ def quant_dot(x, weight, scales, offsets, bias, *, bits: int, scale_n: int, scal
         x, weight, scales, offsets if offsets is not None else scales, bias if bias is not None else x, out,
         partials, counters, num_rows, num_cols, hidden, k_per_split,
         x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
+        x_scales if x_scales is not None else scales, x_scales.stride(0) if x_scales is not None else 0,
         BITS=bits, SCALE_N=scale_n, SCALE_K=scale_k, SCALE_MODE=mode, HAS_OFFSET=offsets is not None,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         SWAP=tile.swap, SPLIT_K=split_k, EVEN_K=hidden % block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", X_FP8=x_fp8,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out

@@ -1,21 +1,37 @@
-"""FP8 W8A8 linear layer (prefill, where the GPU has FP8 tensor cores): out = quant(x) @ (weight * scale).T.
+"""FP8 W8A8 linear layer (where the GPU has FP8 tensor cores): out = quant(x) @ (weight * scale).T.
 
 Weights and scales are kernels/quant_fp8.py's layout. fp8_dot_supported probes the tensor cores by
-compiling and running a tiny FP8 tl.dot, never by architecture. x is quantized per row (per-channel
-weights) or per row and 128-column group (block weights) by quantize_fp8_rows, the product runs
-FP8 x FP8 -> fp32 on the tensor cores and the scales are applied per K block (block weights) or once
-at the end (per-channel).
+compiling and running a tiny FP8 tl.dot, never by architecture. Two forms:
+  - prefill (fp8_w8a8_triton): x is quantized per row (per-channel weights) or per row and 128-column
+    group (block weights) by quantize_fp8_rows, then FP8 x FP8 -> fp32 on the tensor cores, the scales
+    applied per K block (block weights) or once at the end (per-channel);
+  - decode, 1-64 rows (fp8_w8a8_decode_triton, a W8A8Tile): kernels/quant_dot.py on e4m3 x with one
+    scale per row and K step (decode_group columns: 128, or the weight's K block where smaller),
+    quantized inside the kernel (no launch added; every program quantizes its x tile, cheap for a few
+    rows) or, for a prequantize tile, by quantize_fp8_rows first (one launch, a lean K loop for many
+    rows). No weight is converted: the W8A16 forms convert every weight on the conversion pipe, which
+    bounds them below the copy bandwidth (docs/PERF.md).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from tpfuse.kernels.gemv import rounded_linear_ref
+from tpfuse.kernels.quant_dot import (
+    ELEMENT,
+    ROW,
+    X_QUANTIZE_HERE,
+    X_QUANTIZED,
+    IntTile,
+    quant_dot,
+    scale_plan,
+)
 from tpfuse.kernels.quant_dot import IntTile as Fp8Tile
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, check_fp8_weights, dequantize_fp8
 
@@ -134,10 +150,10 @@ def activation_group(block: tuple[int, int], hidden: int) -> int:
     return hidden if block[1] >= hidden else block[1]
 
 
-def fp8_w8a8_ref(x, weight, scale, block, bias=None):
-    """What fp8_w8a8_triton computes: x quantized per (row, activation_group) to e4m3, times the
-    dequantized weight, in float32; rounded once to x.dtype."""
-    group = activation_group(block, x.shape[1])
+def fp8_w8a8_ref(x, weight, scale, block, bias=None, group: int | None = None):
+    """What fp8_w8a8_triton computes: x quantized per (row, group columns; default activation_group) to
+    e4m3, times the dequantized weight, in float32; rounded once to x.dtype."""
+    group = group or activation_group(block, x.shape[1])
     xq, xs = quantize_fp8_rows_ref(x, group)
     xd = xq.float() * xs.repeat_interleave(group, 1)[:, : x.shape[1]]
     return rounded_linear_ref(xd, dequantize_fp8(weight, scale, block), bias, x.dtype)
@@ -184,6 +200,67 @@ def fp8_w8a8_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None 
         num_stages=tile.num_stages,
     )
     return out
+
+
+@dataclass(frozen=True)
+class W8A8Tile(IntTile):
+    """A launch of the decode form (block_m >= 16 for tl.dot; rows past x's are masked); prequantize:
+    x quantized by its own launch first, else inside the product kernel."""
+
+    prequantize: bool = False
+
+    def label(self) -> str:
+        return ("w8a8 pre-quantized " if self.prequantize else "w8a8 ") + super().label()
+
+
+# Decode candidates per row bucket, timed at start-up beside the W8A16 tiles (model/quant/fp8.py). Their
+# K loops, compiled for sm_90 (docs/PERF.md): quantizing x in the kernel costs about 1.5 instructions
+# per weight at 16 rows on 256 weight rows a program (3.3 on 64), 2.1 at 32 rows and 3.2 at 64, so
+# from 32 rows x is also quantized first. The 256-row tiles leave the 4096-row projections 16
+# programs: split-K 4 (or 128 rows and split-K 2) fill the SMs.
+_QUANTIZE_HERE = (W8A8Tile(16, 256, 128, 3, 8, swap=True), W8A8Tile(16, 256, 128, 3, 8, swap=True, split_k=4),
+                  W8A8Tile(16, 128, 128, 4, 8, swap=True, split_k=2))
+W8A8_TILES = {
+    1: _QUANTIZE_HERE,
+    16: _QUANTIZE_HERE,
+    32: (W8A8Tile(32, 256, 128, 3, 8, swap=True, split_k=4),
+         W8A8Tile(32, 128, 128, 4, 8, swap=True, split_k=2, prequantize=True)),
+    64: (W8A8Tile(64, 128, 128, 4, 8, swap=True, split_k=2, prequantize=True),
+         W8A8Tile(64, 64, 128, 4, 4, swap=True, prequantize=True)),
+}  # fmt: skip
+
+
+def decode_group(block: tuple[int, int], hidden: int, tile: IntTile | None = None) -> int:
+    """Columns per activation scale in the decode form: the kernel's K step (128, or the power-of-two
+    part of the weight's K block where smaller); a prequantize tile with per-row weight scales takes
+    whole rows (one scale a row, applied after the K loop). Raises ValueError where the K block allows
+    no step of 16 or more."""
+    tile = tile or W8A8_TILES[1][0]
+    step, mode = scale_plan(tile.block_k, block[1], hidden, False)
+    if mode == ELEMENT:
+        raise ValueError(f"the W8A8 decode form needs K blocks with a power-of-two part >= 16; got {block}")
+    return hidden if getattr(tile, "prequantize", False) and mode == ROW else step
+
+
+def fp8_w8a8_decode_ref(x, weight, scale, block, bias=None, tile: IntTile | None = None):
+    """What fp8_w8a8_decode_triton computes (fp8_w8a8_ref at decode_group's columns)."""
+    return fp8_w8a8_ref(x, weight, scale, block, bias, group=decode_group(block, x.shape[1], tile))
+
+
+def fp8_w8a8_decode_triton(x, weight, scale, block, bias=None, *, tile: W8A8Tile | None = None):
+    """The decode form: x [M, K] (any M; made for 1-64) quantized per (row, decode_group columns), FP8 x
+    FP8 on the tensor cores (kernels/quant_dot.py). Returns a new [M, N] of x's dtype."""
+    hidden = x.shape[1]
+    check_fp8_weights(weight, scale, block, hidden)
+    if x.stride(1) != 1:
+        raise ValueError("fp8_w8a8_decode needs x contiguous along K: call .contiguous() first")
+    tile = tile or W8A8_TILES[1][0]
+    group = decode_group(block, hidden, tile)  # raises where no step fits the weight's K blocks
+    how = dict(bits=0, scale_n=block[0], scale_k=block[1], tile=tile, out_dtype=x.dtype)
+    if getattr(tile, "prequantize", False):
+        xq, xs = quantize_fp8_rows_triton(x, group)
+        return quant_dot(xq, weight, scale.contiguous(), None, bias, x_fp8=X_QUANTIZED, x_scales=xs, **how)
+    return quant_dot(x, weight, scale.contiguous(), None, bias, x_fp8=X_QUANTIZE_HERE, **how)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
@@ -294,7 +295,7 @@ def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[in
         method = layers[0].method
         for rows_bucket in (b for b in buckets if b <= top and (key, b) not in _QUANT_TILES):
             if hasattr(method, "tile_candidates"):
-                candidates = method.tile_candidates(rows_bucket)
+                candidates = method.tile_candidates(rows_bucket, layers[0])
             else:
                 candidates = QUANT_TILES[rows_bucket]
             if how != "auto":
@@ -308,7 +309,13 @@ def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[in
                     lambda layer=layer, tile=tile, x=x: layer.method.product(layer, x, None, tile)
                     for layer in layers
                 ]
-                times.append(graph_us(calls, min_launches=16, replays=5, samples=3))
+                try:
+                    times.append(graph_us(calls, min_launches=16, replays=5, samples=3))
+                except triton.runtime.errors.OutOfResources as error:  # e.g. shared memory on smaller GPUs
+                    log.info("quantized tile %s does not fit this GPU (%s): not timed", tile.label(), error)
+                    times.append(float("inf"))
+            if min(times) == float("inf"):
+                raise RuntimeError(f"no candidate tile of {key} at {rows_bucket} rows fits this GPU")
             best = min(range(len(candidates)), key=times.__getitem__)
             decided.append((key, rows_bucket, candidates[best], times[best]))
     if agree is not None:

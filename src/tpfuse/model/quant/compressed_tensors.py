@@ -62,12 +62,12 @@ def parse(qc: dict, source: str) -> UniformConfig:
                 raise QuantizationError(
                     f"{where}.weights.block_structure must be [block_n, block_k]; got {block}"
                 )
-            return uniform(Fp8LinearMethod("block", tuple(block), static))
+            return uniform(Fp8LinearMethod("block", tuple(block), static, bool(activations)))
         if strategy not in ("tensor", "channel"):
             raise QuantizationError(
                 f"{where}.weights.strategy {strategy!r} is not supported; supported: {SUPPORTED}"
             )
-        return uniform(Fp8LinearMethod(strategy, None, static))
+        return uniform(Fp8LinearMethod(strategy, None, static, bool(activations)))
     if kind == "int":
         if fmt != "pack-quantized" or bits not in (4, 8):
             raise QuantizationError(

@@ -7,11 +7,15 @@ scale per (row, K block) (kernels/quant_fp8.py): per-channel and per-tensor scal
 so merged parts (q, k, v) and tensor-parallel shards need not fall on 128-row boundaries. Row-parallel
 shards must start on a K block.
 
-Compute: up to 64 rows the weight is dequantized in registers against bf16 activations (W8A16: the
-bytes streamed are what decode is bound by, and no activation rounding); more rows run FP8 x FP8 on
-the tensor cores with activations quantized per row (per-channel) or per 128-column group (block)
-where the GPU passes the FP8-dot probe, and the W8A16 tiles elsewhere. Static input scales, where a
-checkpoint has them, are read and not used: activations are always quantized dynamically.
+Compute, where the checkpoint quantizes activations to FP8 (W8A8: `quant_method: fp8`, compressed-tensors
+with FP8 input_activations, the dummy fp8 formats) and the GPU passes the FP8-dot probe: more than 64
+rows run FP8 x FP8 on the tensor cores with activations quantized per row (per-channel) or per
+128-column group (block); 1-64 rows run whichever start-up timing picks per weight shape and row
+bucket, the W8A16 tiles (the weight dequantized in registers against bf16 activations) or the W8A8
+decode form (kernels/quant_fp8_w8a8.py: activations quantized per row and 128-column step). Weight-only
+checkpoints (no input_activations) and GPUs without FP8 tensor cores run W8A16 throughout. Static
+input scales, where a checkpoint has them, are read and not used: activations are quantized
+dynamically.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
-from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
+from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, decode_group, fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale
@@ -31,14 +35,23 @@ MAX_DECODE_ROWS = 64
 
 
 class Fp8LinearMethod:
-    """strategy: "tensor", "channel" or "block" (block: the checkpoint's [block_n, block_k])."""
+    """strategy: "tensor", "channel" or "block" (block: the checkpoint's [block_n, block_k]);
+    input_scales: the checkpoint stores static ones (read, not used); activations: the format
+    quantizes activations to FP8 (W8A8 where the GPU can), else weight-only (W8A16)."""
 
-    def __init__(self, strategy: str, block: tuple[int, int] | None = None, input_scales: bool = False):
+    def __init__(
+        self,
+        strategy: str,
+        block: tuple[int, int] | None = None,
+        input_scales: bool = False,
+        activations: bool = True,
+    ):
         if strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"FP8 weight strategy {strategy!r} is not one of tensor, channel, block")
         self.strategy = strategy
         self.checkpoint_block = block
         self.input_scales = input_scales
+        self.activations = activations
         self.name = f"fp8-{strategy}" + (f" {block[0]}x{block[1]}" if block else "")
 
     def create_weights(self, layer: nn.Module, shards: LinearShards, dtype: torch.dtype) -> None:
@@ -122,12 +135,24 @@ class Fp8LinearMethod:
     def tile_key(self, layer: nn.Module) -> tuple:
         return (self.name, tuple(layer.weight.shape), layer.fp8_block)
 
-    def tile_candidates(self, rows_bucket: int):
-        """The tiles start-up timing tries (kernels/quant_fp8.py)."""
-        return FP8_TILES[rows_bucket]
+    def _w8a8(self, layer: nn.Module) -> bool:
+        return self.activations and fp8_dot_supported(layer.weight.device)
+
+    def tile_candidates(self, rows_bucket: int, layer: nn.Module):
+        """The tiles start-up timing tries for layer: the W8A16 ones (kernels/quant_fp8.py), and the W8A8
+        decode form's (kernels/quant_fp8_w8a8.py) where the format and the GPU allow it."""
+        w8a8 = ()
+        if self._w8a8(layer):
+            try:
+                decode_group(layer.fp8_block, layer.weight.shape[1])
+                w8a8 = W8A8_TILES[rows_bucket]
+            except ValueError:  # K blocks without a power-of-two step of 16: W8A16 only
+                pass
+        return FP8_TILES[rows_bucket] + w8a8
 
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
-        """The W8A16 kernel at a given tile (the decode sizes linear_choice times)."""
+        """The decode-size product at a given tile (W8A16, or W8A8 for a W8A8Tile): what linear_choice
+        times."""
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +160,7 @@ class Fp8LinearMethod:
             return reference_product(layer, x, bias, lambda: self.dequantize(layer))
         if x.shape[0] <= MAX_DECODE_ROWS:
             return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]))
-        w8a8 = x.is_cuda and fp8_dot_supported(x.device)
+        w8a8 = self._w8a8(layer)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, w8a8=w8a8)
 
 
