@@ -34,11 +34,12 @@ from roofline import (  # noqa: E402
 )
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
-from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported  # noqa: E402
+from tpfuse.kernels.quant_fp8_w8a8 import W8A8Tile, fp8_dot_supported  # noqa: E402
 from tpfuse.model import linear_choice  # noqa: E402
 from tpfuse.model.attention import AttentionMetadata  # noqa: E402
 from tpfuse.model.layers import ParallelContext, projections  # noqa: E402
 from tpfuse.model.loader import load_model  # noqa: E402
+from tpfuse.model.quant.fp8 import Fp8LinearMethod  # noqa: E402
 
 METHODS = {"bf16": None, "fp8": "fp8", "fp8-block": "fp8-block", "int4": "int4"}
 
@@ -78,13 +79,38 @@ def prefill_tok_s(model, tokens: int, iters: int) -> float:
     return tokens / timed(step, "cuda", iters)
 
 
+def _restrict_fp8_tiles(model, which: str) -> None:
+    """--fp8-tiles: w8a16 / w8a8 keep only that form among the FP8 candidates start-up timing tries (the
+    forms side by side in one call); all leaves them as the engine has them."""
+    if which == "all":
+        return
+    for layer in model.modules():
+        method = getattr(layer, "method", None)
+        if isinstance(method, Fp8LinearMethod) and not hasattr(method, "_all_tiles"):
+            method._all_tiles = method.tile_candidates
+
+            def restricted(bucket, layer, method=method):
+                tiles = method._all_tiles(bucket, layer)
+                kept = tuple(t for t in tiles if isinstance(t, W8A8Tile) == (which == "w8a8"))
+                if not kept:
+                    raise SystemExit(f"--fp8-tiles {which}: no such tile for {method.name} here")
+                return kept
+
+            method.tile_candidates = restricted
+
+
 def bench_method(name: str, args, bandwidth: float) -> dict:
     config = EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy", quantization=METHODS[name])
     model, _ = load_model(config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     start = time.perf_counter()
     linear_choice.choose(projections(model), max_rows=64)  # as the engine does at start-up
-    linear_choice.choose_quantized([model], max_rows=64, buckets=(1, 64))  # the two batch sizes timed
+    _restrict_fp8_tiles(model, args.fp8_tiles)
+    decided = linear_choice.choose_quantized([model], max_rows=64, buckets=(1, 64))  # the batch sizes timed
     row = {"method": name, "route_choice_s": time.perf_counter() - start}
+    row["tiles"] = [
+        f"{key[0]} {list(key[1])} at {rows} rows: {tile.label()}" + (f" ({us:.1f} us)" if us else "")
+        for key, rows, tile, us in decided
+    ]
     with torch.no_grad():
         for batch_size in (1, 64):
             seconds = graph_step_s(model, batch_size, args.context, args.iters)
@@ -110,6 +136,10 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--fp8-tiles", choices=("all", "w8a16", "w8a8"), default="all",
+        help="the FP8 decode forms start-up timing may choose from (kernels/quant_fp8_w8a8.py)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "quant_decode.json"))
     parser.add_argument(
@@ -141,6 +171,8 @@ def main() -> None:
             f"{row['b64_over_b1']:7.2f} {row['prefill_tok_s']:13.0f}   "
             f"(route choice {row['route_choice_s']:.0f} s)"
         )
+        for tile in row["tiles"]:
+            print(f"    {tile}")
         result = {"model": args.model, "device": device, "copy_bandwidth": bandwidth, "fp8_dot": fp8_dot}
         write_json(args.json, result, rows)  # after every method, so a cut-short run keeps what it measured
 
