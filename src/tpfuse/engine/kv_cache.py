@@ -4,6 +4,8 @@ GQA (k, v) pairs unless the model says otherwise)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tpfuse.kernels import sample
@@ -11,7 +13,8 @@ from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.kv_layout import GQACacheLayout, KVCacheLayout
 
-CPU_KV_BUDGET_BYTES = 64 * 2**20
+CPU_KV_BUDGET_BYTES = 64 * 2**20  # what a CPU engine takes at least
+CPU_KV_MEMORY_SHARE = 0.125  # of the memory available at start-up, the most a CPU engine takes beyond that
 CUDA_CONTEXT_BYTES = 2**30
 
 
@@ -69,8 +72,29 @@ def cuda_kv_blocks(
     return blocks
 
 
-def cpu_kv_blocks(block_bytes: int) -> int:
-    return max(1, CPU_KV_BUDGET_BYTES // block_bytes)
+def cpu_kv_blocks(block_bytes: int, longest_blocks: int, available_bytes: int | None = None) -> int:
+    """Blocks on a CPU: enough for one sequence of the model's whole length (longest_blocks) where that
+    fits in CPU_KV_MEMORY_SHARE of the available memory, and never fewer than CPU_KV_BUDGET_BYTES
+    holds. --num-kv-blocks overrides both."""
+    floor = max(1, CPU_KV_BUDGET_BYTES // block_bytes)
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    ceiling = int(available * CPU_KV_MEMORY_SHARE) // block_bytes
+    return max(floor, min(longest_blocks, ceiling))
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the free physical pages; 0 where neither is known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def allocate_kv_caches(

@@ -126,7 +126,8 @@ class ModelRunner:
                 self.device, block_bytes, config.mem_fraction_static, ranks_on_device
             )
         else:
-            num_blocks = kv_cache.cpu_kv_blocks(block_bytes)
+            longest = -(-(self.max_model_len + margin) // self.block_size)
+            num_blocks = kv_cache.cpu_kv_blocks(block_bytes, longest)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         self.num_kv_blocks = num_blocks
