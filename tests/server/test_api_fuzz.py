@@ -1,5 +1,10 @@
 """An API fuzzer (schemathesis) driven by the server's own /openapi.json, for a bounded time: every
-operation is reached with generated bodies (valid and invalid) and no answer is a 5xx."""
+operation is reached with generated bodies (valid and invalid), no answer is a 5xx, every answer is
+one the description declares (status codes, content types, the error body), and bodies the schema
+refuses are refused. Not checked there: that every body the schema admits is accepted, as two rules
+span fields and stay out of the schema (tool_choice naming a tool needs tools; best_of, where given,
+equals n). The description's other promises are checked directly: null fields, whole numbers written
+with a fraction, the methods a path allows."""
 
 import re
 import subprocess
@@ -27,7 +32,8 @@ def test_openapi_declares_every_request_body_and_field(fake_server):
 def test_schemathesis_finds_no_server_error(fake_server, tmp_path):
     result = subprocess.run(
         ["schemathesis", "run", fake_server.url + "/openapi.json", "--url", fake_server.url,
-         "--checks", "not_a_server_error", "--phases", "fuzzing", "--max-time", str(FUZZ_SECONDS),
+         "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--phases", "fuzzing",
+         "--max-time", str(FUZZ_SECONDS),
          "--seed", "24",
          "-H", f"Authorization: Bearer {API_KEY}"],
         capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path,
@@ -36,3 +42,37 @@ def test_schemathesis_finds_no_server_error(fake_server, tmp_path):
     generated = re.search(r"(\d+) generated", result.stdout)
     assert generated and int(generated.group(1)) >= 100, result.stdout[-3000:]
     assert "Traceback" not in fake_server.output()
+
+
+def test_the_description_says_what_the_server_accepts_and_answers(fake_server):
+    spec = httpx.get(fake_server.url + "/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ):
+        required = set(schemas[model].get("required", []))
+        for name, prop in schemas[model]["properties"].items():
+            nullable = any(option.get("type") == "null" for option in prop.get("anyOf", []))
+            assert nullable == (name not in required), (model, name)  # null means the field's default
+        answers = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "503"} <= set(answers)
+        assert answers["400"]["content"]["application/json"]["schema"]["required"] == ["error"]
+        assert {"application/json", "text/event-stream"} <= set(answers["200"]["content"])
+    assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]  # required: not nullable
+    assert prompt["minLength"] == 1
+
+
+def test_nulls_whole_numbers_with_a_fraction_and_undeclared_methods(fake_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "abc", "max_tokens": 3.0, "seed": 7.0, "echo": None, "stop": None, "top_k": None}
+    answer = httpx.post(fake_server.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] <= 3
+    answer = httpx.post(
+        fake_server.url + "/v1/completions", json={**body, "max_tokens": 3.5}, headers=headers, timeout=30
+    )
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
+    answer = httpx.request("TRACE", fake_server.url + "/health", timeout=10)
+    assert answer.status_code == 405 and answer.headers["allow"] == "GET"

@@ -18,7 +18,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +42,52 @@ def _request_body_schema(model_name: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+# The error body every refusal carries (protocol.error_body), as /openapi.json declares it.
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _errors(*statuses: int) -> dict:
+    """FastAPI `responses` for the error statuses a route answers, each with the error body."""
+    described = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
+                 503: "the engine is loading, stopping or restarting"}  # fmt: skip
+    content = {"application/json": {"schema": _ERROR_SCHEMA}}
+    return {status: {"description": described[status], "content": content} for status in statuses}
+
+
+_GENERATION_RESPONSES = {
+    200: {
+        "description": "the completion; with stream, server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **_errors(400, 401, 503),
+}
+_STATUS_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+
+
+def _nullable(prop: dict) -> dict:
+    """The property schema that also admits null (its keywords of documentation kept outside)."""
+    if prop.get("type") == "null" or any(option.get("type") == "null" for option in prop.get("anyOf", [])):
+        return prop
+    notes = {k: prop[k] for k in ("title", "description", "default") if k in prop}
+    value = {k: v for k, v in prop.items() if k not in notes}
+    return {"anyOf": [value, {"type": "null"}], **notes}
+
+
 def _install_request_schemas(app: FastAPI, model_names: list[str]) -> None:
     """Adds the request models (and what they reference) to the components of /openapi.json, with
     `model` limited to the names this server serves."""
@@ -54,7 +100,11 @@ def _install_request_schemas(app: FastAPI, model_names: list[str]) -> None:
                 [(m, "validation") for m in REQUEST_MODELS], ref_template="#/components/schemas/{model}"
             )
             for model in REQUEST_MODELS:
-                definitions["$defs"][model.__name__]["properties"]["model"]["anyOf"][0]["enum"] = model_names
+                properties = definitions["$defs"][model.__name__]["properties"]
+                properties["model"]["anyOf"][0]["enum"] = model_names
+                for name, prop in properties.items():  # protocol._validate: a null field means its default
+                    if name not in definitions["$defs"][model.__name__].get("required", []):
+                        properties[name] = _nullable(prop)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
             app.openapi_schema = schema
         return app.openapi_schema
@@ -93,7 +143,9 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), type=kind)
+        response = _error(exc.status_code, str(exc.detail), type=kind)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc):
@@ -116,7 +168,15 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             code="invalid_api_key",
         )
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={
+            503: {
+                "description": "loading, stopping or restarting",
+                "content": {"application/json": {"schema": _STATUS_SCHEMA}},
+            }
+        },
+    )
     async def health():
         if app.state.draining:
             return JSONResponse({"status": "stopping"}, status_code=503)
@@ -124,13 +184,17 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             return JSONResponse({"status": client.state}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format"}, **_errors(401)},
+    )
     async def prometheus_metrics(request: Request):
         if (denied := check_api_key(request)) is not None:
             return denied
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models(request: Request):
         if (denied := check_api_key(request)) is not None:
             return denied
@@ -182,11 +246,19 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             return StreamingResponse(_stream(choices, response_id), media_type="text/event-stream")
         return await _complete(request, choices)
 
-    @app.post("/v1/completions", openapi_extra=_request_body_schema("CompletionRequest"))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=_request_body_schema("CompletionRequest"),
+        responses=_GENERATION_RESPONSES,
+    )
     async def completions(request: Request):
         return await generate(request, "completion")
 
-    @app.post("/v1/chat/completions", openapi_extra=_request_body_schema("ChatCompletionRequest"))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_request_body_schema("ChatCompletionRequest"),
+        responses=_GENERATION_RESPONSES,
+    )
     async def chat_completions(request: Request):
         return await generate(request, "chat")
 

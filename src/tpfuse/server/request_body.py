@@ -3,6 +3,7 @@
 Raises RequestError (400, or 413 for an oversized body) for: a body that is not UTF-8, not JSON, or
 uses the non-standard NaN / Infinity literals; nesting deeper than MAX_DEPTH; strings (or object
 keys) holding lone UTF-16 surrogates (from escapes such as "\\ud800"), which no tokenizer can encode.
+Whole numbers written with a fraction part (16.0) decode as integers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction part: an int where it is a whole number within int64 (JSON has one
+    number type: 16.0 is the integer 16, as JSON Schema's "integer" says), else a float."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
+
+
 def decode_json_body(raw: bytes) -> Any:
     """raw request bytes -> the decoded JSON value, checked as described above."""
     if len(raw) > MAX_BODY_BYTES:
@@ -31,7 +39,7 @@ def decode_json_body(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: byte {exc.start} is not UTF-8") from None
     try:
-        value = json.loads(text, parse_constant=_no_constants)
+        value = json.loads(text, parse_constant=_no_constants, parse_float=_number)
     except (json.JSONDecodeError, ValueError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:

@@ -30,6 +30,7 @@ NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+PromptText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
 
 
 class _Strict(BaseModel):
@@ -104,11 +105,11 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: (
-        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-        | list[TokenId]
-        | Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]], Field(max_length=1)]
-        | Annotated[list[list[TokenId]], Field(max_length=1)]
-    ) = Field(description="a string or token ids (or a list of one of those)")
+        PromptText
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[PromptText], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    ) = Field(description="a non-empty string or token ids (or a list of one of those)")
     max_tokens: PositiveInt64 | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
     echo: bool = False
