@@ -196,3 +196,24 @@ def test_the_engine_times_buckets_up_to_its_largest_graph_step_and_the_eagle3_he
     h = model_config.hidden_size
     assert (head.config.draft_vocab_size, h) in routed and (h, 3 * h) in routed  # lm_head, fc
     assert len(list(layers.projections(head))) == 9  # fc, q, k, v, o, gate, up, down, lm_head
+
+
+def test_a_quantized_tile_that_does_not_build_or_fit_is_left_out_of_the_timing():
+    import triton
+
+    from tpfuse.kernels.quant_int import IntTile
+
+    tiles = [IntTile(16, 64, 128, 3, 4), IntTile(16, 32, 128, 3, 4), IntTile(16, 128, 128, 3, 8)]
+
+    def time_us(tile):
+        if tile.block_n == 128:  # the fastest on paper, but too much shared memory for this GPU
+            raise triton.runtime.errors.OutOfResources(262144, 101376, "shared memory")
+        return {64: 20.0, 32: 15.0}[tile.block_n]
+
+    assert linear_choice.fastest(tiles, time_us, "w at 16 rows") == (tiles[1], 15.0)
+
+    def nothing_fits(tile):
+        raise triton.runtime.errors.OutOfResources(262144, 101376, "shared memory")
+
+    with pytest.raises(RuntimeError, match="no candidate tile of w at 16 rows builds and fits"):
+        linear_choice.fastest(tiles, nothing_fits, "w at 16 rows")

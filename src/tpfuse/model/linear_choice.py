@@ -264,6 +264,11 @@ QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
          IntTile(64, 128, 128, 3, 8, swap=True, split_k=4)),
 }  # fmt: skip
 _QUANT_TILES: dict[tuple, IntTile] = {}
+# A candidate that fails to compile or to fit the GPU is left out of the timing, not fatal: it is one of
+# several, and the tests on the GPU check every candidate's results.
+_UNFIT = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) + (
+    (triton.runtime.errors.PTXASError,) if hasattr(triton.runtime.errors, "PTXASError") else ()
+)
 
 
 def quant_tile(layer, rows: int) -> IntTile | None:
@@ -272,6 +277,22 @@ def quant_tile(layer, rows: int) -> IntTile | None:
         return None
     rows_bucket = bucket(rows)
     return None if rows_bucket is None else _QUANT_TILES.get((layer.method.tile_key(layer), rows_bucket))
+
+
+def fastest(candidates, time_us, what: str) -> tuple:
+    """(tile, us) of the candidate time_us(tile) finds fastest; one that fails to build or fit (_UNFIT)
+    is logged and left out. Raises RuntimeError naming `what` when none is left."""
+    times = []
+    for tile in candidates:
+        try:
+            times.append(time_us(tile))
+        except _UNFIT as error:  # e.g. shared memory on smaller GPUs, or this Triton's compiler
+            log.warning("quantized tile %s does not build or fit here (%s)", tile.label(), error)
+            times.append(float("inf"))
+    if not times or min(times) == float("inf"):
+        raise RuntimeError(f"no candidate tile of {what} builds and fits here")
+    best = min(range(len(candidates)), key=times.__getitem__)
+    return candidates[best], times[best]
 
 
 @torch.inference_mode()
@@ -303,21 +324,12 @@ def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[in
                 continue
             x = torch.randn(rows_bucket, layers[0].shards.k_local, device=next(layers[0].parameters()).device)
             x = x.to(torch.bfloat16)
-            times = []
-            for tile in candidates:
-                calls = [
-                    lambda layer=layer, tile=tile, x=x: layer.method.product(layer, x, None, tile)
-                    for layer in layers
-                ]
-                try:
-                    times.append(graph_us(calls, min_launches=16, replays=5, samples=3))
-                except triton.runtime.errors.OutOfResources as error:  # e.g. shared memory on smaller GPUs
-                    log.info("quantized tile %s does not fit this GPU (%s): not timed", tile.label(), error)
-                    times.append(float("inf"))
-            if min(times) == float("inf"):
-                raise RuntimeError(f"no candidate tile of {key} at {rows_bucket} rows fits this GPU")
-            best = min(range(len(candidates)), key=times.__getitem__)
-            decided.append((key, rows_bucket, candidates[best], times[best]))
+
+            def time_us(tile, layers=layers, x=x):
+                calls = [lambda layer=layer: layer.method.product(layer, x, None, tile) for layer in layers]
+                return graph_us(calls, min_launches=16, replays=5, samples=3)
+
+            decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows_bucket} rows")))
     if agree is not None:
         decided = agree(decided)
     for key, rows_bucket, tile, _ in decided:
