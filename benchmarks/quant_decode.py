@@ -9,6 +9,7 @@ eager). Prints one table and writes JSON.
 
     python benchmarks/quant_decode.py                       # $OUT/quant_decode.json
     python benchmarks/quant_decode.py --methods bf16,int4 --prefill-tokens 1024
+    python benchmarks/quant_decode.py --methods fp8,fp8-block --fp8-tiles compare   # W8A16 vs W8A8 decode
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument(
-        "--fp8-tiles", choices=("all", "w8a16", "w8a8"), default="all",
-        help="the FP8 decode forms start-up timing may choose from (kernels/quant_fp8_w8a8.py)",
+        "--fp8-tiles", choices=("all", "w8a16", "w8a8", "compare"), default="all",
+        help="the FP8 decode forms start-up timing may choose from (kernels/quant_fp8_w8a8.py); "
+             "compare: each FP8 method twice, W8A16 tiles only then all, back to back",
     )  # fmt: skip
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "quant_decode.json"))
@@ -159,14 +161,23 @@ def main() -> None:
         f"{args.model} on {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; FP8 tensor cores: {fp8_dot}"
     )
     header = ("method", "GB", "b1 ms", "tok/s", "% roof", "b64 ms", "% roof", "b64/b1", "prefill tok/s")
-    widths = (10, 6, 7, 7, 7, 7, 7, 7, 13)
+    widths = (16, 6, 7, 7, 7, 7, 7, 7, 13)
     print_header(header, widths)
     rows = []
+    compare = args.fp8_tiles == "compare"
+    runs = []  # (method, --fp8-tiles of the run)
     for name in args.methods.split(","):
+        forms = ("w8a16", "all") if compare and name.startswith("fp8") else (args.fp8_tiles,)
+        runs += [(name, "all" if form == "compare" else form) for form in forms]
+    for name, form in runs:
+        linear_choice.reset()  # each run times its own choices
+        args.fp8_tiles = form
         row = bench_method(name, args, bandwidth)
+        row["fp8_tiles"] = form
         rows.append(row)
+        label = f"{name} {form}" if compare and name.startswith("fp8") else name
         print(
-            f"{name:>10} {row['weight_gb']:6.2f} {row['b1_ms']:7.3f} {row['b1_tok_s']:7.1f} "
+            f"{label:>16} {row['weight_gb']:6.2f} {row['b1_ms']:7.3f} {row['b1_tok_s']:7.1f} "
             f"{100 * row['b1_fraction']:6.1f}% {row['b64_ms']:7.3f} {100 * row['b64_fraction']:6.1f}% "
             f"{row['b64_over_b1']:7.2f} {row['prefill_tok_s']:13.0f}   "
             f"(route choice {row['route_choice_s']:.0f} s)"
