@@ -1,10 +1,10 @@
 """An API fuzzer (schemathesis) driven by the server's own /openapi.json, for a bounded time: every
 operation is reached with generated bodies (valid and invalid), no answer is a 5xx, every answer is
-one the description declares (status codes, content types, the error body), and bodies the schema
-refuses are refused. Not checked there: that every body the schema admits is accepted, as two rules
-span fields and stay out of the schema (tool_choice naming a tool needs tools; best_of, where given,
-equals n). The description's other promises are checked directly: null fields, whole numbers written
-with a fraction, the methods a path allows."""
+one the description declares (status codes, content types, bodies: server/response_schemas.py), and
+bodies the schema refuses are refused. Not checked there: that every body the schema admits is
+accepted, as two rules span fields and stay out of the schema (tool_choice naming a tool needs
+tools; best_of, where given, equals n). The description's other promises are checked directly: null
+fields, whole numbers written with a fraction, the methods a path allows."""
 
 import re
 import subprocess
@@ -57,7 +57,9 @@ def test_the_description_says_what_the_server_accepts_and_answers(fake_server):
             assert nullable == (name not in required), (model, name)  # null means the field's default
         answers = spec["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "503"} <= set(answers)
-        assert answers["400"]["content"]["application/json"]["schema"]["required"] == ["error"]
+        error = answers["400"]["content"]["application/json"]["schema"]
+        assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert schemas["ErrorResponse"]["required"] == ["error"]
         assert {"application/json", "text/event-stream"} <= set(answers["200"]["content"])
     assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]  # required: not nullable

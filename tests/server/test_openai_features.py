@@ -204,3 +204,30 @@ def test_penalties_change_a_repetitive_greedy_answer(http):
 def test_unsupported_combinations_are_400_naming_the_field(http, fields, param):
     response = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **fields})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize(
+    "path,body,declared",
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "n": 2}, "CompletionResponse"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+         "ChatCompletionResponse"),
+        ("/v1/chat/completions",
+         {"messages": USER, "max_tokens": 1000, "tools": [WEATHER], "tool_choice": "required"},
+         "ChatCompletionResponse"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "ErrorResponse"),
+        ("/v1/models", None, "ModelList"),
+    ],
+)  # fmt: skip
+def test_answers_match_the_schemas_openapi_declares_for_them(http, path, body, declared):
+    spec = http.get("/openapi.json").json()
+    answer = http.post(path, json=body) if body is not None else http.get(path)
+    schema = {"$ref": f"#/components/schemas/{declared}", "components": spec["components"]}
+    jsonschema.Draft202012Validator(schema).validate(answer.json())
+    if declared == "ErrorResponse":
+        assert answer.status_code == 400
+    else:
+        documented = spec["paths"][path]["post" if body is not None else "get"]["responses"]["200"]
+        assert documented["content"]["application/json"]["schema"]["$ref"].endswith(declared)
+    if body and body.get("tools"):
+        assert answer.json()["choices"][0]["message"]["tool_calls"]  # the tool_calls branch was checked

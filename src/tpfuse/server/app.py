@@ -30,6 +30,7 @@ from tpfuse.server.generation import Generation
 from tpfuse.server.metrics import ServerMetrics
 from tpfuse.server.protocol import GenerateRequest, RequestError, error_body
 from tpfuse.server.request_body import decode_json_body
+from tpfuse.server.response_schemas import SCHEMAS as RESPONSE_SCHEMAS
 from tpfuse.server.schemas import REQUEST_MODELS
 
 DISCONNECT_POLL_S = 0.5
@@ -37,45 +38,35 @@ TOKENIZE_INLINE_CHARS = 1 << 16  # longer prompts are tokenized in a thread, so 
 logger = logging.getLogger("tpfuse.server")
 
 
+# What /openapi.json declares beyond FastAPI's defaults: request bodies (schemas.py) and answers
+# (response_schemas.py), by name under components/schemas.
+def _schema_ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(description: str, schema: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _schema_ref(schema)}}}
+
+
 def _request_body_schema(model_name: str) -> dict:
-    ref = {"$ref": f"#/components/schemas/{model_name}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-# The error body every refusal carries (protocol.error_body), as /openapi.json declares it.
-_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
+    content = {"application/json": {"schema": _schema_ref(model_name)}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def _errors(*statuses: int) -> dict:
     """FastAPI `responses` for the error statuses a route answers, each with the error body."""
     described = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
                  503: "the engine is loading, stopping or restarting"}  # fmt: skip
-    content = {"application/json": {"schema": _ERROR_SCHEMA}}
-    return {status: {"description": described[status], "content": content} for status in statuses}
+    return {status: _json(described[status], "ErrorResponse") for status in statuses}
 
 
-_GENERATION_RESPONSES = {
-    200: {
-        "description": "the completion; with stream, server-sent events",
-        "content": {"application/json": {}, "text/event-stream": {}},
-    },
-    **_errors(400, 401, 503),
-}
+def _generation_responses(body: str) -> dict:
+    """A generation route's answers: the body (a response_schemas name), or server-sent events."""
+    content = {"application/json": {"schema": _schema_ref(body)}, "text/event-stream": {}}
+    return {200: {"description": "the response; with stream, server-sent events", "content": content},
+            **_errors(400, 401, 503)}  # fmt: skip
+
+
 _STATUS_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 
@@ -105,7 +96,9 @@ def _install_request_schemas(app: FastAPI, model_names: list[str]) -> None:
                 for name, prop in properties.items():  # protocol._validate: a null field means its default
                     if name not in definitions["$defs"][model.__name__].get("required", []):
                         properties[name] = _nullable(prop)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(definitions["$defs"])
+            components.update(RESPONSE_SCHEMAS)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -194,7 +187,7 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
             return denied
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", responses=_errors(401))
+    @app.get("/v1/models", responses={200: _json("the served models", "ModelList"), **_errors(401)})
     async def models(request: Request):
         if (denied := check_api_key(request)) is not None:
             return denied
@@ -249,7 +242,7 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     @app.post(
         "/v1/completions",
         openapi_extra=_request_body_schema("CompletionRequest"),
-        responses=_GENERATION_RESPONSES,
+        responses=_generation_responses("CompletionResponse"),
     )
     async def completions(request: Request):
         return await generate(request, "completion")
@@ -257,7 +250,7 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     @app.post(
         "/v1/chat/completions",
         openapi_extra=_request_body_schema("ChatCompletionRequest"),
-        responses=_GENERATION_RESPONSES,
+        responses=_generation_responses("ChatCompletionResponse"),
     )
     async def chat_completions(request: Request):
         return await generate(request, "chat")
