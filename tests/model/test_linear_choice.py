@@ -215,5 +215,21 @@ def test_a_quantized_tile_that_does_not_build_or_fit_is_left_out_of_the_timing()
     def nothing_fits(tile):
         raise triton.runtime.errors.OutOfResources(262144, 101376, "shared memory")
 
-    with pytest.raises(RuntimeError, match="no candidate tile of w at 16 rows builds and fits"):
+    with pytest.raises(RuntimeError, match="no candidate tile of w at 16 rows builds, fits and agrees"):
         linear_choice.fastest(tiles, nothing_fits, "w at 16 rows")
+
+
+def test_a_quantized_tile_whose_product_disagrees_with_the_reference_is_left_out():
+    from tpfuse.kernels.quant_int import IntTile
+
+    reference = torch.randn(4, 64)
+    tiles = [IntTile(16, 64, 128, 3, 4), IntTile(16, 32, 128, 3, 4)]
+    products = {64: reference * 1.02, 32: reference * 448.0}  # a W8A8-like rounding; a lost scale
+
+    def time_us(tile):
+        linear_choice.check_agrees(products[tile.block_n], reference, tile.label())
+        return {64: 20.0, 32: 15.0}[tile.block_n]
+
+    assert linear_choice.fastest(tiles, time_us, "w at 16 rows") == (tiles[0], 20.0)
+    with pytest.raises(linear_choice.DisagreesWithReference, match="off by"):
+        linear_choice.check_agrees(torch.full((4, 64), float("nan")), reference, "nan")

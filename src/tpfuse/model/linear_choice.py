@@ -264,11 +264,32 @@ QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
          IntTile(64, 128, 128, 3, 8, swap=True, split_k=4)),
 }  # fmt: skip
 _QUANT_TILES: dict[tuple, IntTile] = {}
-# A candidate that fails to compile or to fit the GPU is left out of the timing, not fatal: it is one of
-# several, and the tests on the GPU check every candidate's results.
-_UNFIT = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) + (
-    (triton.runtime.errors.PTXASError,) if hasattr(triton.runtime.errors, "PTXASError") else ()
+# Off from the reference by more than this share of its largest value, a candidate is wrong, not
+# rounded: W8A8 tiles quantize x to e4m3 (a few % per output), a wrong scale or layout is off by ~100 %.
+AGREEMENT = 0.1
+
+
+class DisagreesWithReference(RuntimeError):
+    """A candidate tile's product is not the layer's product (checked once, before it is timed)."""
+
+
+# A candidate that fails to compile, to fit the GPU or to agree with the reference is left out of the
+# timing, not fatal: it is one of several, and the tests on the GPU check every candidate's results.
+_UNFIT = (
+    triton.runtime.errors.OutOfResources,
+    triton.compiler.errors.CompilationError,
+    DisagreesWithReference,
+    *((triton.runtime.errors.PTXASError,) if hasattr(triton.runtime.errors, "PTXASError") else ()),
 )
+
+
+def check_agrees(out: torch.Tensor, reference: torch.Tensor, label: str) -> None:
+    """Raises DisagreesWithReference unless out is finite and within AGREEMENT of reference (both
+    [rows, N]; reference float32)."""
+    error = (out.float() - reference).abs().max().item() if out.numel() else 0.0
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    if not (error <= AGREEMENT * scale) or not torch.isfinite(out).all():
+        raise DisagreesWithReference(f"{label}: off by {error:.3g} against a largest value of {scale:.3g}")
 
 
 def quant_tile(layer, rows: int) -> IntTile | None:
@@ -280,17 +301,17 @@ def quant_tile(layer, rows: int) -> IntTile | None:
 
 
 def fastest(candidates, time_us, what: str) -> tuple:
-    """(tile, us) of the candidate time_us(tile) finds fastest; one that fails to build or fit (_UNFIT)
-    is logged and left out. Raises RuntimeError naming `what` when none is left."""
+    """(tile, us) of the candidate time_us(tile) finds fastest; one that fails to build, fit or agree
+    (_UNFIT) is logged and left out. Raises RuntimeError naming `what` when none is left."""
     times = []
     for tile in candidates:
         try:
             times.append(time_us(tile))
         except _UNFIT as error:  # e.g. shared memory on smaller GPUs, or this Triton's compiler
-            log.warning("quantized tile %s does not build or fit here (%s)", tile.label(), error)
+            log.warning("quantized tile %s left out (%s)", tile.label(), error)
             times.append(float("inf"))
     if not times or min(times) == float("inf"):
-        raise RuntimeError(f"no candidate tile of {what} builds and fits here")
+        raise RuntimeError(f"no candidate tile of {what} builds, fits and agrees with the reference here")
     best = min(range(len(candidates)), key=times.__getitem__)
     return candidates[best], times[best]
 
@@ -325,7 +346,13 @@ def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[in
             x = torch.randn(rows_bucket, layers[0].shards.k_local, device=next(layers[0].parameters()).device)
             x = x.to(torch.bfloat16)
 
-            def time_us(tile, layers=layers, x=x):
+            first = layers[0]
+            dequantize = getattr(first.method, "dequantize", None)
+            reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
+
+            def time_us(tile, layers=layers, x=x, reference=reference):
+                if reference is not None:
+                    check_agrees(layers[0].method.product(layers[0], x, None, tile), reference, tile.label())
                 calls = [lambda layer=layer: layer.method.product(layer, x, None, tile) for layer in layers]
                 return graph_us(calls, min_launches=16, replays=5, samples=3)
 
