@@ -27,6 +27,24 @@ def _token_logprob(top: bool) -> dict:
     return _object(properties)
 
 
+def _enum(*values: str) -> dict:
+    return {"type": "string", "enum": list(values)}
+
+
+def _response(object_name: str, choice: dict) -> dict:
+    """A full (non-streamed) response: the envelope around choices that hold `index` and `choice`."""
+    return _object(
+        {
+            "id": _STRING,
+            "object": _enum(object_name),
+            "created": _INT,
+            "model": _STRING,
+            "choices": {"type": "array", "items": _object({"index": _INT, **choice})},
+            "usage": _ref("Usage"),
+        }
+    )
+
+
 # finish_reason: "stop" (an end or stop id or string), "length" (max_tokens or the context), "abort"
 # (the request was cancelled), and for chat "tool_calls" (the output parsed as calls).
 _FINISH = ["stop", "length", "abort"]
@@ -57,52 +75,28 @@ SCHEMAS = {
             "function": _object({"name": _STRING, "arguments": _STRING}),
         }
     ),
-    "CompletionResponse": _object(
+    "CompletionResponse": _response(
+        "text_completion",
         {
-            "id": _STRING,
-            "object": {"type": "string", "enum": ["text_completion"]},
-            "created": _INT,
-            "model": _STRING,
-            "choices": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "index": _INT,
-                        "text": _STRING,
-                        "logprobs": _nullable(_ref("CompletionLogprobs")),
-                        "finish_reason": {"type": "string", "enum": _FINISH},
-                    }
-                ),
-            },
-            "usage": _ref("Usage"),
-        }
+            "text": _STRING,
+            "logprobs": _nullable(_ref("CompletionLogprobs")),
+            "finish_reason": _enum(*_FINISH),
+        },
     ),
-    "ChatCompletionResponse": _object(
+    "ChatCompletionResponse": _response(
+        "chat.completion",
         {
-            "id": _STRING,
-            "object": {"type": "string", "enum": ["chat.completion"]},
-            "created": _INT,
-            "model": _STRING,
-            "choices": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "index": _INT,
-                        "message": _object(
-                            {
-                                "role": {"type": "string", "enum": ["assistant"]},
-                                "content": _nullable(_STRING),
-                                "tool_calls": {"type": "array", "items": _ref("ToolCall")},
-                            },
-                            ["role", "content"],
-                        ),
-                        "logprobs": _nullable(_ref("ChatLogprobs")),
-                        "finish_reason": {"type": "string", "enum": [*_FINISH, "tool_calls"]},
-                    }
-                ),
-            },
-            "usage": _ref("Usage"),
-        }
+            "message": _object(
+                {
+                    "role": _enum("assistant"),
+                    "content": _nullable(_STRING),
+                    "tool_calls": {"type": "array", "items": _ref("ToolCall")},
+                },
+                ["role", "content"],
+            ),
+            "logprobs": _nullable(_ref("ChatLogprobs")),
+            "finish_reason": _enum(*_FINISH, "tool_calls"),
+        },
     ),
     "ModelList": _object(
         {
