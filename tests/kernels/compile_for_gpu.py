@@ -43,6 +43,7 @@ from tpfuse.kernels import (
     quant_int,
     quant_int_magic,
     quant_moe,
+    quant_moe_w8a8,
     rmsnorm,
     rope,
     rope_store_kv,
@@ -322,6 +323,16 @@ def _quant_variants(p: str):
         steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
         extra = dict(TOP_K=8) if kernel is gate_up else {}
         yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
+    for tile in quant_moe_w8a8.SLOT_TILES:  # FP8 W8A8 slots: qwen3-30b-a3b's experts, block and channel
+        for kernel, k, group in ((quant_moe_w8a8._slot_gate_up_kernel, 2048, 128),
+                                 (quant_moe_w8a8._slot_down_kernel, 768, 768)):  # fmt: skip
+            extra = dict(TOP_K=8) if kernel is quant_moe_w8a8._slot_gate_up_kernel else {}
+            yield (
+                kernel, {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {},
+                dict(GROUP=group, PER_ROW=group >= k, BLOCK_N=tile.block_n, BLOCK_K=128, EVEN_K=True,
+                     STAGES=tile.num_stages, **extra),
+                {"num_warps": tile.num_warps},
+            )  # fmt: skip
 
 
 def _moe_variants(p: str):

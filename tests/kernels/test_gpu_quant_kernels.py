@@ -251,3 +251,45 @@ def test_quantized_dummy_qwen3_moe_generates_under_cuda_graphs(quantization):
     [out] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     llm.shutdown()
     assert len(out.token_ids) == 16
+
+
+@pytest.mark.parametrize("group", [128, None])  # None: per-channel
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_w8a8_expert_slots_match_their_reference_in_and_out_of_cuda_graphs(group, tokens):
+    """Every W8A8 slot tile (kernels/quant_moe_w8a8.py) against w8a8_slots_ref (the same activation
+    quantization in torch, products in float32) and within W8A8's rounding of the float64 product."""
+    from types import SimpleNamespace
+
+    from tpfuse.kernels import quant_moe, quant_moe_w8a8
+    from tpfuse.model.quant.experts import Fp8Experts
+
+    gen = torch.Generator(DEVICE).manual_seed(tokens + (group or 0))
+    if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE)):  # then start-up races W8A16 only
+        codes = torch.zeros(2, 256, 128, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+        experts = SimpleNamespace(w13=codes, hidden_size=128)
+        assert Fp8Experts("channel", None).slot_candidates(experts) == (None,)
+        return
+    experts, hidden, inter, top_k = 16, 2048, 768, 8
+
+    def stack(n, k):
+        g = group or k
+        codes = torch.randn(experts, n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+        scales = torch.rand(experts, n, k // g, generator=gen, device=DEVICE) * 0.01 + 1e-3
+        return quant_moe.QuantExperts(codes, scales, 0, g, k)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device=DEVICE).int()
+    weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE)
+    reference = quant_moe_w8a8.w8a8_slots_ref(x, w13, w2, weights, ids).double()
+    unquantized = quant_moe.slots_ref(
+        x.double(), w13.dequantize().double(), w2.dequantize().double(), weights, ids
+    )
+    for tile in quant_moe_w8a8.SLOT_TILES:
+
+        def run(inp, tile=tile):
+            return quant_moe_w8a8.w8a8_slots_triton(inp, w13, w2, weights, ids, tile)
+
+        _close(run(x), reference, tol=1e-2)
+        _close(_in_graph(run, x), reference, tol=1e-2)
+        _close(run(x), unquantized.double(), tol=6e-2)

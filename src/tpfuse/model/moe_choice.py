@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from tpfuse.gpu_timing import graph_us
@@ -35,6 +36,7 @@ from tpfuse.kernels.moe_finalize import moe_finalize_triton
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
+from tpfuse.model.quant.experts import set_slot_route
 
 log = logging.getLogger("tpfuse")
 
@@ -147,6 +149,9 @@ def choose(
         if any(p.is_cuda for p in block.parameters()):  # the router is timed for quantized experts too
             decisions += _route_decisions(block, max_decode_rows, seen, tensors)
         experts = getattr(block, "experts", None)
+        if len(_slot_candidates(experts)) > 1:  # quantized experts with routes to race
+            decisions += _slot_route_decisions(block, max_decode_rows, seen, tensors)
+            continue
         if not hasattr(experts, "w13"):
             continue
         if experts.w13.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -180,6 +185,64 @@ def choose(
     return _apply(decisions, tensors, measured)
 
 
+def _slot_candidates(experts) -> tuple:
+    """The slot routes a quantized experts method races (model/quant/experts.py), () for others."""
+    method = getattr(experts, "method", None)
+    if method is None or not hasattr(method, "slot_candidates"):
+        return ()
+    return method.slot_candidates(experts)
+
+
+def _slot_route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
+    """("slots", key, the fastest route) per slot bucket of block's quantized experts up to the decode
+    rows (and DECODE_MAX_SLOTS), the first candidate (the W8A16 route) kept on a tie."""
+    experts, top_k = block.experts, block.top_k
+    codes = experts.method.stacks(experts)[0].codes
+    out, tokens = [], 1
+    while tokens <= max(max_decode_rows, 1) and tokens * top_k <= tiles.DECODE_MAX_SLOTS:
+        bucket = tiles.slots_bucket(tokens * top_k)
+        key = (tuple(codes.shape), "slots", bucket)
+        if key not in seen:
+            seen.add(key)
+            times = _time_slot_routes(experts, tokens, top_k)
+            out.append(("slots", key, min(times, key=lambda r: (times[r], r is not None))))
+            tensors[("slots", key)] = codes
+            described = (f"{r.label() if r else 'w8a16 slots'} {us:.1f} us" for r, us in times.items())
+            log.info("quantized experts %s <= %d slots: %s", tuple(codes.shape), bucket, ", ".join(described))
+        tokens *= 2
+    return out
+
+
+def _time_slot_routes(experts, num_tokens: int, top_k: int) -> dict:
+    """us per call of each slot route of experts' method at num_tokens tokens of random routing. A
+    route that fails to compile or fit, or whose product is off the first route's by more than 5 % of
+    its largest value (a kernel computing wrongly on this GPU, not W8A8's rounding), is left out with
+    a warning."""
+    method, codes = experts.method, experts.method.stacks(experts)[0].codes
+    g = torch.Generator(device=codes.device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, experts.hidden_size, device=codes.device, generator=g).bfloat16()
+    scores = torch.rand(num_tokens, codes.shape[0], device=codes.device, generator=g)
+    ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=codes.device)
+    times, first = {}, None
+    for route in method.slot_candidates(experts):
+        try:
+            product = method.run_slots(experts, x, weights, ids, route).float()
+        except (OutOfResources, CompilationError) as error:
+            log.warning("quantized experts: slot route %s left out: %s", route, error)
+            continue
+        if first is None:
+            first = product
+        elif (product - first).abs().max() > 0.05 * first.abs().max():
+            log.warning(
+                "quantized experts: slot route %s left out: its product disagrees with the first", route
+            )
+            continue
+        call = lambda r=route: method.run_slots(experts, x, weights, ids, r)  # noqa: E731
+        times[route] = graph_us([call], min_launches=8, replays=5, samples=3)
+    return times
+
+
 def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
     """("route", key, the fastest RouteTile or None) per token bucket of block's router up to the
     decode rows."""
@@ -210,6 +273,8 @@ def _apply(decisions: list[tuple], tensors: dict, measured: list) -> list[MoeCho
             tiles.set_tile(tensors[("tile", key)], key[2], value)
             us, default_us = timings[key]
             decided.append(MoeChoice(key[0], key[2], value, us, default_us))
+        elif table == "slots":
+            set_slot_route(tensors[(table, key)], key[2], value)
         elif table == "finalize":
             hidden, dtype, bucket = key
             _FUSED_FINALIZE[(hidden, dtype, tensors[(table, key)].device, bucket)] = value

@@ -4,7 +4,10 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
 - IntGroupExperts: compressed-tensors pack-quantized (symmetric, group-wise; Kimi K2's INT4 experts):
   <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
 - Fp8Experts: FP8 e4m3 with per-channel weight_scale (compressed-tensors) or block weight_scale_inv
-  (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
+  (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block). Where the format
+  quantizes activations and the GPU has FP8 tensor cores, decode-sized steps may run the W8A8 slot
+  route (kernels/quant_moe_w8a8.py) instead of the W8A16 one: start-up timing picks per expert shape
+  and slot bucket (model/moe_choice.py; slot_candidates / set_slot_route here).
 Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
 experts do; down's K shard must start on a scale group.
 """
@@ -18,9 +21,12 @@ from torch import nn
 
 from tpfuse.kernels import moe_combine, use_triton
 from tpfuse.kernels.fused_moe import combine_slots_ref
+from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS, slots_bucket
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
+from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.kernels.quant_int import values_per_word
 from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
+from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, W8A8SlotTile, activation_step, w8a8_slots_triton
 from tpfuse.model.quant.common import (
     FP8_STORED,
     INT_STORED,
@@ -31,6 +37,9 @@ from tpfuse.model.quant.common import (
 )
 from tpfuse.model.shard import ShardSlot, empty_parameter
 
+# (gate/up codes' shape, device, slots bucket) -> the W8A8 slot tile start-up timing chose, None: W8A16
+_SLOT_ROUTES: dict[tuple, W8A8SlotTile | None] = {}
+
 
 class _QuantizedExperts(ABC):
     """apply / apply_slots through kernels/quant_moe.py (CUDA) or the dequantized reference, kept once."""
@@ -39,10 +48,22 @@ class _QuantizedExperts(ABC):
     def stacks(self, experts) -> tuple[QuantExperts, QuantExperts]:
         """The (w13, w2) quantized stacks of experts' parameters."""
 
+    def slot_candidates(self, experts) -> tuple[W8A8SlotTile | None, ...]:
+        """The routes start-up timing races at decode-sized slot counts (None: the W8A16 route)."""
+        return (None,)
+
+    def run_slots(self, experts, x, topk_weights, topk_ids, route: W8A8SlotTile | None):
+        """[T * k, H]: the CUDA slot products by route (what start-up timing times)."""
+        w13, w2 = self.stacks(experts)
+        if route is None:
+            return quant_slots_triton(x, w13, w2, topk_weights, topk_ids)
+        return w8a8_slots_triton(x, w13, w2, topk_weights, topk_ids, route)
+
     def apply_slots(self, experts, x, topk_weights, topk_ids):
         w13, w2 = self.stacks(experts)
         if use_triton(x):
-            return quant_slots_triton(x, w13, w2, topk_weights, topk_ids)
+            route = slot_route(w13.codes, topk_ids.numel())
+            return self.run_slots(experts, x, topk_weights, topk_ids, route)
         cached = experts.__dict__.get("reference_weights")
         if cached is None:  # the reference path: dequantize once (exact), products in float32
             cached = (w13.dequantize(), w2.dequantize())
@@ -53,6 +74,20 @@ class _QuantizedExperts(ABC):
         slots = self.apply_slots(experts, x, topk_weights, topk_ids)
         k = topk_ids.shape[1]
         return moe_combine(slots, k) if use_triton(x) else combine_slots_ref(slots, k)
+
+
+def slot_route(w13_codes: torch.Tensor, num_slots: int) -> W8A8SlotTile | None:
+    """The route start-up timing chose for experts whose gate/up codes are w13_codes, at num_slots (the
+    W8A16 route where none was timed: above DECODE_MAX_SLOTS slots, on CPU, nothing measured)."""
+    if num_slots > DECODE_MAX_SLOTS:
+        return None
+    return _SLOT_ROUTES.get((tuple(w13_codes.shape), w13_codes.device, slots_bucket(num_slots)))
+
+
+def set_slot_route(w13_codes: torch.Tensor, bucket: int, route: W8A8SlotTile | None) -> None:
+    """Records the route for experts of w13_codes' shape on its device at a slots bucket
+    (model/moe_choice.py)."""
+    _SLOT_ROUTES[(tuple(w13_codes.shape), w13_codes.device, bucket)] = route
 
 
 class IntGroupExperts(_QuantizedExperts):
@@ -143,11 +178,20 @@ class Fp8Experts(_QuantizedExperts):
     (Qwen3-FP8 MoE, DeepSeek-V3), kept as one float32 scale per (row, K group): [E, N, 1] per-channel,
     [E, N, ceil(K / block_k)] block (expanded from the block rows at load, exact)."""
 
-    def __init__(self, strategy: str, block: tuple[int, int] | None):
+    def __init__(self, strategy: str, block: tuple[int, int] | None, activations: bool = True):
         if strategy not in ("channel", "block"):
             raise ValueError(f"FP8 experts with {strategy} scales are not supported (channel or block)")
-        self.strategy, self.block = strategy, block
+        self.strategy, self.block, self.activations = strategy, block, activations
         self.name = f"fp8-{strategy} experts"
+
+    def slot_candidates(self, experts):
+        """The W8A16 route, and the W8A8 slot tiles where the format quantizes activations, the GPU
+        has FP8 tensor cores and both stacks' scale groups allow a K step."""
+        if not (self.activations and experts.w13.is_cuda and fp8_dot_supported(experts.w13.device)):
+            return (None,)
+        if any(activation_step(stack) is None for stack in self.stacks(experts)):
+            return (None,)
+        return (None, *SLOT_TILES)
 
     def create_weights(self, experts) -> None:
         e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local

@@ -130,7 +130,7 @@ class Fp8LinearMethod:
         """The MoE experts in the same format (model/quant/experts.py)."""
         from tpfuse.model.quant.experts import Fp8Experts
 
-        return Fp8Experts(self.strategy, self.checkpoint_block)
+        return Fp8Experts(self.strategy, self.checkpoint_block, self.activations)
 
     def tile_key(self, layer: nn.Module) -> tuple:
         return (self.name, tuple(layer.weight.shape), layer.fp8_block)

@@ -1,0 +1,54 @@
+"""Which slot route quantized experts run (model/quant/experts.py): the W8A16 route unless start-up
+timing (model/moe_choice.py) recorded the W8A8 one for the experts' shape and slot bucket, and W8A8
+candidates only where the format quantizes activations and the GPU has FP8 tensor cores."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tpfuse import knobs
+from tpfuse.kernels.quant_fp8 import FP8_DTYPE
+from tpfuse.kernels.quant_moe import quant_slots_triton
+from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, w8a8_slots_triton
+from tpfuse.model.quant import experts as quant_experts
+from tpfuse.model.quant.experts import Fp8Experts
+
+
+def _experts(gen, num=4, hidden=256, inter=64):
+    """What Fp8Experts("channel") reads of an experts module."""
+    return SimpleNamespace(
+        w13=(torch.randn(num, 2 * inter, hidden, generator=gen) * 2).to(FP8_DTYPE),
+        w2=(torch.randn(num, hidden, inter, generator=gen) * 2).to(FP8_DTYPE),
+        w13_scale=torch.rand(num, 2 * inter, 1, generator=gen) * 0.05 + 1e-3,
+        w2_scale=torch.rand(num, hidden, 1, generator=gen) * 0.05 + 1e-3,
+        hidden_size=hidden,
+        intermediate_local=inter,
+    )
+
+
+@pytest.mark.parametrize("activations", [True, False])
+def test_a_cpu_or_a_weight_only_format_races_only_the_w8a16_route(activations):
+    experts = _experts(torch.Generator().manual_seed(0))
+    assert Fp8Experts("channel", None, activations).slot_candidates(experts) == (None,)
+
+
+def test_the_recorded_route_is_the_one_that_runs(monkeypatch):
+    monkeypatch.setenv(knobs.KERNELS, "triton")
+    knobs.reload()
+    monkeypatch.setattr(quant_experts, "_SLOT_ROUTES", {})
+    gen = torch.Generator().manual_seed(1)
+    experts, method = _experts(gen), Fp8Experts("channel", None)
+    x = torch.randn(2, 256, generator=gen)
+    ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    weights = torch.rand(2, 2, generator=gen)
+    w13, w2 = method.stacks(experts)
+    w8a16 = quant_slots_triton(x, w13, w2, weights, ids)
+    assert torch.equal(method.apply_slots(experts, x, weights, ids), w8a16)  # nothing measured
+    quant_experts.set_slot_route(experts.w13, 4, SLOT_TILES[0])  # 2 tokens x top-2: bucket 4
+    w8a8 = method.apply_slots(experts, x, weights, ids)
+    assert torch.equal(w8a8, w8a8_slots_triton(x, w13, w2, weights, ids, SLOT_TILES[0]))
+    assert not torch.equal(w8a8, w8a16)  # the activations' rounding: another route ran
+    ids8 = ids.repeat(3, 1)  # 6 tokens: bucket 16, nothing recorded there
+    out = method.apply_slots(experts, x.repeat(3, 1), weights.repeat(3, 1), ids8)
+    assert torch.equal(out, quant_slots_triton(x.repeat(3, 1), w13, w2, weights.repeat(3, 1), ids8))
