@@ -31,9 +31,9 @@ def _routing(tokens, top_k, experts, gen):
 
 
 CASES = [  # experts, hidden, inter, tokens, top_k, group (None: per-channel), tile
-    (4, 160, 40, 3, 2, 128, w8a8.W8A8SlotTile(16, 1, 4)),  # K steps of 128 + 32, rows past inter masked
-    (3, 96, 48, 2, 3, None, w8a8.W8A8SlotTile(32, 2, 4)),  # per-channel: one scale a row after the loop
-    (5, 256, 64, 1, 2, 64, w8a8.W8A8SlotTile(64, 1, 4)),  # 64-column groups: steps of 64
+    (4, 160, 40, 3, 2, 128, w8a8.W8A8SlotTile(64, 1, 4)),  # K steps of 128 + 32, rows past N masked
+    (3, 96, 48, 2, 3, None, w8a8.W8A8SlotTile(64, 2, 4)),  # per-channel: one scale a row after the loop
+    (5, 256, 96, 1, 2, 64, w8a8.W8A8SlotTile(128, 1, 8)),  # 64-column groups: steps of 64
 ]
 
 
@@ -44,22 +44,24 @@ def test_gate_up_matches_float64_of_quantized_tokens(experts, hidden, inter, tok
     step = w8a8.activation_step(w13)
     x = e4m3_exact_activations(tokens, hidden, step, gen)
     _, ids = _routing(tokens, top_k, experts, gen)
-    h = torch.einsum(
-        "sk,snk->sn", x.double().repeat_interleave(top_k, 0), w13.dequantize().double()[ids.view(-1).long()]
-    )
-    expected = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    rows = w13.dequantize().double()[ids.view(-1).long()]
+    expected = torch.einsum("sk,snk->sn", x.double().repeat_interleave(top_k, 0), rows)
     _close(w8a8.w8a8_gate_up_triton(x, w13, ids, tile), expected)
 
 
 @pytest.mark.parametrize("experts,hidden,inter,tokens,top_k,group,tile", CASES)
 def test_down_matches_float64_of_quantized_slots(experts, hidden, inter, tokens, top_k, group, tile):
+    """The SiLU-and-mul row is exact here: gates of 32 (silu(32) = 32 in float32) times up rows whose
+    steps quantize exactly."""
     gen = torch.Generator().manual_seed(hidden * inter)
     w2 = _stack(experts, hidden, inter, group or inter, gen)
-    act = e4m3_exact_activations(tokens * top_k, inter, w8a8.activation_step(w2), gen)
+    up = e4m3_exact_activations(tokens * top_k, inter, w8a8.activation_step(w2), gen) / 32
+    h = torch.cat([torch.full_like(up, 32.0), up], dim=1)
     weights, ids = _routing(tokens, top_k, experts, gen)
     rows = w2.dequantize().double()[ids.view(-1).long()]
-    expected = torch.einsum("sk,snk->sn", act.double(), rows) * weights.view(-1, 1).double()
-    _close(w8a8.w8a8_down_triton(act, w2, weights, ids, tile), expected)
+    act = torch.nn.functional.silu(h[:, :inter].double()) * up.double()
+    expected = torch.einsum("sk,snk->sn", act, rows) * weights.view(-1, 1).double()
+    _close(w8a8.w8a8_down_triton(h, w2, weights, ids, tile, torch.float32), expected)
 
 
 def test_refuses_what_it_cannot_run():
