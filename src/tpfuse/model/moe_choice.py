@@ -11,7 +11,10 @@ recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size
 finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
 fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
 bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
-each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). At
+each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
+quantized experts whose method offers several slot routes (FP8 with activation quantization: the
+W8A16 route and kernels/quant_moe_w8a8.py's tiles) it times each at every decode slot bucket and
+records the fastest (model/quant/experts.set_slot_route). At
 TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
 rank, or ranks would run different experts for the same token. On CPU nothing is timed: the default
 tiles run, the fused finalize and the fused route.
