@@ -43,6 +43,7 @@ from tpfuse.kernels import (
     quant_int,
     quant_int_magic,
     quant_moe,
+    quant_moe_grouped,
     quant_moe_w8a8,
     rmsnorm,
     rope,
@@ -323,16 +324,28 @@ def _quant_variants(p: str):
         steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
         extra = dict(TOP_K=8) if kernel is gate_up else {}
         yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
+    w8a8_slots = {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                  "h_ptr": "*fp32"}  # fmt: skip
     for tile in quant_moe_w8a8.SLOT_TILES:  # FP8 W8A8 slots: qwen3-30b-a3b's experts, block and channel
         for kernel, k, group in ((quant_moe_w8a8._slot_gate_up_kernel, 2048, 128),
                                  (quant_moe_w8a8._slot_down_kernel, 768, 768)):  # fmt: skip
             extra = dict(TOP_K=8) if kernel is quant_moe_w8a8._slot_gate_up_kernel else {}
             yield (
-                kernel, {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {},
+                kernel, w8a8_slots, {"rows": "i32"},
                 dict(GROUP=group, PER_ROW=group >= k, BLOCK_N=tile.block_n, BLOCK_K=128, EVEN_K=True,
                      STAGES=tile.num_stages, **extra),
                 {"num_warps": tile.num_warps},
             )  # fmt: skip
+    grouped = {"*": p, "s_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+               "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
+    for tile in quant_moe_grouped.GROUPED_TILES:  # grouped GEMMs: FP8 block / channel, INT4 group 32
+        for bits, group, mode, step in ((0, 128, 1, 128), (0, 4096, 0, 128), (4, 32, 1, 32)):
+            codes = {"w_ptr": fp8 if bits == 0 else i32}
+            common = dict(BITS=bits, SCALE_K=group, MODE=mode, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                          BLOCK_K=step, GROUP_M=8, DOT_PRECISION="tf32")  # fmt: skip
+            options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+            yield quant_moe_grouped._gate_up_kernel, grouped | codes, {}, dict(common, TOP_K=8), options
+            yield quant_moe_grouped._down_kernel, grouped | codes, {}, common, options
 
 
 def _moe_variants(p: str):

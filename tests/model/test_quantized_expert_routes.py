@@ -1,6 +1,7 @@
-"""Which slot route quantized experts run (model/quant/experts.py): the W8A16 route unless start-up
-timing (model/moe_choice.py) recorded the W8A8 one for the experts' shape and slot bucket, and W8A8
-candidates only where the format quantizes activations and the GPU has FP8 tensor cores."""
+"""Which slot route quantized experts run (model/quant/experts.py): the one start-up timing
+(model/moe_choice.py) recorded for the experts' shape and slot bucket, else per slot W8A16 at decode
+sizes and the grouped GEMMs above; W8A8 candidates only where the format quantizes activations and
+the GPU has FP8 tensor cores."""
 
 from types import SimpleNamespace
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 
 from tpfuse import knobs
+from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_moe import quant_slots_triton
+from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton
 from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, w8a8_slots_triton
 from tpfuse.model.quant import experts as quant_experts
 from tpfuse.model.quant.experts import Fp8Experts
@@ -28,9 +31,11 @@ def _experts(gen, num=4, hidden=256, inter=64):
 
 
 @pytest.mark.parametrize("activations", [True, False])
-def test_a_cpu_or_a_weight_only_format_races_only_the_w8a16_route(activations):
+def test_a_cpu_or_a_weight_only_format_races_no_w8a8_route(activations):
     experts = _experts(torch.Generator().manual_seed(0))
-    assert Fp8Experts("channel", None, activations).slot_candidates(experts) == (None,)
+    method = Fp8Experts("channel", None, activations)
+    assert method.route_candidates(experts, 8) == (None, *GROUPED_TILES)
+    assert method.route_candidates(experts, 2 * DECODE_MAX_SLOTS) == GROUPED_TILES
 
 
 def test_the_recorded_route_is_the_one_that_runs(monkeypatch):
@@ -52,3 +57,15 @@ def test_the_recorded_route_is_the_one_that_runs(monkeypatch):
     ids8 = ids.repeat(3, 1)  # 6 tokens: bucket 16, nothing recorded there
     out = method.apply_slots(experts, x.repeat(3, 1), weights.repeat(3, 1), ids8)
     assert torch.equal(out, quant_slots_triton(x.repeat(3, 1), w13, w2, weights.repeat(3, 1), ids8))
+    quant_experts.set_slot_route(experts.w13, 16, GROUPED_TILES[1])
+    out = method.apply_slots(experts, x.repeat(3, 1), weights.repeat(3, 1), ids8)
+    assert torch.equal(
+        out, grouped_slots_triton(x.repeat(3, 1), w13, w2, weights.repeat(3, 1), ids8, GROUPED_TILES[1])
+    )
+
+
+def test_unmeasured_steps_above_the_decode_sizes_run_the_grouped_gemms(monkeypatch):
+    monkeypatch.setattr(quant_experts, "_SLOT_ROUTES", {})
+    codes = torch.zeros(4, 8, 16, dtype=FP8_DTYPE)
+    assert quant_experts.slot_route(codes, DECODE_MAX_SLOTS) is None
+    assert quant_experts.slot_route(codes, DECODE_MAX_SLOTS + 1) == GROUPED_TILES[0]

@@ -12,9 +12,9 @@ finalize (combine + residual + RMSNorm in one kernel) against the plain combine 
 fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
 bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
 each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
-quantized experts whose method offers several slot routes (FP8 with activation quantization: the
-W8A16 route and kernels/quant_moe_w8a8.py's tiles) it times each at every decode slot bucket and
-records the fastest (model/quant/experts.set_slot_route). At
+quantized experts it times each slot route their method offers at every slot bucket (per slot
+W8A16, per slot W8A8 for FP8 formats that quantize activations, grouped GEMM tiles) and records the
+fastest (model/quant/experts.set_slot_route). At
 TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
 rank, or ranks would run different experts for the same token. On CPU nothing is timed: the default
 tiles run, the fused finalize and the fused route.
@@ -152,8 +152,10 @@ def choose(
         if any(p.is_cuda for p in block.parameters()):  # the router is timed for quantized experts too
             decisions += _route_decisions(block, max_decode_rows, seen, tensors)
         experts = getattr(block, "experts", None)
-        if len(_slot_candidates(experts)) > 1:  # quantized experts with routes to race
-            decisions += _slot_route_decisions(block, max_decode_rows, seen, tensors)
+        if hasattr(getattr(experts, "method", None), "route_candidates"):  # quantized experts
+            if any(p.is_cuda for p in experts.parameters()):
+                buckets = slot_buckets(block.top_k, max_decode_rows, max_prefill_tokens)
+                decisions += _slot_route_decisions(block, buckets, seen, tensors)
             continue
         if not hasattr(experts, "w13"):
             continue
@@ -188,39 +190,35 @@ def choose(
     return _apply(decisions, tensors, measured)
 
 
-def _slot_candidates(experts) -> tuple:
-    """The slot routes a quantized experts method races (model/quant/experts.py), () for others."""
-    method = getattr(experts, "method", None)
-    if method is None or not hasattr(method, "slot_candidates"):
-        return ()
-    return method.slot_candidates(experts)
-
-
-def _slot_route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
-    """("slots", key, the fastest route) per slot bucket of block's quantized experts up to the decode
-    rows (and DECODE_MAX_SLOTS), the first candidate (the W8A16 route) kept on a tie."""
+def _slot_route_decisions(block, buckets: list[int], seen: set, tensors: dict) -> list[tuple]:
+    """("slots", key, the fastest route) per slot bucket of block's quantized experts
+    (model/quant/experts.py: route_candidates), the default kept on a tie."""
     experts, top_k = block.experts, block.top_k
     codes = experts.method.stacks(experts)[0].codes
-    out, tokens = [], 1
-    while tokens <= max(max_decode_rows, 1) and tokens * top_k <= tiles.DECODE_MAX_SLOTS:
-        bucket = tiles.slots_bucket(tokens * top_k)
+    out = []
+    for bucket in buckets:
         key = (tuple(codes.shape), "slots", bucket)
-        if key not in seen:
-            seen.add(key)
-            times = _time_slot_routes(experts, tokens, top_k)
-            out.append(("slots", key, min(times, key=lambda r: (times[r], r is not None))))
-            tensors[("slots", key)] = codes
-            described = (f"{r.label() if r else 'w8a16 slots'} {us:.1f} us" for r, us in times.items())
-            log.info("quantized experts %s <= %d slots: %s", tuple(codes.shape), bucket, ", ".join(described))
-        tokens *= 2
+        candidates = experts.method.route_candidates(experts, bucket)
+        if key in seen or len(candidates) < 2:
+            continue
+        seen.add(key)
+        times = _time_slot_routes(experts, candidates, max(bucket // top_k, 1), top_k)
+        out.append(("slots", key, min(times, key=lambda r: (times[r], r != candidates[0]))))
+        tensors[("slots", key)] = codes
+        described = (f"{_route_label(r)} {us:.1f} us" for r, us in times.items())
+        log.info("quantized experts %s <= %d slots: %s", tuple(codes.shape), bucket, ", ".join(described))
     return out
 
 
-def _time_slot_routes(experts, num_tokens: int, top_k: int) -> dict:
-    """us per call of each slot route of experts' method at num_tokens tokens of random routing. A
-    route that fails to compile or fit, or whose product is off the first route's by more than 5 % of
-    its largest value (a kernel computing wrongly on this GPU, not W8A8's rounding), is left out with
-    a warning."""
+def _route_label(route) -> str:
+    return "w8a16 slots" if route is None else route.label()
+
+
+def _time_slot_routes(experts, candidates: tuple, num_tokens: int, top_k: int) -> dict:
+    """us per call of each candidate slot route of experts at num_tokens tokens of random routing. A
+    route that fails to compile or fit, or whose product is off the first candidate's by more than
+    5 % of its largest value (a kernel computing wrongly on this GPU, not W8A8's rounding), is left
+    out with a warning."""
     method, codes = experts.method, experts.method.stacks(experts)[0].codes
     g = torch.Generator(device=codes.device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, experts.hidden_size, device=codes.device, generator=g).bfloat16()
@@ -228,17 +226,17 @@ def _time_slot_routes(experts, num_tokens: int, top_k: int) -> dict:
     ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
     weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=codes.device)
     times, first = {}, None
-    for route in method.slot_candidates(experts):
+    for route in candidates:
         try:
             product = method.run_slots(experts, x, weights, ids, route).float()
         except (OutOfResources, CompilationError) as error:
-            log.warning("quantized experts: slot route %s left out: %s", route, error)
+            log.warning("quantized experts: slot route %s left out: %s", _route_label(route), error)
             continue
         if first is None:
             first = product
         elif (product - first).abs().max() > 0.05 * first.abs().max():
             log.warning(
-                "quantized experts: slot route %s left out: its product disagrees with the first", route
+                "quantized experts: slot route %s left out: product off the first", _route_label(route)
             )
             continue
         call = lambda r=route: method.run_slots(experts, x, weights, ids, r)  # noqa: E731

@@ -4,10 +4,13 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
 - IntGroupExperts: compressed-tensors pack-quantized (symmetric, group-wise; Kimi K2's INT4 experts):
   <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
 - Fp8Experts: FP8 e4m3 with per-channel weight_scale (compressed-tensors) or block weight_scale_inv
-  (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block). Where the format
-  quantizes activations and the GPU has FP8 tensor cores, decode-sized steps may run the W8A8 slot
-  route (kernels/quant_moe_w8a8.py) instead of the W8A16 one: start-up timing picks per expert shape
-  and slot bucket (model/moe_choice.py; slot_candidates / set_slot_route here).
+  (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
+Three CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py), per slot with W8A8
+products for FP8 formats that quantize activations on GPUs with FP8 tensor cores
+(kernels/quant_moe_w8a8.py), and grouped GEMMs over slots sorted by expert
+(kernels/quant_moe_grouped.py). Start-up timing picks one per expert shape and slot bucket
+(model/moe_choice.py: route_candidates, set_slot_route); unmeasured, decode sizes run per slot W8A16
+and larger steps the grouped GEMMs.
 Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
 experts do; down's K shard must start on a scale group.
 """
@@ -21,11 +24,12 @@ from torch import nn
 
 from tpfuse.kernels import moe_combine, use_triton
 from tpfuse.kernels.fused_moe import combine_slots_ref
-from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS, slots_bucket
+from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS, MoeTile, slots_bucket
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.kernels.quant_int import values_per_word
 from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
+from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton
 from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, W8A8SlotTile, activation_step, w8a8_slots_triton
 from tpfuse.model.quant.common import (
     FP8_STORED,
@@ -37,26 +41,35 @@ from tpfuse.model.quant.common import (
 )
 from tpfuse.model.shard import ShardSlot, empty_parameter
 
-# (gate/up codes' shape, device, slots bucket) -> the W8A8 slot tile start-up timing chose, None: W8A16
-_SLOT_ROUTES: dict[tuple, W8A8SlotTile | None] = {}
+# A slot route: None (the W8A16 per-slot route, kernels/quant_moe.py), a W8A8SlotTile (the FP8 per-slot
+# route, kernels/quant_moe_w8a8.py) or a MoeTile (grouped GEMMs, kernels/quant_moe_grouped.py)
+Route = W8A8SlotTile | MoeTile | None
+# (gate/up codes' shape, device, slots bucket) -> the route start-up timing chose
+_SLOT_ROUTES: dict[tuple, Route] = {}
 
 
 class _QuantizedExperts(ABC):
-    """apply / apply_slots through kernels/quant_moe.py (CUDA) or the dequantized reference, kept once."""
+    """apply / apply_slots through the CUDA slot routes (route_candidates, chosen at start-up) or the
+    dequantized reference, kept once."""
 
     @abstractmethod
     def stacks(self, experts) -> tuple[QuantExperts, QuantExperts]:
         """The (w13, w2) quantized stacks of experts' parameters."""
 
-    def slot_candidates(self, experts) -> tuple[W8A8SlotTile | None, ...]:
-        """The routes start-up timing races at decode-sized slot counts (None: the W8A16 route)."""
-        return (None,)
+    def route_candidates(self, experts, bucket: int) -> tuple[Route, ...]:
+        """The routes start-up timing races at a slots bucket, the default first: at decode sizes the
+        per-slot route and the grouped tiles, above them the grouped tiles."""
+        if bucket > DECODE_MAX_SLOTS:
+            return GROUPED_TILES
+        return (None, *GROUPED_TILES)
 
-    def run_slots(self, experts, x, topk_weights, topk_ids, route: W8A8SlotTile | None):
+    def run_slots(self, experts, x, topk_weights, topk_ids, route: Route):
         """[T * k, H]: the CUDA slot products by route (what start-up timing times)."""
         w13, w2 = self.stacks(experts)
         if route is None:
             return quant_slots_triton(x, w13, w2, topk_weights, topk_ids)
+        if isinstance(route, MoeTile):
+            return grouped_slots_triton(x, w13, w2, topk_weights, topk_ids, route)
         return w8a8_slots_triton(x, w13, w2, topk_weights, topk_ids, route)
 
     def apply_slots(self, experts, x, topk_weights, topk_ids):
@@ -76,15 +89,16 @@ class _QuantizedExperts(ABC):
         return moe_combine(slots, k) if use_triton(x) else combine_slots_ref(slots, k)
 
 
-def slot_route(w13_codes: torch.Tensor, num_slots: int) -> W8A8SlotTile | None:
-    """The route start-up timing chose for experts whose gate/up codes are w13_codes, at num_slots (the
-    W8A16 route where none was timed: above DECODE_MAX_SLOTS slots, on CPU, nothing measured)."""
-    if num_slots > DECODE_MAX_SLOTS:
-        return None
-    return _SLOT_ROUTES.get((tuple(w13_codes.shape), w13_codes.device, slots_bucket(num_slots)))
+def slot_route(w13_codes: torch.Tensor, num_slots: int) -> Route:
+    """The route start-up timing chose for experts whose gate/up codes are w13_codes at num_slots' bucket;
+    where nothing was measured (CPU, or a bucket not timed) the default: the W8A16 per-slot route up
+    to DECODE_MAX_SLOTS slots, the grouped GEMMs' first tile above."""
+    bucket = slots_bucket(num_slots)
+    default = None if bucket <= DECODE_MAX_SLOTS else GROUPED_TILES[0]
+    return _SLOT_ROUTES.get((tuple(w13_codes.shape), w13_codes.device, bucket), default)
 
 
-def set_slot_route(w13_codes: torch.Tensor, bucket: int, route: W8A8SlotTile | None) -> None:
+def set_slot_route(w13_codes: torch.Tensor, bucket: int, route: Route) -> None:
     """Records the route for experts of w13_codes' shape on its device at a slots bucket
     (model/moe_choice.py)."""
     _SLOT_ROUTES[(tuple(w13_codes.shape), w13_codes.device, bucket)] = route
@@ -184,14 +198,17 @@ class Fp8Experts(_QuantizedExperts):
         self.strategy, self.block, self.activations = strategy, block, activations
         self.name = f"fp8-{strategy} experts"
 
-    def slot_candidates(self, experts):
-        """The W8A16 route, and the W8A8 slot tiles where the format quantizes activations, the GPU
-        has FP8 tensor cores and both stacks' scale groups allow a K step."""
-        if not (self.activations and experts.w13.is_cuda and fp8_dot_supported(experts.w13.device)):
-            return (None,)
+    def route_candidates(self, experts, bucket: int):
+        """_QuantizedExperts' routes, and at decode sizes the W8A8 slot tiles where the format quantizes
+        activations, the GPU has FP8 tensor cores and both stacks' scale groups allow a K step."""
+        routes = super().route_candidates(experts, bucket)
+        if bucket > DECODE_MAX_SLOTS or not self.activations:
+            return routes
+        if not (experts.w13.is_cuda and fp8_dot_supported(experts.w13.device)):
+            return routes
         if any(activation_step(stack) is None for stack in self.stacks(experts)):
-            return (None,)
-        return (None, *SLOT_TILES)
+            return routes
+        return routes + SLOT_TILES
 
     def create_weights(self, experts) -> None:
         e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
