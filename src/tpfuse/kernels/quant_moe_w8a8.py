@@ -39,6 +39,7 @@ __all__ = [
     "w8a8_slots_triton",
 ]
 
+
 @dataclass(frozen=True)
 class W8A8SlotTile:
     """One launch shape of both slot kernels: expert rows per program, pipeline stages, warps (the K
