@@ -337,15 +337,20 @@ def _quant_variants(p: str):
                 {"num_warps": tile.num_warps},
             )  # fmt: skip
     grouped = {"*": p, "s_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
-               "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
-    for tile in quant_moe_grouped.GROUPED_TILES:  # grouped GEMMs: FP8 block / channel, INT4 group 32
-        for bits, group, mode, step in ((0, 128, 1, 128), (0, 4096, 0, 128), (4, 32, 1, 32)):
-            codes = {"w_ptr": fp8 if bits == 0 else i32}
+               "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "xs_ptr": "*fp32"}  # fmt: skip
+    # grouped GEMMs at qwen3-30b-a3b's gate/up K: FP8 block / channel, INT4 group 32, W8A8 block / channel
+    for tile in quant_moe_grouped.GROUPED_TILES + quant_moe_grouped.W8A8_GROUPED_TILES:
+        for bits, group in ((0, 128), (0, 2048)) + ((4, 32),) * (not tile.fp8_activations):
+            step, mode = quant_moe_grouped._plan(quant_moe.QuantExperts(None, None, bits, group, 2048), tile)
+            types = grouped | {"w_ptr": fp8 if bits == 0 else i32}
             common = dict(BITS=bits, SCALE_K=group, MODE=mode, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=step, GROUP_M=8, DOT_PRECISION="tf32")  # fmt: skip
+                          BLOCK_K=step, GROUP_M=8, DOT_PRECISION="tf32",
+                          X_FP8=tile.fp8_activations)  # fmt: skip
             options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-            yield quant_moe_grouped._gate_up_kernel, grouped | codes, {}, dict(common, TOP_K=8), options
-            yield quant_moe_grouped._down_kernel, grouped | codes, {}, common, options
+            up = types | ({"x_ptr": fp8} if tile.fp8_activations else {})
+            down = types | ({"act_ptr": fp8} if tile.fp8_activations else {})
+            yield quant_moe_grouped._gate_up_kernel, up, {}, dict(common, TOP_K=8), options
+            yield quant_moe_grouped._down_kernel, down, {}, common, options
 
 
 def _moe_variants(p: str):

@@ -58,3 +58,32 @@ def test_refuses_a_tile_below_the_mma_rows():
     with pytest.raises(ValueError, match="block_m >= 16"):
         grouped_slots_triton(torch.randn(1, 64), w13, w2, torch.ones(1, 1), torch.zeros(1, 1).int(),
                              MoeTile(1, 32, 256))  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [128, 64, None])
+def test_w8a8_tiles_compute_what_the_w8a8_slot_route_does(group):
+    """W8A8 grouped tiles quantize the activations as the per-slot W8A8 route does (per row and
+    activation step), so the two agree; that route is checked against float64 in
+    tests/kernels/test_quant_moe_w8a8.py."""
+    from tpfuse.kernels.quant_moe_grouped import W8A8_GROUPED_TILES, GroupedTile
+    from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, w8a8_slots_triton
+
+    gen = torch.Generator().manual_seed(group or 1)
+    w13, w2 = _stack(5, 96, 256, 0, group, gen), _stack(5, 256, 48, 0, group, gen)
+    x = torch.randn(7, 256, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(7)]).int()
+    weights = torch.rand(7, 2, generator=gen)
+    expected = w8a8_slots_triton(x, w13, w2, weights, ids, SLOT_TILES[0]).double()
+    for tile in (GroupedTile(16, 32, 128, 1, 4, True), W8A8_GROUPED_TILES[0]):
+        out = grouped_slots_triton(x, w13, w2, weights, ids, tile)
+        assert (out.double() - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+def test_w8a8_tiles_refuse_integer_experts():
+    from tpfuse.kernels.quant_moe_grouped import W8A8_GROUPED_TILES
+
+    gen = torch.Generator().manual_seed(2)
+    w13, w2 = _stack(2, 32, 64, 4, 32, gen), _stack(2, 64, 16, 4, 16, gen)
+    with pytest.raises(ValueError, match="take FP8 experts"):
+        grouped_slots_triton(torch.randn(1, 64), w13, w2, torch.ones(1, 1), torch.zeros(1, 1).int(),
+                             W8A8_GROUPED_TILES[0])  # fmt: skip

@@ -13,10 +13,15 @@ pattern, no int-to-float conversion). Scales are applied where constant (quant_d
 inside one group) to each step's product; ELEMENT (any other group) to each weight before the
 product, rounded to x's dtype. Accumulation is
 float32; the SiLU-and-mul row and the weighted slot rows are stored in x's dtype, as the bf16 route
-does. Graph-safe (moe_align's padded sizes depend on T, k and E only).
+does. W8A8 (GroupedTile.fp8_activations, FP8 experts): x and then the SiLU-and-mul rows are quantized
+to e4m3 per row and activation step (kernels/quant_moe_w8a8.activation_step, one launch each), the
+weights go to the FP8 MMA as loaded and each step's product is scaled by the rows' scales. Graph-safe
+(moe_align's padded sizes depend on T, k and E only).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,13 +31,33 @@ from tpfuse.kernels.fused_moe import GROUP_M, _block_ids, _block_slots
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_align import moe_align_triton
 from tpfuse.kernels.quant_dot import ELEMENT, code_as_float, scale_plan, spread_words
+from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_triton
 from tpfuse.kernels.quant_moe import QuantExperts
+from tpfuse.kernels.quant_moe_w8a8 import activation_step
 
-__all__ = ["GROUPED_TILES", "grouped_slots_triton"]
+__all__ = ["GROUPED_TILES", "W8A8_GROUPED_TILES", "GroupedTile", "grouped_slots_triton"]
 
-# Candidates start-up timing races (model/moe_choice.py), the default first: the prefill tiles of the
-# bf16 route with a K step of 128 (the FP8 block, a whole number of INT4 groups of 32 or 128).
-GROUPED_TILES = (MoeTile(64, 128, 128, 3, 8), MoeTile(64, 64, 128, 3, 4), MoeTile(16, 64, 128, 4, 4))
+
+@dataclass(frozen=True)
+class GroupedTile(MoeTile):
+    """A MoeTile of the grouped route; fp8_activations: FP8 experts against activations quantized per
+    row and 128-column step, on the FP8 tensor cores (W8A8, for formats that quantize activations)."""
+
+    fp8_activations: bool = False
+
+    def label(self) -> str:
+        return ("w8a8 " if self.fp8_activations else "") + super().label()
+
+
+# Candidates start-up timing races (model/moe_choice.py), the default first. Compiled for sm_90 (gate/up
+# carries two accumulators): the W8A16 tiles at a K step of 64 and the W8A8 ones (K step 128, the
+# activation step) keep within 255 registers with at most 16 bytes of stack (docs/PERF.md).
+GROUPED_TILES = (
+    GroupedTile(64, 128, 64, 3, 8),
+    GroupedTile(64, 64, 64, 3, 4),
+    GroupedTile(16, 64, 128, 4, 4),
+)
+W8A8_GROUPED_TILES = (GroupedTile(64, 128, 128, 3, 8, True), GroupedTile(128, 64, 128, 3, 8, True))
 
 
 @triton.jit
@@ -73,14 +98,36 @@ def _rows_scale(s_rows, k0, col_ok, SCALE_K: tl.constexpr):
 
 
 @triton.jit
+def _step_product(
+    a, w, acc, xs_rows, s_rows, k0, row_ok, col_ok, SCALE_K: tl.constexpr, MODE: tl.constexpr,
+    X_FP8: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc plus one K step's a [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed, scaled per
+    step where that is constant over it: by the rows' activation scales (X_FP8: at xs_rows, [BLOCK_M]
+    pointers to each row's first) and the weight rows' scales (STEP: at s_rows)."""
+    if MODE != 1 and not X_FP8:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        if X_FP8:
+            part = part * tl.load(xs_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
+        if MODE == 1:  # STEP
+            part = part * _rows_scale(s_rows, k0, col_ok, SCALE_K)[None, :]
+        acc = acc + part
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, xs_ptr,
     num_slots, num_blocks, hidden, inter, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
+    stride_xs,
     TOP_K: tl.constexpr, BITS: tl.constexpr, SCALE_K: tl.constexpr, MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FP8: tl.constexpr,
 ):  # fmt: skip
-    """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the block's slots s = t * k + j."""
+    """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the block's slots s = t * k + j.
+    X_FP8: x is e4m3 with float32 scales xs [T, K steps] (W8A8: the FP8 weights as loaded)."""
     pid_m, pid_n = _block_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -97,22 +144,15 @@ def _gate_up_kernel(
     dtype = x_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xs_rows = xs_ptr + tokens * stride_xs
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & ((ks + k0) < hidden)[None, :], other=0.0)
         g = _weight_tile(g_rows, g_scales, k0, hidden, col_ok, dtype, BITS, SCALE_K, MODE, BLOCK_K)
         u = _weight_tile(u_rows, u_scales, k0, hidden, col_ok, dtype, BITS, SCALE_K, MODE, BLOCK_K)
-        if MODE == 1:  # STEP
-            acc_g += (
-                tl.dot(a, tl.trans(g), input_precision=DOT_PRECISION)
-                * _rows_scale(g_scales, k0, col_ok, SCALE_K)[None, :]
-            )
-            acc_u += (
-                tl.dot(a, tl.trans(u), input_precision=DOT_PRECISION)
-                * _rows_scale(u_scales, k0, col_ok, SCALE_K)[None, :]
-            )
-        else:
-            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PRECISION)
+        acc_g = _step_product(a, g, acc_g, xs_rows, g_scales, k0, row_ok, col_ok,
+                              SCALE_K, MODE, X_FP8, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        acc_u = _step_product(a, u, acc_u, xs_rows, u_scales, k0, row_ok, col_ok,
+                              SCALE_K, MODE, X_FP8, BLOCK_K, DOT_PRECISION)  # fmt: skip
     if MODE == 0:  # ROW
         acc_g *= _rows_scale(g_scales, 0, col_ok, SCALE_K)[None, :]
         acc_u *= _rows_scale(u_scales, 0, col_ok, SCALE_K)[None, :]
@@ -123,12 +163,15 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, xs_ptr,
     num_slots, num_blocks, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    stride_xs,
     BITS: tl.constexpr, SCALE_K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    X_FP8: tl.constexpr,
 ):  # fmt: skip
-    """out[s, n] = weight[s] * (act[s] . down_e[n]), rounded to out's dtype."""
+    """out[s, n] = weight[s] * (act[s] . down_e[n]), rounded to out's dtype. X_FP8: act is e4m3 with
+    float32 scales xs [T * k, K steps]."""
     pid_m, pid_n = _block_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -142,16 +185,12 @@ def _down_kernel(
     s_rows = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
     dtype = act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xs_rows = xs_ptr + safe * stride_xs
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & ((ks + k0) < inter)[None, :], other=0.0)
         w = _weight_tile(w_rows, s_rows, k0, inter, col_ok, dtype, BITS, SCALE_K, MODE, BLOCK_K)
-        if MODE == 1:  # STEP
-            acc += (
-                tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
-                * _rows_scale(s_rows, k0, col_ok, SCALE_K)[None, :]
-            )
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = _step_product(a, w, acc, xs_rows, s_rows, k0, row_ok, col_ok,
+                            SCALE_K, MODE, X_FP8, BLOCK_K, DOT_PRECISION)  # fmt: skip
     if MODE == 0:  # ROW
         acc *= _rows_scale(s_rows, 0, col_ok, SCALE_K)[None, :]
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0)
@@ -161,9 +200,16 @@ def _down_kernel(
     )
 
 
-def _plan(stack: QuantExperts, tile: MoeTile) -> tuple[int, int]:
+def _plan(stack: QuantExperts, tile: GroupedTile) -> tuple[int, int]:
     """(K step, scale mode) of one stack at tile (quant_dot.scale_plan), the step a whole number of
-    packed words."""
+    packed words; W8A8: the activation step of kernels/quant_moe_w8a8.py (ROW or STEP)."""
+    if tile.fp8_activations:
+        if stack.bits != 0:
+            raise ValueError(f"W8A8 grouped tiles take FP8 experts; got {stack.bits}-bit integer codes")
+        step = activation_step(stack)
+        if step is None:
+            raise ValueError(f"W8A8 needs scale groups with a power-of-two part >= 16; got {stack.group}")
+        return step, scale_plan(step, stack.group, stack.cols, False)[1]
     step, mode = scale_plan(tile.block_k, stack.group, stack.cols, False)
     if stack.bits and step % (32 // stack.bits):
         step, mode = tile.block_k, ELEMENT
@@ -173,12 +219,17 @@ def _plan(stack: QuantExperts, tile: MoeTile) -> tuple[int, int]:
 def grouped_slots_triton(x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, tile: MoeTile):
     """The grouped route: [T * k, H] of x.dtype, row t * k + j = topk_weights[t, j] * expert(x[t]) for
     expert topk_ids[t, j] (kernels/quant_moe.quant_slots_ref's contract; float32 accumulation, the
-    SiLU-and-mul row stored in x.dtype). x [T, H] bf16/fp16/fp32; tile.block_m >= 16."""
+    SiLU-and-mul row stored in x.dtype). x [T, H] bf16/fp16/fp32; tile.block_m >= 16. A GroupedTile
+    with fp8_activations quantizes x and the SiLU-and-mul rows per row and activation step first
+    (one launch each) and computes what kernels/quant_moe_w8a8.w8a8_slots_ref does."""
+    tile = tile if isinstance(tile, GroupedTile) else GroupedTile(**vars(tile))
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter = w13.codes.shape[:2]
     hidden, inter = x.shape[1], two_inter // 2
     if tile.block_m < 16:
         raise ValueError(f"the grouped route needs block_m >= 16 (the MMA's rows); got {tile.label()}")
+    step13, mode13 = _plan(w13, tile)
+    step2, mode2 = _plan(w2, tile)
     num_slots = num_tokens * top_k
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     if num_slots == 0:
@@ -191,22 +242,22 @@ def grouped_slots_triton(x, w13: QuantExperts, w2: QuantExperts, topk_weights, t
     )
     nb = block_expert.shape[0]
     common = dict(
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, GROUP_M=GROUP_M,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, GROUP_M=GROUP_M, X_FP8=tile.fp8_activations,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_stages=tile.num_stages, num_warps=tile.num_warps,
     )  # fmt: skip
-    step, mode = _plan(w13, tile)
+    a, a_scales = quantize_fp8_rows_triton(x, step13) if tile.fp8_activations else (x, x)
     _gate_up_kernel[(nb * triton.cdiv(inter, tile.block_n),)](
-        x, w13.codes, w13.scales, act, sorted_slots, block_expert, num_padded,
-        num_slots, nb, hidden, inter, x.stride(0), w13.codes.stride(0), w13.codes.stride(1),
-        w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, BITS=w13.bits, SCALE_K=w13.group, MODE=mode, BLOCK_K=step, **common,
+        a, w13.codes, w13.scales, act, sorted_slots, block_expert, num_padded, a_scales,
+        num_slots, nb, hidden, inter, a.stride(0), w13.codes.stride(0), w13.codes.stride(1),
+        w13.scales.stride(0), w13.scales.stride(1), act.stride(0), a_scales.stride(0),
+        TOP_K=top_k, BITS=w13.bits, SCALE_K=w13.group, MODE=mode13, BLOCK_K=step13, **common,
     )  # fmt: skip
-    step, mode = _plan(w2, tile)
+    a, a_scales = quantize_fp8_rows_triton(act, step2) if tile.fp8_activations else (act, act)
     _down_kernel[(nb * triton.cdiv(hidden, tile.block_n),)](
-        act, w2.codes, w2.scales, out, weights, sorted_slots, block_expert, num_padded,
-        num_slots, nb, hidden, inter, act.stride(0), w2.codes.stride(0), w2.codes.stride(1),
-        w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        BITS=w2.bits, SCALE_K=w2.group, MODE=mode, BLOCK_K=step, **common,
+        a, w2.codes, w2.scales, out, weights, sorted_slots, block_expert, num_padded, a_scales,
+        num_slots, nb, hidden, inter, a.stride(0), w2.codes.stride(0), w2.codes.stride(1),
+        w2.scales.stride(0), w2.scales.stride(1), out.stride(0), a_scales.stride(0),
+        BITS=w2.bits, SCALE_K=w2.group, MODE=mode2, BLOCK_K=step2, **common,
     )  # fmt: skip
     return out

@@ -5,14 +5,11 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
   <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
 - Fp8Experts: FP8 e4m3 with per-channel weight_scale (compressed-tensors) or block weight_scale_inv
   (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
-Three CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py), per slot with W8A8
-products for FP8 formats that quantize activations on GPUs with FP8 tensor cores
-(kernels/quant_moe_w8a8.py), and grouped GEMMs over slots sorted by expert
-(kernels/quant_moe_grouped.py). Start-up timing picks one per expert shape and slot bucket
-(model/moe_choice.py: route_candidates, set_slot_route); unmeasured, decode sizes run per slot W8A16
-and larger steps the grouped GEMMs.
-Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
-experts do; down's K shard must start on a scale group.
+CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py), grouped GEMMs over slots
+sorted by expert (kernels/quant_moe_grouped.py), and for FP8 formats that quantize activations on GPUs
+with FP8 tensor cores W8A8 forms of both (kernels/quant_moe_w8a8.py; GroupedTile.fp8_activations).
+Start-up timing picks one per expert shape and slot bucket (model/moe_choice.py: route_candidates,
+set_slot_route); unmeasured, decode sizes run per slot W8A16 and larger steps the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.kernels.quant_int import values_per_word
 from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
-from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton
+from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, W8A8_GROUPED_TILES, grouped_slots_triton
 from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, W8A8SlotTile, activation_step, w8a8_slots_triton
 from tpfuse.model.quant.common import (
     FP8_STORED,
@@ -199,16 +196,15 @@ class Fp8Experts(_QuantizedExperts):
         self.name = f"fp8-{strategy} experts"
 
     def route_candidates(self, experts, bucket: int):
-        """_QuantizedExperts' routes, and at decode sizes the W8A8 slot tiles where the format quantizes
-        activations, the GPU has FP8 tensor cores and both stacks' scale groups allow a K step."""
+        """_QuantizedExperts' routes, and W8A8 ones (the per-slot tiles at decode sizes, the grouped
+        W8A8 tiles at every size) where the format quantizes activations, the GPU has FP8 tensor cores
+        and both stacks' scale groups allow a K step."""
         routes = super().route_candidates(experts, bucket)
-        if bucket > DECODE_MAX_SLOTS or not self.activations:
-            return routes
-        if not (experts.w13.is_cuda and fp8_dot_supported(experts.w13.device)):
+        if not (self.activations and experts.w13.is_cuda and fp8_dot_supported(experts.w13.device)):
             return routes
         if any(activation_step(stack) is None for stack in self.stacks(experts)):
             return routes
-        return routes + SLOT_TILES
+        return routes + W8A8_GROUPED_TILES + (SLOT_TILES if bucket <= DECODE_MAX_SLOTS else ())
 
     def create_weights(self, experts) -> None:
         e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
