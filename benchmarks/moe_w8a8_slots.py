@@ -26,7 +26,7 @@ from tpfuse.gpu_timing import graph_us  # noqa: E402
 from tpfuse.kernels.fused_moe import fused_experts_ref  # noqa: E402
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE  # noqa: E402
 from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton  # noqa: E402
-from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton  # noqa: E402
+from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, W8A8_GROUPED_TILES, grouped_slots_triton  # noqa: E402
 from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, w8a8_slots_triton  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
             routed = ids.unique().numel()
             nbytes = routed * sum(s.codes[0].numel() + s.scales[0].numel() * 4 for s in (w13, w2))
             roof_us = nbytes / bandwidth / 1e6
-            routes = [(t.label(), t) for t in GROUPED_TILES]
+            routes = [(t.label(), t) for t in GROUPED_TILES + W8A8_GROUPED_TILES]
             if tokens * args.top_k <= 512:
                 routes = [("w8a16 slots", None)] + [(t.label(), t) for t in SLOT_TILES] + routes
             for label, tile in routes:
@@ -75,13 +75,14 @@ def main() -> None:
                 def run(w13, w2, tile=tile, x=x, weights=weights, ids=ids):
                     if tile is None:
                         return quant_slots_triton(x, w13, w2, weights, ids)
-                    if tile in GROUPED_TILES:
+                    if tile in GROUPED_TILES + W8A8_GROUPED_TILES:
                         return grouped_slots_triton(x, w13, w2, weights, ids, tile)
                     return w8a8_slots_triton(x, w13, w2, weights, ids, tile)
 
                 err = (run(w13, w2).double() - expected).abs().max().item() / expected.abs().max().item()
                 us = graph_us([lambda c=c: run(*c) for c in copies], min_launches=24, replays=5, samples=5)
-                ok = "ok" if err <= (0.05 if tile in SLOT_TILES else 0.01) else "WRONG"
+                w8a8 = tile in SLOT_TILES or getattr(tile, "fp8_activations", False)
+                ok = "ok" if err <= (0.05 if w8a8 else 0.01) else "WRONG"
                 scales = "block128" if group else "channel"
                 print(f"{scales:8} T={tokens:<3} {label:26} {us:8.2f} us  {roof_us / us:6.1%} of roofline "
                       f"({roof_us:.2f} us)  err {err:.2e} {ok}")  # fmt: skip

@@ -235,11 +235,17 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, gr
         x.double(), w13.dequantize().double(), w2.dequantize().double(), weights, ids
     )
 
-    def run(inp):
-        return quant_moe.quant_slots_triton(inp, w13, w2, weights, ids)
+    from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton
 
-    _close(run(x), expected.double(), tol=3e-2)
-    _close(_in_graph(run, x), expected.double(), tol=3e-2)
+    for tile in (None, *GROUPED_TILES):  # None: the per-slot route
+
+        def run(inp, tile=tile):
+            if tile is None:
+                return quant_moe.quant_slots_triton(inp, w13, w2, weights, ids)
+            return grouped_slots_triton(inp, w13, w2, weights, ids, tile)
+
+        _close(run(x), expected.double(), tol=3e-2)
+        _close(_in_graph(run, x), expected.double(), tol=3e-2)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "fp8-block"])
@@ -256,8 +262,9 @@ def test_quantized_dummy_qwen3_moe_generates_under_cuda_graphs(quantization):
 @pytest.mark.parametrize("group", [128, None])  # None: per-channel
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_w8a8_expert_slots_match_their_reference_in_and_out_of_cuda_graphs(group, tokens):
-    """Every W8A8 slot tile (kernels/quant_moe_w8a8.py) against w8a8_slots_ref (the same activation
-    quantization in torch, products in float32) and within W8A8's rounding of the float64 product."""
+    """Every W8A8 slot tile (kernels/quant_moe_w8a8.py) and W8A8 grouped tile against w8a8_slots_ref
+    (the same activation quantization in torch, products in float32) and within W8A8's rounding of the
+    float64 product."""
     from types import SimpleNamespace
 
     from tpfuse.kernels import quant_moe, quant_moe_w8a8
@@ -286,9 +293,13 @@ def test_w8a8_expert_slots_match_their_reference_in_and_out_of_cuda_graphs(group
     unquantized = quant_moe.slots_ref(
         x.double(), w13.dequantize().double(), w2.dequantize().double(), weights, ids
     )
-    for tile in quant_moe_w8a8.SLOT_TILES:
+    from tpfuse.kernels import quant_moe_grouped
+
+    for tile in quant_moe_w8a8.SLOT_TILES + quant_moe_grouped.W8A8_GROUPED_TILES:
 
         def run(inp, tile=tile):
+            if tile in quant_moe_grouped.W8A8_GROUPED_TILES:
+                return quant_moe_grouped.grouped_slots_triton(inp, w13, w2, weights, ids, tile)
             return quant_moe_w8a8.w8a8_slots_triton(inp, w13, w2, weights, ids, tile)
 
         _close(run(x), reference, tol=1e-2)
