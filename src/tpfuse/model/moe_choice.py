@@ -203,6 +203,8 @@ def _slot_route_decisions(block, buckets: list[int], seen: set, tensors: dict) -
             continue
         seen.add(key)
         times = _time_slot_routes(experts, candidates, max(bucket // top_k, 1), top_k)
+        if not times:  # every candidate failed here: the default route stays (and will say why)
+            continue
         out.append(("slots", key, min(times, key=lambda r: (times[r], r != candidates[0]))))
         tensors[("slots", key)] = codes
         described = (f"{_route_label(r)} {us:.1f} us" for r, us in times.items())
