@@ -69,3 +69,26 @@ def test_unmeasured_steps_above_the_decode_sizes_run_the_grouped_gemms(monkeypat
     codes = torch.zeros(4, 8, 16, dtype=FP8_DTYPE)
     assert quant_experts.slot_route(codes, DECODE_MAX_SLOTS) is None
     assert quant_experts.slot_route(codes, DECODE_MAX_SLOTS + 1) == GROUPED_TILES[0]
+
+
+def test_start_up_records_the_fastest_route_and_keeps_the_default_on_a_tie(monkeypatch):
+    """model/moe_choice.py's decision per slot bucket, with the timings given: the fastest route wins,
+    a tie keeps the bucket's default (its first candidate), a bucket where no route ran is left out."""
+    from tpfuse.model import moe_choice
+
+    monkeypatch.setattr(quant_experts, "_SLOT_ROUTES", {})
+    experts = _experts(torch.Generator().manual_seed(2))
+    experts.method = Fp8Experts("channel", None)
+    block = SimpleNamespace(experts=experts, top_k=2)
+    timings = {  # by slots bucket: route -> us
+        2: {None: 5.0, GROUPED_TILES[0]: 3.0, GROUPED_TILES[1]: 4.0},
+        4: {None: 3.0, GROUPED_TILES[0]: 3.0},
+        8: {},
+    }
+    monkeypatch.setattr(moe_choice, "_time_slot_routes", lambda e, c, tokens, k: timings[tokens * k])
+    tensors = {}
+    decisions = moe_choice._slot_route_decisions(block, [2, 4, 8], set(), tensors)
+    assert [(key[2], route) for _, key, route in decisions] == [(2, GROUPED_TILES[0]), (4, None)]
+    moe_choice._apply(decisions, tensors, [])
+    assert quant_experts.slot_route(experts.w13, 2) == GROUPED_TILES[0]
+    assert quant_experts.slot_route(experts.w13, 4) is None
