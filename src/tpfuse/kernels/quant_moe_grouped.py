@@ -12,10 +12,11 @@ pattern, no int-to-float conversion). Scales are applied where constant (quant_d
 0 / 1 / 2 = its ROW / STEP / ELEMENT): ROW (one group over K) once after the K loop; STEP (the step
 inside one group) to each step's product; ELEMENT (any other group) to each weight before the
 product, rounded to x's dtype. Accumulation is float32; the SiLU-and-mul row and the weighted slot
-rows are stored in x's dtype, as the bf16 route does. W8A8 (GroupedTile.fp8_activations, FP8 experts): x and then the SiLU-and-mul rows are quantized
-to e4m3 per row and activation step (kernels/quant_moe_w8a8.activation_step, one launch each), the
-weights go to the FP8 MMA as loaded and each step's product is scaled by the rows' scales. Graph-safe
-(moe_align's padded sizes depend on T, k and E only).
+rows are stored in x's dtype, as the bf16 route does. W8A8 (GroupedTile.fp8_activations, FP8
+experts): x and then the SiLU-and-mul rows are quantized to e4m3 per row and activation step
+(kernels/quant_moe_w8a8.activation_step, one launch each), the weights go to the FP8 MMA as loaded
+and each step's product is scaled by the rows' scales. Graph-safe (moe_align's padded sizes depend
+on T, k and E only).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from tpfuse.kernels.moe_finalize import moe_finalize_triton
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
+from tpfuse.model.linear_choice import AGREEMENT
 from tpfuse.model.quant.experts import set_slot_route
 
 log = logging.getLogger("tpfuse")
@@ -219,8 +220,8 @@ def _route_label(route) -> str:
 def _time_slot_routes(experts, candidates: tuple, num_tokens: int, top_k: int) -> dict:
     """us per call of each candidate slot route of experts at num_tokens tokens of random routing. A
     route that fails to compile or fit, or whose product is off the first candidate's by more than
-    5 % of its largest value (a kernel computing wrongly on this GPU, not W8A8's rounding), is left
-    out with a warning."""
+    linear_choice.AGREEMENT of its largest value (a wrong scale or layout on this GPU is off by about
+    100 %; W8A8's rounding by a few %), is left out with a warning."""
     method, codes = experts.method, experts.method.stacks(experts)[0].codes
     g = torch.Generator(device=codes.device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, experts.hidden_size, device=codes.device, generator=g).bfloat16()
@@ -236,7 +237,7 @@ def _time_slot_routes(experts, candidates: tuple, num_tokens: int, top_k: int) -
             continue
         if first is None:
             first = product
-        elif (product - first).abs().max() > 0.05 * first.abs().max():
+        elif (product - first).abs().max() > AGREEMENT * first.abs().max():
             log.warning(
                 "quantized experts: slot route %s left out: product off the first", _route_label(route)
             )
