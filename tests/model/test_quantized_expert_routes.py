@@ -85,7 +85,7 @@ def test_start_up_records_the_fastest_route_and_keeps_the_default_on_a_tie(monke
         4: {None: 3.0, GROUPED_TILES[0]: 3.0},
         8: {},
     }
-    monkeypatch.setattr(moe_choice, "_time_slot_routes", lambda e, c, tokens, k: timings[tokens * k])
+    monkeypatch.setattr(moe_choice, "_time_slot_routes", lambda e, codes, c, tokens, k: timings[tokens * k])
     tensors = {}
     decisions = moe_choice._slot_route_decisions(block, [2, 4, 8], set(), tensors)
     assert [(key[2], route) for _, key, route in decisions] == [(2, GROUPED_TILES[0]), (4, None)]

@@ -49,6 +49,12 @@ def quantize_fp8_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return xq.view(m, -1)[:, :k].to(FP8_DTYPE), scales
 
 
+def fp8_rounded_rows_ref(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] as its e4m3 quantization per (row, group columns) gives it back: float32 xq * scale."""
+    xq, xs = quantize_fp8_rows_ref(x, group)
+    return xq.float() * xs.repeat_interleave(group, 1)[:, : x.shape[1]]
+
+
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, stride_xm, stride_sm, HIDDEN: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr
@@ -153,9 +159,7 @@ def activation_group(block: tuple[int, int], hidden: int) -> int:
 def fp8_w8a8_ref(x, weight, scale, block, bias=None, group: int | None = None):
     """What fp8_w8a8_triton computes: x quantized per (row, group columns; default activation_group) to
     e4m3, times the dequantized weight, in float32; rounded once to x.dtype."""
-    group = group or activation_group(block, x.shape[1])
-    xq, xs = quantize_fp8_rows_ref(x, group)
-    xd = xq.float() * xs.repeat_interleave(group, 1)[:, : x.shape[1]]
+    xd = fp8_rounded_rows_ref(x, group or activation_group(block, x.shape[1]))
     return rounded_linear_ref(xd, dequantize_fp8(weight, scale, block), bias, x.dtype)
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.quant_dot import pow2_part
-from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
+from tpfuse.kernels.quant_fp8_w8a8 import fp8_rounded_rows_ref
 from tpfuse.kernels.quant_moe import QuantExperts
 
 __all__ = [
@@ -169,15 +169,10 @@ def w8a8_slots_ref(x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_id
     gate_up, down = w13.dequantize(), w2.dequantize()
     inter = gate_up.shape[1] // 2
     ids = topk_ids.reshape(-1).long()
-
-    def quantized(rows: torch.Tensor, group: int) -> torch.Tensor:
-        xq, xs = quantize_fp8_rows_ref(rows, group)
-        return xq.float() * xs.repeat_interleave(group, 1)[:, : rows.shape[1]]
-
-    tokens = quantized(x, g13).repeat_interleave(topk_ids.shape[1], dim=0)
+    tokens = fp8_rounded_rows_ref(x, g13).repeat_interleave(topk_ids.shape[1], dim=0)
     h = torch.einsum("sk,snk->sn", tokens, gate_up[ids])
     act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-    out = torch.einsum("sk,snk->sn", quantized(act, g2), down[ids])
+    out = torch.einsum("sk,snk->sn", fp8_rounded_rows_ref(act, g2), down[ids])
     return (out * topk_weights.reshape(-1, 1).float()).to(x.dtype)
 
 

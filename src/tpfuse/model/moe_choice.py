@@ -203,7 +203,7 @@ def _slot_route_decisions(block, buckets: list[int], seen: set, tensors: dict) -
         if key in seen or len(candidates) < 2:
             continue
         seen.add(key)
-        times = _time_slot_routes(experts, candidates, max(bucket // top_k, 1), top_k)
+        times = _time_slot_routes(experts, codes, candidates, max(bucket // top_k, 1), top_k)
         if not times:  # every candidate failed here: the default route stays (and will say why)
             continue
         out.append(("slots", key, min(times, key=lambda r: (times[r], r != candidates[0]))))
@@ -217,12 +217,12 @@ def _route_label(route) -> str:
     return "w8a16 slots" if route is None else route.label()
 
 
-def _time_slot_routes(experts, candidates: tuple, num_tokens: int, top_k: int) -> dict:
-    """us per call of each candidate slot route of experts at num_tokens tokens of random routing. A
-    route that fails to compile or fit, or whose product is off the first candidate's by more than
-    linear_choice.AGREEMENT of its largest value (a wrong scale or layout on this GPU is off by about
-    100 %; W8A8's rounding by a few %), is left out with a warning."""
-    method, codes = experts.method, experts.method.stacks(experts)[0].codes
+def _time_slot_routes(experts, codes, candidates: tuple, num_tokens: int, top_k: int) -> dict:
+    """us per call of each candidate slot route of experts (gate/up codes: codes) at num_tokens tokens
+    of random routing. A route that fails to compile or fit, or whose product is off the first
+    candidate's by more than linear_choice.AGREEMENT of its largest value (a wrong scale or layout on
+    this GPU is off by about 100 %; W8A8's rounding by a few %), is left out with a warning."""
+    method = experts.method
     g = torch.Generator(device=codes.device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, experts.hidden_size, device=codes.device, generator=g).bfloat16()
     scores = torch.rand(num_tokens, codes.shape[0], device=codes.device, generator=g)

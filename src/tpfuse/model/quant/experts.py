@@ -5,6 +5,8 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
   <prefix><e>.<proj>.weight_packed / weight_scale / weight_shape.
 - Fp8Experts: FP8 e4m3 with per-channel weight_scale (compressed-tensors) or block weight_scale_inv
   (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
+Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
+experts do; down's K shard must start on a scale group.
 CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py), grouped GEMMs over slots
 sorted by expert (kernels/quant_moe_grouped.py), and for FP8 formats that quantize activations on GPUs
 with FP8 tensor cores W8A8 forms of both (kernels/quant_moe_w8a8.py; GroupedTile.fp8_activations).
