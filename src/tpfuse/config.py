@@ -75,6 +75,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_bs: int = 256
+    piecewise_graph_max_tokens: int = 512  # other steps up to this many tokens: piecewise graphs, 0: none
     disable_overlap_schedule: bool = False  # TP=1 decode: prepare step N+1 while step N runs
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -107,6 +108,10 @@ class EngineConfig:
         if self.max_prefill_tokens_per_step < 1:
             raise ValueError(
                 f"--max-prefill-tokens-per-step must be >= 1, got {self.max_prefill_tokens_per_step}"
+            )
+        if self.piecewise_graph_max_tokens < 0:
+            raise ValueError(
+                f"--piecewise-graph-max-tokens must be >= 0 (0: none), got {self.piecewise_graph_max_tokens}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
@@ -195,6 +200,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    g.add_argument(
+        "--piecewise-graph-max-tokens",
+        type=int,
+        default=d.piecewise_graph_max_tokens,
+        help="steps that are not plain decodes (prompt chunks, mixed prefill + decode) of up to this "
+        "many tokens replay CUDA graphs split at attention, where start-up timing finds them faster; "
+        "0 turns them off",
+    )
     g.add_argument(
         "--disable-overlap-schedule",
         action="store_true",

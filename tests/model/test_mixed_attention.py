@@ -39,7 +39,8 @@ def test_decode_rows_then_chunks_equal_the_float64_prefill_of_every_row(kernels,
     got = mixed_attention(q, (k_cache, v_cache), attn, scale)
     caches = k_cache.double(), v_cache.double()
     want = prefill_attention_ref(q.double(), *caches, tables, seq_lens, starts, max(query_lens), scale)
-    assert calls == [("decode", 3, {"split": False})]  # one compiled variant, whatever the rows
+    # one compiled variant, whatever the rows; written into the result's rows, no concatenation
+    assert [(name, rows, kw["split"]) for name, rows, kw in calls] == [("decode", 3, False)]
     assert got.shape == q.shape
     assert_close_to_float64(got, want, dtype)
 
@@ -74,3 +75,46 @@ def test_a_mixed_steps_decode_rows_launch_a_variant_compiled_at_start_up(monkeyp
     launched, recorder.keys = recorder.keys, set()
     decode_attention.compile_unsplit_variants(k_cache, v_cache, HEADS)
     assert launched and launched <= recorder.keys, launched - recorder.keys
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_attention_writes_only_the_rows_of_the_out_view_it_is_given(kernels, monkeypatch):
+    """attend_paged with out: a strided view (rows of a wider, NaN-poisoned static buffer, as the
+    piecewise graphs pass) gets the float64 result; nothing outside the view changes. Mixed, decode
+    and prefill steps alike."""
+    monkeypatch.setenv("TPFUSE_KERNELS", kernels)
+    knobs.reload()
+    gen = torch.Generator().manual_seed(11)
+    context_lens, query_lens = [7, 21, 12, 5], [1, 1, 5, 3]
+    k_cache, v_cache, tables, seq_lens = random_paged_kv(
+        context_lens, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, gen
+    )
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows, scale = int(starts[-1]), HEAD_DIM**-0.5
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen)
+    caches = k_cache.double(), v_cache.double()
+    cases = {  # name: (metadata, q rows, reference)
+        "mixed": (AttentionMetadata(
+            torch.full((rows,), -1), tables, seq_lens, starts, max(query_lens), max(context_lens), False,
+            num_decode_rows=2,
+        ), q),  # fmt: skip
+        "prefill": (AttentionMetadata(
+            torch.full((rows,), -1), tables, seq_lens, starts, max(query_lens), max(context_lens), False,
+        ), q),  # fmt: skip
+        "decode": (AttentionMetadata(
+            torch.full((4,), -1), tables, seq_lens, torch.arange(5, dtype=torch.int32), 1, 21, True,
+        ), q[:4]),  # fmt: skip
+    }
+    for name, (attn, q_rows) in cases.items():
+        n = q_rows.shape[0]
+        static = torch.full((n + 3, HEADS + 1, HEAD_DIM), float("nan"))  # wider rows: a strided view
+        out = static[1 : n + 1, :HEADS]
+        got = attention.attend_paged(q_rows, (k_cache, v_cache), attn, scale, out)
+        assert got.data_ptr() == out.data_ptr(), name
+        want = prefill_attention_ref(
+            q_rows.double(), *caches, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+            attn.max_query_len, scale,
+        )  # fmt: skip
+        assert_close_to_float64(out, want, torch.float32)
+        assert static[0].isnan().all() and static[n + 1 :].isnan().all(), name
+        assert static[:, HEADS:].isnan().all(), name

@@ -25,6 +25,7 @@ from tpfuse.engine.batch import Batch
 from tpfuse.engine.cuda_graphs import DecodeGraphs
 from tpfuse.engine.launch_choice import choose_pdl
 from tpfuse.engine.logits_processing import BatchProcessing
+from tpfuse.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from tpfuse.engine.runner_hook import HookFactory, RunnerHook
 from tpfuse.engine.step_inputs import (
     StepHeader,
@@ -169,6 +170,14 @@ class ModelRunner:
         )
         if self.graphs is not None:
             self.graphs.capture()
+        # Other steps of up to piecewise_graph_max_tokens tokens: graphs split at attention, per bucket
+        # where start-up timing finds them faster than the eager forward (piecewise_graphs.py).
+        self.piecewise: PiecewiseGraphs | None = None
+        sizes = piecewise_sizes(min(config.piecewise_graph_max_tokens, config.max_num_batched_tokens))
+        if self.device.type == "cuda" and not config.enforce_eager and sizes:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes)
+            self.piecewise.capture()
+            self.piecewise.choose(agree_routes)
 
     @property
     def runner(self) -> ModelRunner:
@@ -223,7 +232,11 @@ class ModelRunner:
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
         step = unpack_step(header, self.upload.to_device(packed), packed)
         self._gather_input_ids(step)
-        hidden, aux = self.model(step.input_ids, step.positions, step.attention_metadata(), self.kv_caches)
+        attn = step.attention_metadata()
+        if self.piecewise is not None and self.piecewise.bucket(header.num_tokens) is not None:
+            hidden, aux = self.piecewise.run(step.input_ids, step.positions, step.slot_mapping, attn)
+        else:
+            hidden, aux = self.model(step.input_ids, step.positions, attn, self.kv_caches)
         if self.hook is not None:
             self.hook.after_forward(aux, step.slot_mapping)
         if not header.num_samples:
@@ -331,6 +344,7 @@ class ModelRunner:
         """Drops what this runner holds on its device (CUDA graphs and their pool, the KV cache, the
         hook, the weights) and returns the memory to the device. The runner is unusable afterwards."""
         self.graphs = None
+        self.piecewise = None
         self.kv_caches = []
         self.hook = None
         self.model = None

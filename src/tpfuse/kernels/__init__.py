@@ -128,19 +128,22 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return _pick(kv_store, "store_kv", k)(k, v, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale, split=True):
-    """split False: one program per (sequence, KV head) (kernels/decode_attention.py)."""
+def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, scale, split=True, out=None):
+    """split False: one program per (sequence, KV head) (kernels/decode_attention.py); out: where to
+    write the result (a view of q's shape), None: a new tensor."""
     return _pick(decode_attention, "decode_attention", q)(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, split
+        q, k_cache, v_cache, block_tables, seq_lens, scale, split, out
     )
 
 
 def prefill_attention_op(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask=None
-):
-    """tree_mask: None (causal) or [T] int64 relative visibility bits (kernels/prefill_attention.py)."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask=None,
+    out=None,
+):  # fmt: skip
+    """tree_mask: None (causal) or [T] int64 relative visibility bits (kernels/prefill_attention.py);
+    out: where to write the result (a view of q's shape), None: a new tensor."""
     return _pick(prefill_attention, "prefill_attention", q)(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, tree_mask, out
     )
 
 

@@ -23,6 +23,7 @@ from tpfuse.kernels.paged_attention_common import (
     _gather_kv,
     _load_paged_tile,
     _load_pages,
+    attention_output,
     check_paged_attention_args,
     choose_num_splits,
     split_key_range,
@@ -38,13 +39,15 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     split: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (keys 0..seq_len-1 are attended, the current token's included).
-    Returns a new [B, Hq, D] tensor of q.dtype. Hq must be a multiple of Hk. split: the Triton
-    twin's launch choice, without effect here.
+    Returns [B, Hq, D] of q.dtype: out when given (any [B, Hq, D] view with unit last stride), else
+    a new tensor. Hq must be a multiple of Hk. split: the Triton twin's launch choice, without
+    effect here.
     """
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     group = q.shape[1] // k_cache.shape[2]
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
@@ -168,13 +171,14 @@ def decode_attention_launch(
     num_splits,
     block_n=DECODE_BLOCK_N,
     merge_in_kernel=None,
+    out=None,
 ):
     """decode_attention_triton with an explicit number of splits, key tile and merge (tests,
     benchmarks); merge_in_kernel None takes DECODE_MERGE_IN_SPLIT_KERNEL."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_attention_args(q, k_cache, v_cache, "decode attention")
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
@@ -232,11 +236,12 @@ def decode_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     split: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton decode_attention_ref (same shapes and dtypes); CUDA-graph safe: the launch depends only
-    on shapes, seq_lens is read on the device. A sequence with seq_len 0 gives zeros. split False:
-    one program per (sequence, KV head), whatever the shapes (the decode rows of a mixed step: one
-    compiled variant, which compile_unsplit_variants builds at start-up).
+    """Triton decode_attention_ref (same shapes and dtypes, written into out when given); CUDA-graph
+    safe: the launch depends only on shapes, seq_lens is read on the device. A sequence with seq_len 0
+    gives zeros. split False: one program per (sequence, KV head), whatever the shapes (the decode
+    rows of a mixed step: one compiled variant, which compile_unsplit_variants builds at start-up).
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
     head_dim is strided."""
@@ -245,7 +250,7 @@ def decode_attention_triton(
         num_splits = choose_num_splits(
             q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], q.device
         )
-    return decode_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return decode_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=out)
 
 
 UNSPLIT_TABLE_WIDTHS = (1, 16, 17)  # block-table row strides Triton specialises apart: 1, 16k, other

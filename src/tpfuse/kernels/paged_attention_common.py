@@ -128,6 +128,19 @@ def check_paged_attention_args(
         raise ValueError(f"KV cache block_size must be a power of two; got {block_size}")
 
 
+def attention_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where paged attention writes its [rows, Hq, D] result: out (checked: q's shape and dtype, unit
+    last stride), or a new tensor like q when out is None."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"attention out must match q ({tuple(q.shape)}, {q.dtype}) with a unit last stride; got "
+            f"{tuple(out.shape)}, {out.dtype}, strides {out.stride()}"
+        )
+    return out
+
+
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(part_out [rows, H, num_splits, D], part_lse [rows, H, num_splits]) float32 buffers for the key
     splits of out [rows, H, D]; with one split the kernel writes out directly, so both are out."""

@@ -34,6 +34,7 @@ from tpfuse.kernels.decode_merge import launch_merge
 from tpfuse.kernels.paged_attention_common import (
     _gather_kv,
     _load_kv_tile,
+    attention_output,
     check_paged_attention_args,
     choose_num_splits,
     split_key_range,
@@ -51,14 +52,16 @@ def prefill_attention_ref(
     max_query_len: int,
     scale: float,
     tree_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (all sequences' query tokens, concatenated); caches: [num_blocks, block_size, Hk, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 context length including the query tokens;
     query_start_loc: [B + 1] int32; tree_mask: None (causal) or [T] int64 relative visibility bits
-    (module docstring). Returns a new [T, Hq, D] tensor of q.dtype.
+    (module docstring). Returns [T, Hq, D] of q.dtype: out when given (any [T, Hq, D] view with unit
+    last stride), else a new tensor.
     """
     del max_query_len
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     group = q.shape[1] // k_cache.shape[2]
     for b in range(block_tables.shape[0]):
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -206,7 +209,7 @@ def prefill_tile_config(max_query_len: int, head_dim: int, group: int = 1) -> tu
 
 def prefill_attention_launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-    block_m=64, block_n=64, num_warps=4, num_stages=2, tree_mask=None, num_splits=1,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, tree_mask=None, num_splits=1, out=None,
 ):  # fmt: skip
     """prefill_attention_triton with explicit tile sizes and key splits (tests, benchmarks). With
     num_splits > 1 each query tile's keys are divided among num_splits programs whose partials a
@@ -214,7 +217,7 @@ def prefill_attention_launch(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_attention_args(q, k_cache, v_cache, "prefill attention")
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     batch = block_tables.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -250,8 +253,9 @@ def prefill_attention_triton(
     max_query_len: int,
     scale: float,
     tree_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton prefill_attention_ref (same shapes and dtypes, same optional tree_mask). max_query_len
+    """Triton prefill_attention_ref (same shapes and dtypes, same optional tree_mask and out). max_query_len
     must bound every q_len (it sizes the grid); rows of q past the last sequence's queries are left unwritten.
 
     Raises ValueError when Hq is not a multiple of Hk, block_size is not a power of two, or a
@@ -270,7 +274,7 @@ def prefill_attention_triton(
         )
     return prefill_attention_launch(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        block_m, block_n, num_warps, num_stages, tree_mask, num_splits,
+        block_m, block_n, num_warps, num_stages, tree_mask, num_splits, out,
     )  # fmt: skip
 
 

@@ -4,7 +4,9 @@ and the attention layer."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one query token
     tree_mask: torch.Tensor | None = None  # [T] int64 tree attention bits (speculative trees), None: causal
     num_decode_rows: int = 0  # leading sequences with one query token (a mixed step's decodes)
+    graph_break: GraphBreak | None = None  # set only while a piecewise CUDA graph is captured
 
     @functools.cached_property
     def chunks(self) -> AttentionMetadata:
@@ -55,6 +58,21 @@ class AttentionMetadata:
         )
 
 
+class GraphBreak(Protocol):
+    """Set as AttentionMetadata.graph_break while a piecewise CUDA graph is captured
+    (engine/piecewise_graphs.py): the layer's attention core is not run in place, but handed over.
+
+    attend(core, inputs, like) ends the graph piece being captured (inputs copied into static
+    buffers first), arranges that at replay core(step_attn, *inputs[:T], out[:T]) runs eagerly
+    between this piece and the next on the step's own metadata, starts the next piece, and returns
+    out: the static tensor (like's shape and dtype) the core will have written.
+    """
+
+    def attend(
+        self, core: Callable[..., None], inputs: tuple[torch.Tensor, ...], like: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 def paged_attention(
     positions,
     q,
@@ -71,9 +89,8 @@ def paged_attention(
 
     positions: [T]; q: [T, Hq, D] (normed and rotated in place); k, v: [T, Hk, D] (not modified; the
     normed, rotated k and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping).
-    qk_norm: (q_norm, k_norm) over head_dim, of one eps (Qwen3), or None. Returns [T, Hq, D]: decode
-    attention when every sequence has one query token, else prefill attention (causal, or the
-    speculative tree mask).
+    qk_norm: (q_norm, k_norm) over head_dim, of one eps (Qwen3), or None. Returns [T, Hq, D]:
+    attend_paged's result (or, while a piecewise graph is captured, the graph break's output).
     """
     k_cache, v_cache = kv_cache
     # One launch: q (normed and) rotated in place, rotated k and v written to their slots (k untouched).
@@ -85,10 +102,24 @@ def paged_attention(
             positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache, k_cache, v_cache,
             attn.slot_mapping,
         )  # fmt: skip
+    if attn.graph_break is not None:
+
+        def core(step_attn: AttentionMetadata, q: torch.Tensor, out: torch.Tensor) -> None:
+            attend_paged(q, kv_cache, step_attn, scale, out)
+
+        return attn.graph_break.attend(core, (q,), q)
+    return attend_paged(q, kv_cache, attn, scale)
+
+
+def attend_paged(q, kv_cache, attn: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the paged cache (its K/V already stored): decode attention when
+    every sequence has one query token, decode rows then prompt chunks for a mixed step, else prefill
+    attention (causal, or the speculative tree mask). Written into out ([T, Hq, D]) when given."""
+    k_cache, v_cache = kv_cache
     if attn.is_decode:
-        return decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
+        return decode_attention_op(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, out=out)
     if 0 < attn.num_decode_rows < attn.block_tables.shape[0] and attn.tree_mask is None:
-        return mixed_attention(q, kv_cache, attn, scale)
+        return mixed_attention(q, kv_cache, attn, scale, out)
     return prefill_attention_op(
         q,
         k_cache,
@@ -99,25 +130,27 @@ def paged_attention(
         attn.max_query_len,
         scale,
         tree_mask=attn.tree_mask,
+        out=out,
     )
 
 
-def mixed_attention(q, kv_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+def mixed_attention(q, kv_cache, attn: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
     """Attention of a mixed step whose first D = attn.num_decode_rows sequences have one query token
     (rows 0..D-1 of q): those by the decode kernel, the prompt chunks after them by the prefill
     kernel, whose tiles are sized for a chunk and would run a decode row at a few rows of 128.
-    Returns [T, Hq, D_head] as paged_attention does."""
+    Each writes its rows of out (a new tensor when None). Returns [T, Hq, D_head] as attend_paged."""
     k_cache, v_cache = kv_cache
     d, rest = attn.num_decode_rows, attn.chunks
+    out = torch.empty_like(q) if out is None else out
     # Unsplit: the split rule depends on d and the table width, and each count is a compile.
-    decodes = decode_attention_op(
-        q[:d], k_cache, v_cache, attn.block_tables[:d], attn.seq_lens[:d], scale, split=False
+    decode_attention_op(
+        q[:d], k_cache, v_cache, attn.block_tables[:d], attn.seq_lens[:d], scale, split=False, out=out[:d]
     )
-    chunks = prefill_attention_op(
+    prefill_attention_op(
         q[d:], k_cache, v_cache, rest.block_tables, rest.seq_lens, rest.query_start_loc, rest.max_query_len,
-        scale,
+        scale, out=out[d:],
     )  # fmt: skip
-    return torch.cat([decodes, chunks])
+    return out
 
 
 class Attention(nn.Module):

@@ -117,15 +117,25 @@ class MLAAttention(nn.Module):
         )  # fmt: skip
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
-        if attn.is_decode:
-            o = mla_decode_op(q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, self.scale)
+        if attn.graph_break is not None:
+
+            def core(step_attn: AttentionMetadata, q_latent, q_pe, out) -> None:
+                out.copy_(self._attend(q_latent, q_pe, latent_cache, step_attn))
+
+            o = attn.graph_break.attend(core, (q_latent, q_pe), q_latent)
         else:
-            o = mla_prefill_op(
-                q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                attn.max_query_len, self.scale,
-            )  # fmt: skip
+            o = self._attend(q_latent, q_pe, latent_cache, attn)
         v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_head_dim]
         return self.o_proj(v.transpose(0, 1).reshape(num_tokens, heads * s.v_head_dim))
+
+    def _attend(self, q_latent, q_pe, latent_cache, attn: AttentionMetadata) -> torch.Tensor:
+        """Absorbed attention over the latent cache (its entries already stored): [T, H, kv_lora_rank]."""
+        if attn.is_decode:
+            return mla_decode_op(q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, self.scale)
+        return mla_prefill_op(
+            q_latent, q_pe, latent_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+            attn.max_query_len, self.scale,
+        )  # fmt: skip
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         """prefix: e.g. "model.layers.3.self_attn."."""
