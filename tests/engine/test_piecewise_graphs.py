@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.engine.checkpoints import BOS, EOS, VOCAB, build_checkpoint, save_byte_tokenizer
-from tests.engine.spec_helpers import ENGINE, greedy, run_with_late_arrival
+from tests.engine.spec_helpers import ENGINE, greedy, run_with_late_arrival, spec_config, write_eagle3_head
 from tests.model.test_deepseek_v3 import build_deepseek_checkpoint
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
@@ -52,7 +52,8 @@ class _Checked:
         scale = want.abs().max().item()
         self.worst = max(self.worst, (hidden - want).abs().max().item() / scale)
         self.token_counts.append(input_ids.shape[0])
-        self.mixed_steps += not attn.is_decode and attn.num_decode_rows > 0
+        # several sequences, not all of one token: decodes (or verify rows) beside prompt chunks
+        self.mixed_steps += not attn.is_decode and attn.block_tables.shape[0] > 1
         return hidden, aux
 
 
@@ -131,3 +132,12 @@ def test_a_step_past_the_largest_bucket_or_in_a_dropped_one_is_refused():
         piecewise.run(ids, ids, torch.full((3,), -1), attn)
     with pytest.raises(ValueError, match="at least one token bucket"):
         PiecewiseGraphs(runner.model, runner.kv_caches, [])
+
+
+def test_eagle3_speculation_with_its_plain_steps_through_the_pieces_equals_plain_greedy(tmp_path):
+    """A speculative engine's eager steps (prompt chunks beside verify rows) go through the pieces too
+    (spec_forward: runner.forward_tokens); the EAGLE-3 hook reads its aux features from the static
+    aux rows of the step."""
+    head = write_eagle3_head(str(tmp_path))
+    config = EngineConfig(**ENGINE, speculative=spec_config("eagle3", head, adaptive=False))
+    _check(LLMEngine(config), _plain(EngineConfig(**ENGINE)))

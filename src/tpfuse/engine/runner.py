@@ -232,16 +232,21 @@ class ModelRunner:
             return step, rows if graphs.graph_logits else self.model.compute_logits(rows), False
         step = unpack_step(header, self.upload.to_device(packed), packed)
         self._gather_input_ids(step)
-        attn = step.attention_metadata()
-        if self.piecewise is not None and self.piecewise.bucket(header.num_tokens) is not None:
-            hidden, aux = self.piecewise.run(step.input_ids, step.positions, step.slot_mapping, attn)
-        else:
-            hidden, aux = self.model(step.input_ids, step.positions, attn, self.kv_caches)
+        hidden, aux = self.forward_tokens(step, step.attention_metadata())
         if self.hook is not None:
             self.hook.after_forward(aux, step.slot_mapping)
         if not header.num_samples:
             return step, None, False
         return step, self.model.compute_logits(hidden.index_select(0, step.sample_indices)), False
+
+    def forward_tokens(self, step: StepInputs, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward of a step the decode graphs do not take, described by attn: the
+        piecewise graphs of its token bucket where start-up timing kept one (never with a tree mask),
+        else eagerly. Returns (hidden [T, H], aux or None), valid until the next forward."""
+        piecewise = self.piecewise
+        if piecewise is not None and attn.tree_mask is None and piecewise.bucket(step.header.num_tokens):
+            return piecewise.run(step.input_ids, step.positions, step.slot_mapping, attn)
+        return self.model(step.input_ids, step.positions, attn, self.kv_caches)
 
     @torch.inference_mode()
     def _choose_tokens(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def _replay(graphs, model, step: StepInputs, spec: SpecInputs, k: int, proposal)
 
 def _eager_forward(runner, step: StepInputs, spec: SpecInputs, attn, proposal) -> SpecForward:
     model, header, k = runner.model, step.header, spec.header.num_draft_tokens
-    hidden, aux = model(step.input_ids, step.positions, attn, runner.kv_caches)
+    hidden, aux = runner.forward_tokens(step, attn)
     worker_of(runner).write_features(aux, step.slot_mapping)
     indices = torch.cat([step.sample_indices, spec.verify_indices])
     if indices.numel() == 0:
