@@ -101,9 +101,10 @@ def main() -> None:
     else:
         report["startup_us"] = {str(s): t for s, t in piecewise.timings.items()}
         report["kept"] = sorted(piecewise.kept)
+        report["piecewise_startup_s"] = piecewise.startup_s
         print("start-up timing, replay / eager us at the fewest tokens of each bucket:")
         print("  " + ", ".join(f"{s}: {r:.0f}/{e:.0f}" for s, (r, e) in piecewise.timings.items()))
-        print(f"  kept: {sorted(piecewise.kept)}")
+        print(f"  kept: {sorted(piecewise.kept)}; capture and timing took {piecewise.startup_s:.1f} s")
     print(f"{'batch':>6} {'prompt':>6} {'tokens':>6} {'bucket':>6} {'on ms':>8} {'off ms':>8} {'off/on':>7}")
     for batch, prompt in cases:
         result = run_case(engine, batch, prompt, args.context, args.steps, args.rounds, args.seed)
