@@ -274,7 +274,7 @@ def prefill_attention_triton(
         )
     return prefill_attention_launch(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        block_m, block_n, num_warps, num_stages, tree_mask, num_splits, out,
+        block_m, block_n, num_warps, num_stages, tree_mask, num_splits, out=out,
     )  # fmt: skip
 
 
