@@ -16,6 +16,7 @@ import time
 import torch
 
 from tpfuse.comm.communicator import SingleRankCommunicator
+from tpfuse.gpu_timing import stream_us
 from tpfuse.model import linear_choice, moe_choice
 from tpfuse.model.attention import AttentionMetadata
 from tpfuse.model.layers import ParallelContext, projections
@@ -52,13 +53,7 @@ def load_moe_model(engine_config, max_rows: int):
 def timed(fn, device: str, iters: int) -> float:
     """Mean seconds per call of fn (CUDA events on cuda, wall clock elsewhere)."""
     if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
+        return stream_us(fn, iters) / 1e6
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()

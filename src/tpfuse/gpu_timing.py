@@ -1,5 +1,6 @@
-"""Timing of GPU work by CUDA-graph replay: the kernel micro-benchmarks under benchmarks/ and the
-start-up GEMV choice (model/linear_choice.py).
+"""Timing of GPU work: by CUDA-graph replay (graph_us: the kernel micro-benchmarks under benchmarks/
+and the start-up GEMV choice, model/linear_choice.py), or as the host issues it (stream_us: start-up
+choices between a graph replay and eager launches, where the launches are part of the cost).
 
 At batch 1 a Triton launch from Python costs more than the kernel it launches, so timing eager calls
 measures the launcher. Capturing the calls in one graph and replaying it measures the GPU alone.
@@ -40,3 +41,18 @@ def graph_us(calls, min_launches: int = 64, replays: int = 10, samples: int = 5)
         times.append(start.elapsed_time(end) * 1e3 / (replays * launches))
     del graph
     return statistics.median(times)
+
+
+def stream_us(fn, repeats: int) -> float:
+    """Microseconds per call of the zero-argument fn as the stream sees it, host launches included:
+    CUDA events around `repeats` calls, after one untimed call."""
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats

@@ -9,23 +9,13 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.spec_helpers import ENGINE, greedy, run_with_late_arrival
-from tests.engine.test_piecewise_graphs import SIZES, _check, _plain, deepseek_checkpoint, moe_checkpoint
+from tests.engine.test_piecewise_graphs import SIZES, _check, _plain
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 
 GPU = dict(device="cuda", dtype="float32", mem_fraction_static=0.3, max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return moe_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
-    return deepseek_checkpoint(tmp_path_factory)
 
 
 def _config(**kw) -> EngineConfig:

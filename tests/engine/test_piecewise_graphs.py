@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.checkpoints import BOS, EOS, VOCAB, build_checkpoint, save_byte_tokenizer
 from tests.engine.spec_helpers import ENGINE, greedy, run_with_late_arrival, spec_config, write_eagle3_head
-from tests.model.test_deepseek_v3 import build_deepseek_checkpoint
 from tpfuse.config import EngineConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
@@ -79,32 +77,6 @@ def _plain(config: EngineConfig) -> list:
 def test_paged_attention_steps_through_the_pieces_equal_the_eager_forward():
     config = EngineConfig(**ENGINE)
     _check(LLMEngine(config), _plain(config))
-
-
-def moe_checkpoint(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("piecewise_moe")
-    build_checkpoint(directory, "qwen3_moe")
-    return str(directory)
-
-
-def deepseek_checkpoint(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("piecewise_deepseek")
-    build_deepseek_checkpoint(
-        directory, "q_lora_yarn_tied_groups", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
-        pad_token_id=EOS,
-    )  # fmt: skip
-    save_byte_tokenizer(directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return moe_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
-    return deepseek_checkpoint(tmp_path_factory)
 
 
 def test_moe_steps_through_the_pieces_equal_the_eager_forward(moe_dir):

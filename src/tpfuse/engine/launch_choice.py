@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from tpfuse.engine.cuda_graphs import DecodeGraphs
+from tpfuse.gpu_timing import stream_us
 from tpfuse.kernels import pdl
 
 log = logging.getLogger(__name__)
@@ -29,16 +30,6 @@ REPLAYS = 10
 # trial gave 0.965 while its engine steps ran 1.03x slower with PDL; qwen3-30b-a3b's trial gave 0.83
 # and its engine steps 0.84 (docs/PERF.md).
 MARGIN = 0.95
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
 
 
 def choose_pdl(graphs: DecodeGraphs | None, device: torch.device, tp_size: int) -> dict | None:
@@ -59,7 +50,7 @@ def choose_pdl(graphs: DecodeGraphs | None, device: torch.device, tp_size: int) 
     times = {True: [], False: []}
     for round_ in range(ROUNDS):  # alternate, first side flipped every round
         for on in (True, False) if round_ % 2 == 0 else (False, True):
-            times[on].append(_replay_us(timed[on], REPLAYS))
+            times[on].append(stream_us(timed[on].replay, REPLAYS))
     del timed
     pdl_us, plain_us = statistics.median(times[True]), statistics.median(times[False])
     on = pdl_us <= MARGIN * plain_us

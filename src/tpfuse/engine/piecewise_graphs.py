@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.gpu_timing import stream_us
 from tpfuse.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -277,7 +278,7 @@ class PiecewiseGraphs:
             replay_us, eager_us = [], []
             for round_ in range(ROUNDS):  # alternate, first side flipped every round
                 for fn, out in ((replay, replay_us), (eager, eager_us))[:: 1 if round_ % 2 == 0 else -1]:
-                    out.append(_time_us(fn, REPEATS))
+                    out.append(stream_us(fn, REPEATS))
             self.timings[size] = (statistics.median(replay_us), statistics.median(eager_us))
         kept = [size for size, (replay_us, eager_us) in self.timings.items() if replay_us < eager_us]
         if agree is not None:
@@ -295,14 +296,3 @@ class PiecewiseGraphs:
         )  # fmt: skip
         return self.timings
 
-
-def _time_us(fn: Callable[[], None], repeats: int) -> float:
-    """Mean microseconds per call of fn over repeats calls, after one untimed call (CUDA events)."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
