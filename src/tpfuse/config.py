@@ -75,7 +75,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_bs: int = 256
-    piecewise_graph_max_tokens: int = 512  # other steps up to this many tokens: piecewise graphs, 0: none
+    # Other steps up to this many tokens replay piecewise graphs (0: none). Past about 450 tokens the
+    # 8B model's GPU work outlasts its eager launches (docs/PERF.md, mixed steps on the H100).
+    piecewise_graph_max_tokens: int = 512
     disable_overlap_schedule: bool = False  # TP=1 decode: prepare step N+1 while step N runs
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 

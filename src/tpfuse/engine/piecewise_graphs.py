@@ -35,7 +35,6 @@ from tpfuse.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 512  # default largest bucket; larger steps are compute-bound and launch ahead of the GPU
 SMALL_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # then every 64 tokens
 ROUNDS = 3  # start-up timing: alternating rounds per bucket ...
 REPEATS = 3  # ... of this many forwards each
