@@ -33,7 +33,7 @@ bench_args() {
   esac
 }
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in ${BENCHES:-bf16_parity decode kernels comm_single_gpu}; do
+  for b in ${BENCHES:-bf16_parity decode kernels comm_single_gpu mixed_steps}; do
     echo "== benchmarks/$b.py $(bench_args "$b")"
     # shellcheck disable=SC2046
     timeout ${BENCH_TIMEOUT:-300} python3 "benchmarks/$b.py" $(bench_args "$b") 2>&1 | tee "$OUT/bench_$b.log" | tail -n 30

@@ -2,8 +2,8 @@
 key figures and, where an issue sets a target, whether this run met it.
 
 Reads what the suite's scripts write into $OUT: gpu_tests.xml (pytest --junitxml), decode.json,
-bf16_parity.json, kernels.json, gemv.json, comm_*.json, tp_decode.json, spec_decode.json and
-serve_bench/. A result that is missing is left out; one that cannot be read says why.
+bf16_parity.json, kernels.json, gemv.json, comm_*.json, tp_decode.json, spec_decode.json,
+mixed_steps.json and serve_bench/. A result that is missing is left out; one that cannot be read says why.
 
     python benchmarks/suite_summary.py [DIR]        # DIR: the results folder, $OUT by default
 """
@@ -148,6 +148,22 @@ def spec_decode(folder: str) -> list[Row]:
     return rows
 
 
+def mixed_steps(folder: str) -> list[Row]:
+    """benchmarks/mixed_steps.py: each case's step with and without the piecewise graphs; the graphs
+    must never be slower than eager (start-up drops the buckets where they would be)."""
+    result = load_json(folder, "mixed_steps.json")
+    rows = []
+    for case in result["cases"]:
+        on, off = case.get("on"), case["off"]
+        label = f"mixed step {case['batch']} decodes + {case['prompt']} prompt tokens"
+        if on is None:
+            rows.append((label, f"eager {off:.2f} ms (no piecewise graphs)", ""))
+            continue
+        figures = f"graphs {on:.2f} ms, eager {off:.2f} ms: {off / on:.2f}x"
+        rows.append((label, figures, verdict(on <= 1.03 * off, "graphs within 3 % of eager or faster")))
+    return rows
+
+
 def serve_bench(folder: str) -> list[Row]:
     root, rows = os.path.join(folder, "serve_bench"), []
     single = os.path.join(root, "single_a", "summary.json")
@@ -178,6 +194,7 @@ SECTIONS: dict[str, tuple[str, Callable[[str], list[Row]]]] = {
     "comm": ("comm_*.json", comm),
     "tp decode": ("tp_decode.json", tp_decode),
     "spec decode": ("spec_decode.json", spec_decode),
+    "mixed steps": ("mixed_steps.json", mixed_steps),
     "serve bench": ("serve_bench", serve_bench),
 }
 

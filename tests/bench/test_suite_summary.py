@@ -44,6 +44,10 @@ def _results(folder, failures=0, batch1_fraction=0.776, near_tie=True):
                     "adaptive_vs_best_min_ratio L=3": 0.915},
         "crossover_fixed": {"2": 64, "3": None},
     })  # fmt: skip
+    _write(folder, "mixed_steps.json", {"cases": [
+        {"batch": 1, "prompt": 64, "on": 7.69, "off": 14.26, "bucket": 96},
+        {"batch": 64, "prompt": 400, "on": 15.5, "off": 14.77, "bucket": 512},
+    ]})  # fmt: skip
     _write(folder, "serve_bench/single_a/summary.json", {
         "tok_s": {"mean": 212.6, "cv": 0.0122}, "energy": {"j_per_token": 2.21},
     })  # fmt: skip
@@ -68,6 +72,10 @@ def test_every_result_gets_its_figures_and_verdicts(summary, tmp_path):
     assert _row(rows, "adaptive vs best of off / fixed, L=2")[2].startswith("met")
     assert _row(rows, "adaptive vs best of off / fixed, L=3")[2].startswith("NOT MET")
     assert _row(rows, "crossover")[1] == "L=2: C=64, L=3: beyond the largest C"
+    assert _row(rows, "mixed step 1 decodes")[1:] == (
+        "graphs 7.69 ms, eager 14.26 ms: 1.85x", "met (graphs within 3 % of eager or faster)"
+    )
+    assert _row(rows, "mixed step 64 decodes")[2].startswith("NOT MET")
     assert _row(rows, "server single stream")[1] == "212.6 tok/s, CV 1.2%, 2.21 J/token"
     assert _row(rows, "server sweep")[1:] == ("C=1: 205, C=256: 12608", "met (every point valid)")
     table = summary.format_rows(rows)
