@@ -74,7 +74,12 @@ def test_ctrl_c_keeps_and_writes_the_levels_already_finished(fake_server, tmp_pa
            "--concurrency", "1,2,4,8,16", "--repeats", "1", "--max-tokens", "10", "--output-dir", str(out),
            "--tokenizer", "none"]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A job started in the background by a shell without job control ignores SIGINT, and its children
+    # inherit that (Python then installs no KeyboardInterrupt handler): restore the default first.
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not (out / "summary.json").exists():
