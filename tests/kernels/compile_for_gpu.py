@@ -311,7 +311,8 @@ def _quant_variants(p: str):
         yield (
             quant_fp8_w8a8._fp8_w8a8_kernel,
             {"*": p, "xq_ptr": fp8, "w_ptr": fp8, "xs_ptr": "*fp32", "s_ptr": "*fp32"}, ints,
-            dict(HIDDEN=4096, SCALE_N=1, PER_BLOCK=per_block, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=128,
+            dict(HIDDEN=4096, SCALE_N=128 if per_block else 1, PER_BLOCK=per_block, HAS_BIAS=False,
+                 BLOCK_M=block_m, BLOCK_N=128,
                  BLOCK_K=128),
             {"num_warps": warps, "num_stages": 3},
         )  # fmt: skip

@@ -108,7 +108,11 @@ def test_fp8_linear_matches_float64_reference(rows, n, k, block, dtype):
     _close(quant_fp8.fp8_linear_ref(x, weight, scale, block, bias), expected, dtype)
 
 
-@pytest.mark.parametrize("n,k,block", [(70, 200, (1, 200)), (150, 300, (128, 128))])
+# block scales: one per 128-column tile (128), one per two tiles (256: the scale row changes between
+# the tiles), and a scale per column within a tile (64: the per-column form)
+@pytest.mark.parametrize(
+    "n,k,block", [(70, 200, (1, 200)), (150, 300, (128, 128)), (300, 256, (256, 128)), (200, 256, (64, 128))]
+)
 def test_fp8_w8a8_matches_float64_of_quantized_activations(n, k, block):
     gen = torch.Generator().manual_seed(n)
     weight, scale = _fp8_weights(n, k, block, gen)
