@@ -294,4 +294,3 @@ class PiecewiseGraphs:
             ", ".join(f"{s}: {r:.0f}/{e:.0f}" for s, (r, e) in self.timings.items()),
         )  # fmt: skip
         return self.timings
-
