@@ -29,6 +29,7 @@ from roofline import (  # noqa: E402
     decode_inputs,
     logits_step,
     print_header,
+    print_kernel_profile,
     step_bytes,
     timed,
     write_json,
@@ -45,9 +46,13 @@ from tpfuse.model.quant.fp8 import Fp8LinearMethod  # noqa: E402
 METHODS = {"bf16": None, "fp8": "fp8", "fp8-block": "fp8-block", "int4": "int4"}
 
 
-def graph_step_s(model, batch_size: int, context: int, iters: int) -> float:
+def graph_step_s(model, batch_size: int, context: int, iters: int, profile: bool = False) -> float:
     ids, positions, attn, caches = decode_inputs(model, batch_size, context, 16, "cuda")
-    return timed(capture_graph(logits_step(model, ids, positions, attn, caches)).replay, "cuda", iters)
+    graph = capture_graph(logits_step(model, ids, positions, attn, caches))
+    seconds = timed(graph.replay, "cuda", iters)
+    if profile:
+        print_kernel_profile(graph.replay, batch_size)
+    return seconds
 
 
 def prefill_tok_s(model, tokens: int, iters: int) -> float:
@@ -114,7 +119,8 @@ def bench_method(name: str, args, bandwidth: float) -> dict:
     ]
     with torch.no_grad():
         for batch_size in (1, 64):
-            seconds = graph_step_s(model, batch_size, args.context, args.iters)
+            profile = args.profile and batch_size == 1
+            seconds = graph_step_s(model, batch_size, args.context, args.iters, profile)
             roofline = step_bytes(model, batch_size, args.context) / bandwidth
             row[f"b{batch_size}_ms"] = seconds * 1e3
             row[f"b{batch_size}_roofline_ms"] = roofline * 1e3
@@ -143,6 +149,7 @@ def main() -> None:
              "compare: each FP8 method twice, W8A16 tiles only then all, back to back",
     )  # fmt: skip
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--profile", action="store_true", help="print the batch-1 step's per-kernel GPU time")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "quant_decode.json"))
     parser.add_argument(
         "--pdl",
