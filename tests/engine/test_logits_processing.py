@@ -225,3 +225,42 @@ def test_a_byte_tokenizer_grammar_covers_its_own_ids_and_masks_the_models_paddin
     allowed = (out[0] > float("-inf")).nonzero().flatten().tolist()
     assert allowed and set(allowed) <= {ord(c) for c in "-0123456789"}
     assert torch.all(out[0, tokenizer.vocab_size :] == float("-inf"))
+
+
+def _allowed_after(processing, grammar, output: list[int]) -> set[int]:
+    seq = _seq(SamplingParams(temperature=0, max_tokens=16, grammar=grammar), [65], list(output))
+    processing.register(seq)
+    logits = torch.zeros(1, processing.vocab_size)
+    out = processing.for_batch(SimpleNamespace(seqs=[seq], samples=lambda i: True)).apply(logits)
+    return set((out[0] > float("-inf")).nonzero().flatten().tolist())
+
+
+def test_a_byte_level_string_never_continues_into_a_utf16_surrogate():
+    """xgrammar lets 0xED go on with 0xA0..0xBF (a surrogate's UTF-8 form, which is not UTF-8 and
+    decodes to three U+FFFD): the mask forbids them there, and only there."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    processing = LogitsProcessing(tokenizer.vocab_size, tokenizer, sorted(tokenizer.eos_token_ids))
+    grammar = Grammar("json_schema", json.dumps({"type": "string", "maxLength": 10}))
+    after_lead = _allowed_after(processing, grammar, [ord('"'), 0xED])
+    assert after_lead and after_lead <= set(range(0x80, 0xA0))  # U+D000..U+D7FF only
+    after_e1 = _allowed_after(processing, grammar, [ord('"'), 0xE1])
+    assert set(range(0x80, 0xC0)) <= after_e1  # other leads keep their whole continuation range
+
+
+def test_a_grammar_no_token_can_continue_ends_the_answer():
+    """An unsatisfiable schema (no string matches [^\\s\\S]) leaves no token after the quote: the row
+    may then only end, as a complete one does, instead of sampling from all -inf (token 0)."""
+    import json
+
+    from tpfuse.engine.sampling_params import Grammar
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    processing = LogitsProcessing(tokenizer.vocab_size, tokenizer, sorted(tokenizer.eos_token_ids))
+    grammar = Grammar("json_schema", json.dumps({"type": "string", "pattern": "[^\\s\\S]"}))
+    assert _allowed_after(processing, grammar, [ord('"')]) == set(tokenizer.eos_token_ids)

@@ -38,3 +38,14 @@ def test_cors_headers_only_for_the_allowed_origins():
     other = http.get("/health", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
     assert "access-control-allow-origin" not in _app().get("/health", headers=preflight).headers
+
+
+def test_non_ascii_keys_and_headers_are_compared_as_bytes_never_a_500():
+    ascii_key, utf8_key = _app(api_key="secret"), _app(api_key="s\u00e9cret")
+    for header in (b"Bearer s\xe9cret", b"Bearer s\xc3\xa9cret", b"Bearer secret\xff"):
+        assert ascii_key.get("/v1/models", headers={"Authorization": header}).status_code == 401
+    assert ascii_key.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+    right = "Bearer s\u00e9cret".encode()  # the key's UTF-8 bytes, as a client sends them
+    assert utf8_key.get("/v1/models", headers={"Authorization": right}).status_code == 200
+    assert utf8_key.get("/metrics", headers={"Authorization": right}).status_code == 200
+    assert utf8_key.get("/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401

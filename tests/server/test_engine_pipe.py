@@ -47,7 +47,7 @@ def test_outputs_ready_together_reach_their_queues_in_order_and_eof_is_a_lost_en
         child.send(("stats", {"num_running": 2}))
         child.send(("outputs", [_output("a", 11), _output("b", 21)]))
         child.send(("step_failed", ["b"], "Traceback: a step failed on purpose"))
-        child.send(("rejected", "c", "prompt too long"))
+        child.send(("rejected", "c", "prompt too long", None))
         child.send(("outputs", [_output("a", 12, finished=True)]))
         client._start_reading(engine)
         a = await _drain(qa, 3)

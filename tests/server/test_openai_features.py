@@ -231,3 +231,80 @@ def test_answers_match_the_schemas_openapi_declares_for_them(http, path, body, d
         assert documented["content"]["application/json"]["schema"]["$ref"].endswith(declared)
     if body and body.get("tools"):
         assert answer.json()["choices"][0]["message"]["tool_calls"]  # the tool_calls branch was checked
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
+          "tool_choice": "required"}, "tools"),
+    ],
+)  # fmt: skip
+def test_a_grammar_that_does_not_compile_is_400_naming_its_field_without_internals(http, fields, param):
+    response = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "minimum" in error["message"], error
+    assert ".cc" not in error["message"] and "[" not in error["message"], error
+
+
+def test_an_unsatisfiable_schema_ends_the_answer_instead_of_emitting_filler(http):
+    """No string matches [^\\s\\S]: once the opening quote is out no token fits, so the answer ends."""
+    schema = {"type": "string", "pattern": "[^\\s\\S]"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "nothing", "schema": schema}}
+    choice = _chat(http, max_tokens=30, temperature=0, response_format=fmt)["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and len(text) <= 1, choice
+    assert not any(ord(c) < 0x20 for c in text), choice
+
+
+ORDER = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "maxItems": 2}},
+    "required": ["items"],
+    "additionalProperties": False,
+    "$defs": {
+        "Item": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "maxLength": 4},
+                "qty": {"type": "integer", "minimum": 1},
+            },
+            "required": ["sku", "qty"],
+            "additionalProperties": False,
+        }
+    },
+}
+
+
+def test_forced_calls_of_functions_whose_parameters_use_defs_validate(http):
+    """Parameters with $defs (what pydantic writes for nested models) are moved to the root of the
+    calls' schema, where their references resolve."""
+    tools = [{"type": "function", "function": {"name": "order", "parameters": ORDER}}, TIME]
+    result = _chat(http, tools=tools, tool_choice="required", max_tokens=1000, seed=3)
+    calls = result["choices"][0]["message"]["tool_calls"]
+    schemas = {"order": ORDER, "get_time": TIME["function"]["parameters"]}
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+@pytest.mark.parametrize(
+    "fields,param,where",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+         "response_format", "response_format.json_schema.schema"),
+        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools", "tools[1].function.parameters.properties.n"),
+    ],
+)  # fmt: skip
+def test_schema_keywords_the_grammar_would_ignore_are_400_naming_where(http, fields, param, where):
+    response = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(where), error

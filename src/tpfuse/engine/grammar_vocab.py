@@ -26,6 +26,19 @@ def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
     return vocab_size
 
 
+def surrogate_lead(tokenizer) -> int | None:
+    """The id of byte 0xED where ids are bytes (the byte tokenizer), else None. xgrammar 0.2 lets a
+    JSON string go on from 0xED with 0xA0..0xBF, which starts the UTF-8 form of a UTF-16 surrogate:
+    not UTF-8 (it decodes to three U+FFFD and breaks maxLength). The mask forbids those bytes after
+    it: ids 0xA0..0xBF, word 5 of a packed bitmask row (SURROGATE_WORD)."""
+    from tpfuse.model.tokenizer import ByteTokenizer
+
+    return 0xED if isinstance(tokenizer, ByteTokenizer) else None
+
+
+SURROGATE_WORD = 0xA0 // 32  # ids 0xA0..0xBF, all of it
+
+
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
     import xgrammar
 

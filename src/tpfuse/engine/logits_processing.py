@@ -10,8 +10,9 @@ place, in this order: raw log-probabilities kept for logprobs, repetition penalt
 and output, HF's rule: positive logits divided, negative multiplied), presence and frequency
 penalties (over output tokens, OpenAI's rule), logit_bias (these three for the whole batch at once,
 engine/penalties.py), and the grammar mask (filled on xgrammar's thread pool; disallowed tokens
-to -inf; once the grammar is complete only end-of-sequence ids remain; the scheduler gives grammar
-rows no min_tokens bans: the grammar decides where the answer ends); then `record(tokens)` keeps
+to -inf; once the grammar is complete, or allows no token at all (an unsatisfiable schema), only
+end-of-sequence ids remain; the scheduler gives grammar rows no min_tokens bans: the grammar
+decides where the answer ends); then `record(tokens)` keeps
 each logprobs row's chosen and top log-probabilities on the device and `settle()` stores them
 once the step is read. Logprobs are those of the model (log_softmax of the raw logits, before any
 processing or temperature), as vLLM reports them by default.
@@ -25,16 +26,14 @@ state lives in a WeakKeyDictionary: it goes with the Sequence.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.engine.grammar_compiler import GrammarCompiler
+from tpfuse.engine.grammar_vocab import SURROGATE_WORD
 from tpfuse.engine.penalties import TokenHistory, apply_penalties, needs_penalties
-from tpfuse.engine.sampling_params import Grammar
 from tpfuse.engine.step_upload import upload
-
-GRAMMAR_CACHE_SIZE = 64
 
 
 @dataclass(slots=True)
@@ -59,51 +58,29 @@ class LogitsProcessing:
     grammar compiler); eos_token_ids: the tokens that end a grammar's output."""
 
     def __init__(self, vocab_size: int, tokenizer, eos_token_ids):
-        from tpfuse.engine.grammar_vocab import grammar_vocab_size
+        from tpfuse.engine.grammar_vocab import grammar_vocab_size, surrogate_lead
 
         self.vocab_size = vocab_size
         self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size)  # ids past it: never allowed
+        self.surrogate_lead = surrogate_lead(tokenizer)
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._compiler = None
-        self._compiled: OrderedDict = OrderedDict()
+        self.grammars = GrammarCompiler(self._xgrammar_compiler)
         self._batch_matcher = None  # xgrammar.BatchGrammarMatcher: fills a batch's masks on threads
 
     def check(self, params) -> None:
-        """Raises ValueError naming the problem when params' grammar does not compile."""
+        """Raises GrammarError (a ValueError) naming the problem when params' grammar does not compile."""
         if params.grammar is not None:
-            self._compile(params.grammar)
+            self.grammars.compile(params.grammar)
 
-    def _compile(self, grammar: Grammar):
-        key = (grammar.kind, grammar.spec)
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
-        compiler = self._grammar_compiler()
-        try:
-            if grammar.kind == "json_schema":
-                compiled = compiler.compile_json_schema(grammar.spec, any_whitespace=False)
-            elif grammar.kind == "ebnf":
-                compiled = compiler.compile_grammar(grammar.spec)
-            else:
-                raise ValueError(f"unknown grammar kind {grammar.kind!r}")
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"the {grammar.kind} grammar does not compile: {exc}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-            self._compiled.popitem(last=False)
-        return compiled
+    def _xgrammar_compiler(self):
+        import xgrammar
 
-    def _grammar_compiler(self):
-        if self._compiler is None:
-            import xgrammar
+        from tpfuse.engine.grammar_vocab import tokenizer_info
 
-            from tpfuse.engine.grammar_vocab import tokenizer_info
-
-            info = tokenizer_info(self.tokenizer, self.grammar_vocab_size, self.eos_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info)
-        return self._compiler
+        info = tokenizer_info(self.tokenizer, self.grammar_vocab_size, self.eos_token_ids)
+        return xgrammar.GrammarCompiler(info)
 
     def _state(self, seq) -> _SequenceState:
         state = self._states.get(seq)
@@ -112,7 +89,7 @@ class LogitsProcessing:
             if seq.params.grammar is not None:
                 import xgrammar
 
-                matcher = xgrammar.GrammarMatcher(self._compile(seq.params.grammar))
+                matcher = xgrammar.GrammarMatcher(self.grammars.compile(seq.params.grammar))
             history = TokenHistory() if needs_penalties(seq.params) else None
             state = self._states[seq] = _SequenceState(matcher, history)
         return state
@@ -216,6 +193,13 @@ class BatchProcessing:
                 live_rows.append(r)
         if live:
             self.owner.batch_matcher().batch_fill_next_token_bitmask(live, bitmask, live_rows)
+            lead = self.owner.surrogate_lead
+            for r in live_rows if lead is not None else ():
+                outputs = self.seqs[rows[r]].output_token_ids
+                if outputs and outputs[-1] == lead:
+                    bitmask[r, SURROGATE_WORD] = 0  # grammar_vocab.surrogate_lead
+            stuck = ~_allows_any(bitmask[live_rows], vocab)  # an unsatisfiable schema: nothing fits
+            complete += [rows[live_rows[i]] for i in stuck.nonzero().flatten().tolist()]
         index = upload(rows, logits.device)
         allowed = _unpack_bitmask(upload(bitmask, logits.device, torch.int32), vocab)
         masked = logits.index_select(0, index)
@@ -224,7 +208,8 @@ class BatchProcessing:
         logits.index_copy_(0, index, masked)
         if complete:
             # A complete answer admits only an end-of-sequence token (ignore_eos or min_tokens keep
-            # such a request sampling): every other logit -inf, the end ids a finite 0.
+            # such a request sampling): every other logit -inf, the end ids a finite 0. So does an
+            # answer no token can continue: it ends where it stands.
             done = upload(complete, logits.device)
             ends = upload(self.owner.eos_token_ids, logits.device)
             logits.index_fill_(0, done, float("-inf"))
@@ -260,6 +245,15 @@ class BatchProcessing:
             width = (len(row) - 2) // 2
             top = [(int(row[2 + width + i]), row[2 + i]) for i in range(k)] if k else []
             self.owner._state(seq).logprobs.append(TokenLogprobs(int(row[0]), row[1], top))
+
+
+def _allows_any(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Whether each row of xgrammar's packed bitmask [R, ceil(V/32)] int32 allows one of ids < vocab."""
+    full, rest = divmod(vocab, 32)
+    allowed = (words[:, :full] != 0).any(dim=1)
+    if rest:
+        allowed |= (words[:, full] & ((1 << rest) - 1)) != 0
+    return allowed
 
 
 def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -14,10 +14,12 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True, slots=True)
 class Grammar:
     """A constraint on the output: kind "json_schema" (spec: the schema as JSON text) or "ebnf"
-    (spec: the grammar in xgrammar's EBNF)."""
+    (spec: the grammar in xgrammar's EBNF). source: the request field it came from, named when it
+    does not compile."""
 
     kind: str
     spec: str
+    source: str = field(default="response_format", compare=False)
 
 
 @dataclass(slots=True)

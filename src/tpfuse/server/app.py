@@ -21,15 +21,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tpfuse.config import ServerConfig
 from tpfuse.server import protocol, responses
 from tpfuse.server.choices import Choices, choice_seed, sse
 from tpfuse.server.engine_client import EngineClient, EngineDied
+from tpfuse.server.errors import RequestError, error_body
 from tpfuse.server.generation import Generation
 from tpfuse.server.metrics import ServerMetrics
-from tpfuse.server.protocol import GenerateRequest, RequestError, error_body
-from tpfuse.server.request_body import decode_json_body
+from tpfuse.server.protocol import GenerateRequest
+from tpfuse.server.request_body import decode_json_body, printable
 from tpfuse.server.response_schemas import SCHEMAS as RESPONSE_SCHEMAS
 from tpfuse.server.schemas import REQUEST_MODELS
 
@@ -106,7 +108,9 @@ def _install_request_schemas(app: FastAPI, model_names: list[str]) -> None:
 
 
 def _error(status: int, message: str, param=None, type="invalid_request_error", code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, param, type, code), status_code=status)
+    """An OpenAI-style error; any lone surrogate a client sent is escaped (UTF-8 cannot carry it)."""
+    param = printable(param) if param is not None else None
+    return JSONResponse(error_body(printable(message), param, type, code), status_code=status)
 
 
 def build_app(client: EngineClient, server_config: ServerConfig, model_names: list[str]) -> FastAPI:
@@ -149,9 +153,10 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
     def check_api_key(request: Request) -> JSONResponse | None:
         if server_config.api_key is None:
             return None
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization", "")  # Latin-1 text of the header's bytes
         scheme, _, key = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(key.strip(), server_config.api_key):
+        expected = server_config.api_key.encode("utf-8")
+        if scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode("latin-1"), expected):
             return None
         metrics.request_errors.labels("401").inc()
         return _error(
@@ -202,7 +207,10 @@ def build_app(client: EngineClient, server_config: ServerConfig, model_names: li
                 return _error(503, "the server is shutting down", type="service_unavailable")
             if not client.is_ready:
                 return _error(503, client.unavailable_reason(), type="service_unavailable")
-            body = decode_json_body(await request.body())
+            try:
+                body = decode_json_body(await request.body())
+            except ClientDisconnect:
+                raise ClientGone from None
             parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
             req = parse(body, model_names)
             info = client.info

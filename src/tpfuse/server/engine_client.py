@@ -30,6 +30,15 @@ class EngineDied(RuntimeError):
     """The engine could not serve the request: it died, hung, is restarting or the server stops."""
 
 
+class Rejected(ValueError):
+    """The engine refused the request (message: why). field: "grammar" when its grammar did not
+    compile, else None."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 def log(message: str) -> None:
     print(f"tpfuse serve: {message}", file=sys.stderr, flush=True)
 
@@ -242,7 +251,7 @@ class EngineClient:
             except Exception as exc:  # noqa: BLE001 - the pickler's errors are of any type
                 log(f"a {message[0]!r} message could not be sent to the engine: {type(exc).__name__}: {exc}")
                 if message[0] == "add":
-                    rejected = ("rejected", message[1], "the request could not be passed to the engine")
+                    rejected = ("rejected", message[1], "the request could not be passed to the engine", None)
                     self._call_soon(self._dispatch, rejected)
 
     def _read(self, engine: _EngineProcess) -> None:
@@ -341,7 +350,7 @@ class EngineClient:
         if message[0] == "rejected":
             q = self._queues.pop(message[1], None)
             if q is not None:
-                q.put_nowait(ValueError(message[2]))
+                q.put_nowait(Rejected(message[2], message[3]))
             return
         for output in message[1]:
             q = self._queues.get(output.request_id)

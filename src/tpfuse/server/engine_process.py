@@ -5,13 +5,16 @@ The two talk over one multiprocessing Pipe with pickled tuples:
                    ("abort", request_id) | ("shutdown",)
   from the engine: ("ready", EngineInfo) | ("failed", message)      once, at start-up
                    ("outputs", [StepOutput, ...])                    after every step that produced any
-                   ("rejected", request_id, message)                 add_request refused it
+                   ("rejected", request_id, message, field)          add_request refused it; field:
+                                                                     "grammar" (it did not compile) or None
                    ("step_failed", [request_id, ...], traceback)     step raised; those requests were
                                                                      aborted, the engine serves on
                    ("stats", {name: number | list | dict})           while busy, and on going idle
                    ("crashed", traceback)                            the loop failed; the process exits
 The loop blocks on the pipe while idle and otherwise steps continuously, draining messages between
-steps. When the HTTP process goes away the pipe reads EOF and the engine shuts down: no orphans.
+steps. A request whose grammar is not compiled yet waits while a worker thread compiles it
+(grammar_admission.py), so a slow compile never stalls the other requests. When the HTTP process
+goes away the pipe reads EOF and the engine shuts down: no orphans.
 A step that raises aborts the requests it ran (engine.abort_failed_step) and the loop goes on;
 MAX_FAILED_STEPS failures in a row (a broken device, not a bad request) end the process instead.
 """
@@ -30,8 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpfuse.config import EngineConfig
+from tpfuse.engine.grammar_compiler import GrammarError
+from tpfuse.server.grammar_admission import GrammarAdmission
 
 STATS_INTERVAL_S = 0.25
+GRAMMAR_POLL_S = 0.005  # while idle with grammars compiling: how often the loop looks at them
 MAX_FAILED_STEPS = 2
 
 
@@ -121,25 +127,55 @@ def run_engine_loop(conn, config: EngineConfig, engine_factory: Callable = make_
         engine.shutdown()
 
 
-def _handle(engine, conn, message) -> bool:
-    """Applies one message; False on shutdown. A request add_request refuses (ValueError, or any
-    other error it raises) is rejected; the engine goes on."""
+def _handle(engine, conn, message, grammars: GrammarAdmission | None) -> bool:
+    """Applies one message; False on shutdown. A request whose grammar is still to compile waits
+    in grammars (the loop goes on stepping the others)."""
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params = message
-        try:
-            engine.add_request(request_id, prompt_token_ids, params)
-        except ValueError as exc:
-            conn.send(("rejected", request_id, str(exc)))
-        except Exception:
-            engine.abort_request(request_id)
-            conn.send(("rejected", request_id, "the engine could not queue the request"))
-            traceback.print_exc()
+        if grammars is not None and grammars.holds(message[3]):
+            grammars.hold(message)
+        else:
+            _add(engine, conn, message)
     elif kind == "abort":
+        if grammars is not None:
+            grammars.abort(message[1])
         engine.abort_request(message[1])
     elif kind == "shutdown":
         return False
     return True
+
+
+def _add(engine, conn, message) -> None:
+    """engine.add_request; a request it refuses (ValueError, or any other error it raises) is
+    rejected, and the engine goes on."""
+    _, request_id, prompt_token_ids, params = message
+    try:
+        engine.add_request(request_id, prompt_token_ids, params)
+    except ValueError as exc:
+        _reject(conn, request_id, exc)
+    except Exception:
+        engine.abort_request(request_id)
+        conn.send(("rejected", request_id, "the engine could not queue the request", None))
+        traceback.print_exc()
+
+
+def _reject(conn, request_id: str, exc: ValueError) -> None:
+    conn.send(("rejected", request_id, str(exc), "grammar" if isinstance(exc, GrammarError) else None))
+
+
+def _admit_compiled(engine, conn, grammars: GrammarAdmission | None) -> None:
+    """Adds the requests whose grammar compiled; rejects those whose compile failed or timed out."""
+    if grammars:
+        for message, error in grammars.ready():
+            if error is None:
+                _add(engine, conn, message)
+            else:
+                _reject(conn, message[1], error)
+
+
+def _grammar_admission(engine) -> GrammarAdmission | None:
+    compiler = getattr(getattr(engine, "logits_processing", None), "grammars", None)
+    return GrammarAdmission(compiler) if compiler is not None else None
 
 
 class _LoopTimes:
@@ -195,19 +231,23 @@ def _serve(conn, engine) -> None:
     stats_dirty = True
     failures = 0
     times = _LoopTimes()
+    grammars = _grammar_admission(engine)
     while True:
         if not engine.has_unfinished():
             if stats_dirty:
                 conn.send(("stats", {**stats_dict(engine.stats()), **times.stats()}))
                 stats_dirty = False
             times.idle()
-            if not _handle(engine, conn, conn.recv()):  # idle: block until there is work
+            # idle: wait for a message (while grammars compile, at most GRAMMAR_POLL_S at a time)
+            wait = GRAMMAR_POLL_S if grammars else None
+            if conn.poll(wait) and not _handle(engine, conn, conn.recv(), grammars):
                 return
         while conn.poll():
-            if not _handle(engine, conn, conn.recv()):
+            if not _handle(engine, conn, conn.recv(), grammars):
                 return
-        stats_dirty = True
+        _admit_compiled(engine, conn, grammars)
         if engine.has_unfinished():
+            stats_dirty = True
             failures = _step(engine, conn, failures, times)
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:

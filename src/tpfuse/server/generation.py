@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from tpfuse.engine.detokenizer import Detokenizer
 from tpfuse.server.engine_client import EngineClient, EngineDied
+from tpfuse.server.errors import RequestError
 from tpfuse.server.metrics import ServerMetrics
-from tpfuse.server.protocol import RequestError
 
 
 @dataclass(slots=True)
@@ -76,7 +76,10 @@ class Generation:
         if isinstance(item, EngineDied):
             raise item
         if isinstance(item, ValueError):
-            raise RequestError(f"the engine refused the request: {item}", param=None)
+            grammar = self.params.grammar
+            of_grammar = grammar is not None and getattr(item, "field", None) == "grammar"
+            param = grammar.source if of_grammar else None
+            raise RequestError(f"the engine refused the request: {item}", param)
         return item
 
     def _abort(self) -> None:

@@ -18,31 +18,19 @@ from pydantic import BaseModel, ValidationError
 
 from tpfuse.engine.sampling_params import Grammar, SamplingParams
 from tpfuse.server import tool_calls
+from tpfuse.server.errors import RequestError
+from tpfuse.server.json_schema_support import check_json_schema
 from tpfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TOKEN_ID = re.compile(r"[0-9]{1,19}", re.ASCII)  # int64; the vocabulary bound comes later
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _UNION_HINTS = {
     "prompt": "a non-empty string or a non-empty list of token ids (or a list of exactly one of those)",
-    "stop": "a non-empty string or a list of up to 16 such strings",
+    "stop": "a non-empty string of at most 1024 characters or a list of up to 16 such strings",
     "content": "a string or a list of text parts",
     "tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
 }
-
-
-class RequestError(ValueError):
-    """A client error: `status` is the HTTP code, `param` the offending field (or None)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-
-
-def error_body(message: str, param: str | None = None, type: str = "invalid_request_error", code=None):
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass(slots=True)
@@ -149,9 +137,9 @@ def _common_fields(body, req: GenerateRequest) -> None:
     req.presence_penalty = body.presence_penalty
     req.frequency_penalty = body.frequency_penalty
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit():
+        if not _TOKEN_ID.fullmatch(key):
             raise RequestError(
-                f"'logit_bias' keys must be token ids (decimal strings), got {key!r}", "logit_bias"
+                f"'logit_bias' keys must be token ids (decimal strings), got {_short(key)}", "logit_bias"
             )
         req.logit_bias[int(key)] = bias
     fmt = body.response_format
@@ -162,6 +150,7 @@ def _common_fields(body, req: GenerateRequest) -> None:
             raise RequestError(
                 "'response_format.json_schema' is required with type json_schema", "response_format"
             )
+        check_json_schema(fmt.json_schema.schema_, "response_format")
         req.grammar = Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
 
 
@@ -220,6 +209,8 @@ def parse_chat_request(body: Any, model_names: list[str]) -> GenerateRequest:
     _common_fields(parsed, req)
     try:
         req.tools = tool_calls.choice_for(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
+    except RequestError:
+        raise
     except ValueError as exc:
         raise RequestError(str(exc), "tool_choice") from None
     if req.tools is not None:

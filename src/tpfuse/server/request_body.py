@@ -1,8 +1,9 @@
 """Decoding a request body into JSON values the rest of the server can trust.
 
 Raises RequestError (400, or 413 for an oversized body) for: a body that is not UTF-8, not JSON, or
-uses the non-standard NaN / Infinity literals; nesting deeper than MAX_DEPTH; strings (or object
-keys) holding lone UTF-16 surrogates (from escapes such as "\\ud800"), which no tokenizer can encode.
+uses the non-standard NaN / Infinity literals; an integer of more than MAX_INT_DIGITS digits; nesting
+deeper than MAX_DEPTH; strings (or object keys) holding lone UTF-16 surrogates (from escapes such as
+"\\ud800"), which no tokenizer can encode (messages show them escaped).
 Whole numbers written with a fraction part (16.0) decode as integers.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tpfuse.server.protocol import RequestError
+from tpfuse.server.errors import RequestError
 
 MAX_BODY_BYTES = 32 << 20
 MAX_DEPTH = 32
+MAX_INT_DIGITS = 100
 
 
 def _no_constants(name: str):
@@ -28,6 +30,12 @@ def _number(text: str) -> int | float:
     return int(value) if value.is_integer() and abs(value) < 2**63 else value
 
 
+def _integer(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:
+        raise ValueError(f"a number has {len(text)} digits, over the limit of {MAX_INT_DIGITS}")
+    return int(text)
+
+
 def decode_json_body(raw: bytes) -> Any:
     """raw request bytes -> the decoded JSON value, checked as described above."""
     if len(raw) > MAX_BODY_BYTES:
@@ -39,7 +47,7 @@ def decode_json_body(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: byte {exc.start} is not UTF-8") from None
     try:
-        value = json.loads(text, parse_constant=_no_constants, parse_float=_number)
+        value = json.loads(text, parse_constant=_no_constants, parse_float=_number, parse_int=_integer)
     except (json.JSONDecodeError, ValueError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -55,7 +63,8 @@ def _check(value: Any, path: str, depth: int) -> None:
         _check_text(value, path)
     elif isinstance(value, dict):
         for key, item in value.items():
-            child = f"{path}.{key}" if path else key
+            shown = printable(key)
+            child = f"{path}.{shown}" if path else shown
             _check_text(key, child)
             if isinstance(item, dict | list | str):
                 _check(item, child, depth + 1)
@@ -63,6 +72,11 @@ def _check(value: Any, path: str, depth: int) -> None:
         for i, item in enumerate(value):
             if isinstance(item, dict | list | str):
                 _check(item, f"{path}[{i}]", depth + 1)
+
+
+def printable(text: str) -> str:
+    """text with lone surrogates as \\udXXX escapes, so that it can go into a UTF-8 response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _check_text(text: str, path: str) -> None:

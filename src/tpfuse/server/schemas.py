@@ -30,6 +30,7 @@ NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 PromptText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
 
 
@@ -84,7 +85,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=INT64_MAX, description="-1 or 0: off")
     seed: Int64 | None = None
-    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: StopString | StopStrings | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: NonNegativeInt64 = 0
     ignore_eos: bool = False

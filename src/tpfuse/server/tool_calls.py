@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from tpfuse.engine.sampling_params import Grammar
+from tpfuse.server.json_schema_support import check_json_schema
 
 
 @dataclass(slots=True)
@@ -36,25 +37,72 @@ def _function(tool) -> dict:
 
 
 def calls_schema(functions: list[dict], parallel: bool) -> dict:
-    """JSON schema of a non-empty array of calls to functions (at most one unless parallel)."""
+    """JSON schema of a non-empty array of calls to functions (at most one unless parallel). Each
+    function's local references ("#", "#/$defs/X", "#/properties/...") are moved to the outer schema's
+    $defs under a prefix of its own, since they resolve from the root of the schema they stand in."""
+    defs: dict = {}
     call = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": _rooted(f["parameters"], f"f{i}_", defs),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for f in functions
+        for i, f in enumerate(functions)
     ]
     schema = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _rooted(parameters, prefix: str, defs: dict):
+    """parameters with its $defs / definitions moved into defs as prefix + name, and every local
+    reference rewritten to point there (a reference into parameters itself: to defs[prefix + "root"])."""
+    if not isinstance(parameters, dict):
+        return parameters
+    moved = ("$defs", "definitions")
+    uses_root = False
+
+    def ref(pointer: str) -> str:
+        nonlocal uses_root
+        for table in moved:
+            head = f"#/{table}/"
+            if pointer.startswith(head):
+                return f"#/$defs/{prefix}{pointer[len(head) :]}"
+        uses_root = True
+        return f"#/$defs/{prefix}root{pointer[1:]}"
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        return {
+            key: ref(value)
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else rewrite(value)
+            for key, value in node.items()
+        }
+
+    body = rewrite({k: v for k, v in parameters.items() if k not in moved})
+    for table in moved:
+        for name, schema in (parameters.get(table) or {}).items():
+            defs[prefix + name] = rewrite(schema)
+    if uses_root:
+        defs[prefix + "root"] = body
+    return body
 
 
 def choice_for(tools, tool_choice, parallel: bool) -> ToolChoice | None:
     """The ToolChoice of a request's tools / tool_choice (schemas.py models), None when no tool may
-    be called. Raises ValueError naming the problem (a named function that is not among tools)."""
+    be called. Raises ValueError naming the problem (a named function that is not among tools), or
+    RequestError for a forced function's parameters that constrained decoding would not enforce."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError("'tool_choice' asks for a tool call but the request has no 'tools'")
@@ -72,9 +120,11 @@ def choice_for(tools, tool_choice, parallel: bool) -> ToolChoice | None:
         if not forced:
             raise ValueError(f"'tool_choice' names function {name!r}, which is not among 'tools'")
         mode = "named"
-    return ToolChoice(
-        functions, mode, parallel, Grammar("json_schema", json.dumps(calls_schema(forced, parallel)))
-    )
+    for i, f in enumerate(functions):
+        if f in forced:
+            check_json_schema(f["parameters"], "tools", where=f"tools[{i}].function.parameters")
+    grammar = Grammar("json_schema", json.dumps(calls_schema(forced, parallel)), source="tools")
+    return ToolChoice(functions, mode, parallel, grammar)
 
 
 def add_to_system_message(messages: list[dict], choice: ToolChoice) -> None:
