@@ -98,3 +98,14 @@ def test_ctrl_c_keeps_and_writes_the_levels_already_finished(fake_server, tmp_pa
     levels = [p["concurrency"] for p in summary["points"]]
     assert levels and levels == [1, 2, 4, 8, 16][: len(levels)] and len(levels) < 5
     assert (out / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("kind", ["single", "sweep"])
+def test_a_bad_dataset_path_is_a_message_not_a_traceback(fake_server, tmp_path, kind, capsys):
+    bad = tmp_path / "chats.json"
+    bad.write_text("{not json")
+    argv = ["bench", kind, "--url", fake_server.url, "--dataset", "sharegpt", "--dataset-path", str(bad),
+            "--output-dir", str(tmp_path / "out"), "--gpu-telemetry", "off"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"ShareGPT file {bad} is not valid JSON" in err and "Traceback" not in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
 
 def test_eos_ids_join_config_and_generation_config():
-    hf = dict(BASE, architectures=["LlamaForCausalLM"], eos_token_id=128001)
+    hf = dict(BASE, architectures=["LlamaForCausalLM"], eos_token_id=128001, vocab_size=128256)
     config = ModelConfig.from_hf_dict(hf, generation_config={"eos_token_id": [128001, 128009]})
     assert config.eos_token_ids == (128001, 128009)
 
@@ -113,3 +115,27 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected():
 def test_llama_biases_beyond_qwen2_qkv_are_rejected_by_name(flag):
     with pytest.raises(ValueError, match=rf"sets {flag}: true, which tpfuse does not implement"):
         ModelConfig.from_hf_dict(dict(BASE, architectures=["LlamaForCausalLM"], **{flag: True}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"rope_theta": 0}, "rope_theta"),
+        ({"rope_theta": -10000.0}, "rope_theta"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+        ({"rms_norm_eps": "abc"}, "rms_norm_eps"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+         "rope_scaling.factor"),
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"hidden_size": "64"}, "hidden_size"),
+        ({"intermediate_size": -1}, "intermediate_size"),
+        ({"max_position_embeddings": 1}, "max_position_embeddings"),
+        ({"eos_token_id": -1}, "eos_token_id -1"),
+        ({"eos_token_id": 1_000_000}, "eos_token_id 1000000"),
+    ],
+)  # fmt: skip
+def test_config_values_that_would_give_garbage_or_a_crash_are_refused_naming_the_field(fields, named):
+    """Each of these loaded before and produced the same token for ever (or a ZeroDivisionError)."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ModelConfig.from_hf_dict(dict(BASE, architectures=["LlamaForCausalLM"], **fields))

@@ -155,3 +155,22 @@ def test_a_request_that_cannot_be_pickled_is_rejected_and_the_writer_goes_on():
 
     asyncio.run(run())
     engine.outbox.put(None)
+
+
+def test_a_start_up_refusal_is_one_line_and_an_unexpected_failure_keeps_its_traceback(monkeypatch):
+    from tpfuse.model.loader import CheckpointError
+    from tpfuse.server import engine_process
+
+    monkeypatch.setattr(engine_process.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(engine_process.faulthandler, "register", lambda *a, **k: None)
+    for error, traceback_expected in ((CheckpointError("tensor x is missing; re-download"), False),
+                                      (RuntimeError("a bug"), True)):  # fmt: skip
+
+        def factory(config, error=error):
+            raise error
+
+        ours, theirs = mp.Pipe()
+        engine_process.run_engine_loop(theirs, EngineConfig(model="tiny", device="cpu"), factory)
+        kind, message = ours.recv()
+        assert kind == "failed" and message.startswith(f"{type(error).__name__}: {error}")
+        assert ("Traceback" in message) == traceback_expected

@@ -169,6 +169,9 @@ def _handle_single(args) -> int:
     except (ServerUnreachable, ServerRejected) as e:
         _error("single", str(e))
         return 1
+    except ValueError as e:  # the prompt set (--dataset-path) is read when the run starts
+        _error("single", str(e))
+        return 2
     print_single(result, console, show_notes=False)
     out = _output_dir(args, "single")
     write_single(result, out)
@@ -202,6 +205,9 @@ def _handle_sweep(args) -> int:
     except (ServerUnreachable, ServerRejected) as e:
         _error("sweep", str(e))
         return 1
+    except ValueError as e:  # the prompt set (--dataset-path) is read when the run starts
+        _error("sweep", str(e))
+        return 2
     print_sweep(result, console)
     write_sweep(result, out)
     console.print(f"results in {out}/ (summary.json, requests.jsonl, sweep.csv, plots)")
@@ -258,6 +264,9 @@ def _handle_compare(args) -> int:
     except (ServerUnreachable, ServerRejected) as e:
         _error("compare", str(e))
         return 1
+    except ValueError as e:  # the prompt set (--dataset-path) is read when the run starts
+        _error("compare", str(e))
+        return 2
     print_sweep(a, console)
     print_sweep(b, console)
     save(a, b, with_plots=True)

@@ -9,6 +9,7 @@ step) is shifted by the worker's own copy of the step before's greedy/simulated 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -103,10 +104,9 @@ def _watch_parent(rank: int, parent_pid: int) -> None:
     while True:
         time.sleep(WATCH_INTERVAL_S)
         if os.getppid() != parent_pid:
-            print(
-                f"tpfuse worker rank {rank}: the engine process {parent_pid} is gone; exiting",
-                file=sys.stderr,
-            )
+            with contextlib.suppress(Exception):  # stderr may be a pipe nobody reads any more
+                gone = f"tpfuse worker rank {rank}: the engine process {parent_pid} is gone; exiting"
+                print(gone, file=sys.stderr)
             os._exit(1)
 
 
@@ -161,6 +161,8 @@ def worker_main(
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         errors.put((rank, message))
-        print(f"tpfuse worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        if not isinstance(exc, ValueError | KeyboardInterrupt):  # a bad input or Ctrl-C: rank 0 says it
+            with contextlib.suppress(Exception):
+                print(f"tpfuse worker rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: the process group may still reference dead peers

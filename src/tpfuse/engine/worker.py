@@ -117,6 +117,7 @@ class TensorParallelExecutor:
 
         from tpfuse.engine.step_channel import StepChannel
         from tpfuse.engine.step_limits import resolve_max_model_len
+        from tpfuse.model.layers import divide
         from tpfuse.model.loader import load_model_config
 
         if dist.is_initialized():
@@ -125,7 +126,10 @@ class TensorParallelExecutor:
                 "tensor-parallel engine before starting one"
             )
         devices = rank_devices(config)
-        max_len = resolve_max_model_len(config, load_model_config(config).max_position_embeddings)
+        model_config = load_model_config(config)
+        # before any worker starts, the check every layer would make (instead of N processes failing it)
+        divide(model_config.num_heads, config.tp_size, "num_attention_heads")
+        max_len = resolve_max_model_len(config, model_config.max_position_embeddings)
         spin_s = 0.5 if devices[0].type == "cuda" else 0.0
         self.channel = StepChannel(config.tp_size, channel_capacity(config, max_len), spin_s)
         ctx = mp.get_context("spawn")

@@ -7,6 +7,7 @@ Both transformers 4.x files (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +74,24 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                     "intermediate_size"):  # fmt: skip
+            _check_count(name, getattr(self, name), 1)
+        _check_count("max_position_embeddings", self.max_position_embeddings, 2)
+        positive = {"rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
+        if self.rope_scaling and "factor" in self.rope_scaling:
+            positive["rope_scaling.factor"] = self.rope_scaling["factor"]
+        if self.grouped_routing is not None:
+            positive["routed_scaling_factor"] = self.grouped_routing.routed_scaling_factor
+        for name, value in positive.items():  # zero or negative ones give every token the same logits
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"model config {name} must be a positive finite number, got {value!r}")
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            raise ValueError(
+                f"eos_token_id {bad_eos[0]} (config.json or generation_config.json) is outside the "
+                f"vocabulary [0, {self.vocab_size}): generation could never stop on it; fix the id"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -147,7 +163,8 @@ class ModelConfig:
                     "(only Qwen2's q/k/v biases are supported)"
                 )
         num_heads = _required(hf, "num_attention_heads", source)
-        hidden = _required(hf, "hidden_size", source)
+        _check_count("num_attention_heads", num_heads, 1, source)
+        hidden = _check_count("hidden_size", _required(hf, "hidden_size", source), 1, source)
         rope_params = dict(hf.get("rope_parameters") or {})
         rope_scaling = hf.get("rope_scaling") or rope_params or None
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
@@ -264,6 +281,13 @@ def _deepseek_fields(hf: dict, architecture: str, source: str) -> dict:
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         mlp_only_layers=tuple(range(min(routing.first_k_dense_replace, num_layers))),
     )
+
+
+def _check_count(name: str, value, low: int, source: str = "model config") -> int:
+    """value, when it is an integer >= low (a count or size); else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{source} {name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def _required(hf: dict, key: str, source: str):

@@ -156,7 +156,7 @@ class EngineClient:
         code = engine.reap(timeout=10)
         engine.outbox.put(None)
         self.num_engine_deaths += was_ready
-        self.failure = f"{engine.lost_reason} (exit code {code})"
+        self.failure = f"{engine.lost_reason} (exit code {code})" if code else engine.lost_reason
         if self.state == "restarting":
             log(f"the engine process died: {self.failure}; restarting it")
             self._spawn()

@@ -114,7 +114,8 @@ def run_engine_loop(conn, config: EngineConfig, engine_factory: Callable = make_
         info = EngineInfo(_max_model_len(engine), engine.tokenizer, _vocab_size(engine))
         conn.send(("ready", info))
     except Exception as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        why = f"{type(exc).__name__}: {exc}"  # a ValueError names a bad input and its fix: no traceback
+        conn.send(("failed", why if isinstance(exc, ValueError) else f"{why}\n{traceback.format_exc()}"))
         return
     try:
         _serve(conn, engine)

@@ -1,0 +1,45 @@
+"""Start-up errors that used to cost minutes or leave processes behind: a --tp-size the model cannot
+split is refused before any worker starts, and a worker whose parent is gone exits even when its
+stderr is a pipe nobody reads any more."""
+
+import time
+
+import pytest
+
+from tpfuse.config import EngineConfig
+from tpfuse.engine import tp_rank
+from tpfuse.engine.worker import TensorParallelExecutor
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_fails_before_any_worker_starts(monkeypatch):
+    spawned = []
+    monkeypatch.setattr("multiprocessing.context.SpawnProcess.start", lambda self: spawned.append(self))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by --tp-size 3"):
+        TensorParallelExecutor(EngineConfig(model="tiny", device="cpu", tp_size=3))
+    assert not spawned and time.monotonic() - start < 10
+
+
+class _Exited(Exception):
+    pass
+
+
+class _BrokenPipe:
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_worker_exits_when_its_parent_is_gone_even_if_stderr_is_a_broken_pipe(monkeypatch):
+    def exit_(code):
+        raise _Exited(code)
+
+    monkeypatch.setattr(tp_rank.time, "sleep", lambda s: None)
+    monkeypatch.setattr(tp_rank.os, "getppid", lambda: 1)
+    monkeypatch.setattr(tp_rank.os, "_exit", exit_)
+    monkeypatch.setattr(tp_rank.sys, "stderr", _BrokenPipe())
+    with pytest.raises(_Exited) as exited:
+        tp_rank._watch_parent(rank=1, parent_pid=4321)
+    assert exited.value.args == (1,)
