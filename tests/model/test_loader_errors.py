@@ -169,3 +169,16 @@ def test_mistral_consolidated_file_beside_hf_weights_is_not_read(good_checkpoint
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
     model, _ = load_for_test(tmp_path)
     assert model.config.num_layers == 2
+
+
+@pytest.mark.parametrize("keep", [20, 0.5])
+def test_a_truncated_weight_file_is_named_with_the_fix(good_checkpoint, tmp_path, keep):
+    (tmp_path / "config.json").write_text((good_checkpoint / "config.json").read_text())
+    data = (good_checkpoint / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(
+        data[: keep if isinstance(keep, int) else int(len(data) * keep)]
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors could not be read as safetensors .*re-download it"
+    ):
+        load_for_test(tmp_path)

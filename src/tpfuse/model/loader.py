@@ -7,6 +7,7 @@ tensor or value and the fix; a partial load is never returned.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -188,13 +189,27 @@ def checkpoint_files(directory: str) -> dict[str, str]:
             f"no *.safetensors weight files in {directory}; add the checkpoint's weights "
             "or run with --load-format dummy"
         )
-    from safetensors import safe_open
-
     files = {}
     for path in paths:
-        with safe_open(path, framework="pt") as f:
+        with _safetensors(path) as f:
             files.update(dict.fromkeys(f.keys(), path))
     return files
+
+
+@contextlib.contextmanager
+def _safetensors(path: str):
+    """safe_open(path), its errors (a truncated or foreign file: header or data) as CheckpointError
+    naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(
+            f"{path} could not be read as safetensors ({exc}); the file is truncated or damaged: "
+            "re-download it"
+        ) from None
 
 
 def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], directory: str) -> None:
@@ -224,13 +239,11 @@ def load_safetensors(model: torch.nn.Module, slots: dict[str, ShardSlot], direct
 def copy_tensors(slots: dict[str, ShardSlot], files: dict[str, str]) -> None:
     """Copies this rank's shard of every tensor named in slots from its file (files: name -> path,
     as checkpoint_files returns; every name must be there). Raises CheckpointError."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[str]] = {}
     for name in slots:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with _safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
