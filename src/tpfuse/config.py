@@ -126,10 +126,14 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
+        """"cuda" or "cpu". Raises ValueError for --device cuda where torch sees no CUDA GPU."""
         import torch
 
+        if self.device == "cuda" and not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"--device cuda, but {why}; run with --device cpu (or auto)")
+        if self.device != "auto":
+            return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 

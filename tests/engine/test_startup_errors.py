@@ -43,3 +43,12 @@ def test_a_worker_exits_when_its_parent_is_gone_even_if_stderr_is_a_broken_pipe(
     with pytest.raises(_Exited) as exited:
         tp_rank._watch_parent(rank=1, parent_pid=4321)
     assert exited.value.args == (1,)
+
+
+def test_device_cuda_without_a_visible_gpu_is_a_message_naming_the_fix(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda, but .*; run with --device cpu"):
+        EngineConfig(model="tiny", device="cuda").resolved_device()
+    assert EngineConfig(model="tiny", device="auto").resolved_device() == "cpu"
