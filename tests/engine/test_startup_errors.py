@@ -52,3 +52,19 @@ def test_device_cuda_without_a_visible_gpu_is_a_message_naming_the_fix(monkeypat
     with pytest.raises(ValueError, match=r"--device cuda, but .*; run with --device cpu"):
         EngineConfig(model="tiny", device="cuda").resolved_device()
     assert EngineConfig(model="tiny", device="auto").resolved_device() == "cpu"
+
+
+def test_the_offline_api_refuses_bytes_odd_params_and_use_after_shutdown():
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu")
+    with pytest.raises(TypeError, match="got bytes; decode it first"):
+        llm.generate(b"hi")
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.generate(["hi"], [{"max_tokens": 2}])
+    assert llm.generate("hi", SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+    llm.shutdown()
+    assert llm.engine.stats().num_kv_blocks > 0  # readable after shutdown
+    with pytest.raises(RuntimeError, match="shut down; make a new one"):
+        llm.generate("hi")

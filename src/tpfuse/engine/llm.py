@@ -27,6 +27,8 @@ class RequestOutput:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, bytes | bytearray):
+        raise TypeError("a prompt must be a string or a list of token ids, got bytes; decode it first")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
@@ -46,6 +48,7 @@ class LLM:
         self.engine = LLMEngine(config if config is not None else EngineConfig(model=model, **engine_config))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._shut_down = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -61,9 +64,13 @@ class LLM:
         params: one SamplingParams for all prompts or one per prompt. Returns one RequestOutput per
         prompt, in input order. Raises ValueError (nothing is left queued) when a prompt is rejected.
         """
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; make a new one to generate again")
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_list)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("params must be a SamplingParams or a list of them, one per prompt")
         if len(params) != len(prompt_list):
             raise ValueError(
                 f"{len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each"
@@ -101,4 +108,8 @@ class LLM:
         out.text = detok.text
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Frees the engine's resources and worker processes (its stats stay readable); generate()
+        refuses afterwards."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine.shutdown()
