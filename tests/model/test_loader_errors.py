@@ -182,3 +182,13 @@ def test_a_truncated_weight_file_is_named_with_the_fix(good_checkpoint, tmp_path
         CheckpointError, match=r"model\.safetensors could not be read as safetensors .*re-download it"
     ):
         load_for_test(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd", "../elsewhere.safetensors", 5])
+def test_an_index_that_points_outside_the_checkpoint_is_refused(tmp_path, where):
+    build_hf_checkpoint(tmp_path, "qwen2", max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"][DOWN_PROJ] = where
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"places {DOWN_PROJ} in .* not a file name inside"):
+        load_for_test(tmp_path)

@@ -170,9 +170,16 @@ def checkpoint_files(directory: str) -> dict[str, str]:
     """Tensor name -> safetensors file, from model.safetensors.index.json or the *.safetensors present."""
     index = read_json(os.path.join(directory, INDEX_FILE))
     if index is not None:
-        weight_map = index.get("weight_map")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{os.path.join(directory, INDEX_FILE)} has no weight_map")
+            raise CheckpointError(f"{os.path.join(directory, INDEX_FILE)} has no weight_map object")
+        root = os.path.normpath(directory) + os.sep  # as written: shards may be symlinks (HF cache)
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not os.path.normpath(os.path.join(root, file)).startswith(root):
+                raise CheckpointError(
+                    f"{INDEX_FILE} places {name} in {file!r}, which is not a file name inside {directory}; "
+                    "fix the index (shards must sit beside it)"
+                )
         files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not os.path.isfile(file):
