@@ -192,3 +192,13 @@ def test_an_index_that_points_outside_the_checkpoint_is_refused(tmp_path, where)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=rf"places {DOWN_PROJ} in .* not a file name inside"):
         load_for_test(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_weight_holding_nan_or_infinity_is_named(good_checkpoint, tmp_path, bad):
+    def poison(tensors):
+        tensors[DOWN_PROJ][3, 5] = bad
+
+    copy_checkpoint(good_checkpoint, tmp_path, edit_tensors=poison)
+    with pytest.raises(CheckpointError, match=r"weight .*down_proj.* holds NaN or infinite values"):
+        load_for_test(tmp_path)

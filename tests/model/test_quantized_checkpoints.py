@@ -288,3 +288,23 @@ def test_fp8_decode_tiles_take_the_w8a8_form_only_where_the_format_quantizes_act
     method = layer.method
     expected = x.double() @ method.dequantize(layer).double().T  # x quantizes exactly
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("what", ["weight", "weight_scale_inv"])
+def test_nan_in_fp8_codes_or_scales_is_named(tmp_path_factory, tmp_path, what):
+    source = tmp_path_factory.mktemp("fp8-block-nan")
+    _, quantizer, config, _ = FORMATS["fp8-block"]
+    qc.write_quantized(source, "llama", quantizer, config)
+    name = f"model.layers.0.mlp.down_proj.{what}"
+
+    def poison(tensors):
+        tensor = tensors[name]
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor.view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
+        else:
+            tensor[0, 0] = float("nan")
+        return tensors
+
+    bad = _copy_with(source, tmp_path / "bad", tensors=poison)
+    with pytest.raises(CheckpointError, match=r"holds NaN or infinite values"):
+        load_for_test(bad)

@@ -94,8 +94,10 @@ def load_model(
         fill_dummy_weights(slots, engine_config.seed)
     elif is_gguf(engine_config.model):
         load_gguf(model, slots, open_gguf(engine_config.model))
+        check_finite(model, engine_config.model)
     else:
         load_safetensors(model, slots, engine_config.model)
+        check_finite(model, engine_config.model)
     check_all_parameters_written(model, slots)
     try:
         process_all(model)
@@ -357,6 +359,32 @@ def check_all_parameters_written(model: torch.nn.Module, slots: dict[str, ShardS
                 f"parameter {name} {list(param.shape)}: {covered.get(id(param), 0)} of {param.numel()} "
                 "elements are mapped to checkpoint tensors; the rest would never be written"
             )
+
+
+def check_finite(model: torch.nn.Module, source: str) -> None:
+    """Raises CheckpointError naming the first weight that holds NaN or infinity: a damaged checkpoint
+    would otherwise load and give the same token for ever. One device sync for the whole model."""
+    tensors = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.numel()]
+    if not tensors:
+        return
+    finite = torch.stack([_all_finite(t).to(tensors[0][1].device) for _, t in tensors])
+    if bool(finite.all()):
+        return
+    name = tensors[int((~finite).nonzero()[0])][0]
+    raise CheckpointError(
+        f"checkpoint {source}: weight {name} holds NaN or infinite values; the file is damaged: "
+        "re-download it"
+    )
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn:  # no infinity; NaN is S.1111.111
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:  # other FP8 kinds
+        return torch.isfinite(t.to(torch.float16)).all()
+    if t.dtype.is_floating_point:
+        return torch.isfinite(t).all()
+    return torch.ones((), dtype=torch.bool, device=t.device)
 
 
 def _listing(names: list[str]) -> str:
