@@ -94,3 +94,14 @@ def test_doctor_text_shows_topology_islands_probe_and_the_plan_with_reasons():
     assert "plan for --tp-size 8" in text and "link probe: write collapse on rank 0" in text
     assert "peer write 55.0 GB/s" in text and "fan-out write 8.0 GB/s" in text
     assert "not a candidate: one_shot" in text and "ordered_push" in text and "10.00x faster" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["doctor", "--tp-size", "0"], ["doctor", "--hidden", "-1"], ["doctor", "--max-tokens", "-1"],
+     ["doctor", "--tp-size", "2,4"], ["comm-model", "--hidden", "0"], ["comm-model", "--layers", "-1"]],
+)  # fmt: skip
+def test_sizes_below_one_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and "positive integer" in capsys.readouterr().err

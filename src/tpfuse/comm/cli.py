@@ -19,6 +19,14 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    """One integer >= 1 (a size, a rank count)."""
+    values = _ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
 def register(subparsers) -> None:
     doctor = subparsers.add_parser(
         "doctor", help="what your GPUs, links and software can run, and what tpfuse uses"
@@ -26,12 +34,12 @@ def register(subparsers) -> None:
     doctor.add_argument("--json", action="store_true", help="one JSON document instead of text")
     doctor.add_argument("--no-self-test", action="store_true", help="skip the kernel self-test on GPU 0")
     doctor.add_argument(
-        "--tp-size", type=int, default=None,
+        "--tp-size", type=_positive, default=None,
         help="also build the all-reduce N ranks would use here (gate, islands, link probe, measured plan) "
         "and show its plan per size bucket with the reason for each choice",
     )  # fmt: skip
-    doctor.add_argument("--hidden", type=int, default=4096, help="hidden size of the plan's messages")
-    doctor.add_argument("--max-tokens", type=int, default=256, help="largest decode batch of the plan")
+    doctor.add_argument("--hidden", type=_positive, default=4096, help="hidden size of the plan's messages")
+    doctor.add_argument("--max-tokens", type=_positive, default=256, help="largest decode batch of the plan")
     doctor.add_argument("--allreduce-islands", default=None, help="islands for the plan, e.g. '0,1;2,3'")
     doctor.set_defaults(handler=_doctor)
 
@@ -63,8 +71,8 @@ def register(subparsers) -> None:
         "h200-8x-nvlink) or a JSON file in the cost model's topology form",
     )
     model.add_argument("--rows", type=_ints, default=_ints("1,2,4,8,16,32,64,128,256,512"))
-    model.add_argument("--hidden", type=int, default=6144)
-    model.add_argument("--layers", type=int, default=61, help="decoder layers, for the per-step gain")
+    model.add_argument("--hidden", type=_positive, default=6144)
+    model.add_argument("--layers", type=_positive, default=61, help="decoder layers, for the per-step gain")
     model.add_argument("--json", action="store_true", help="one JSON document instead of text")
     model.set_defaults(handler=_comm_model)
 
