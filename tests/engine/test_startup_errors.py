@@ -68,3 +68,20 @@ def test_the_offline_api_refuses_bytes_odd_params_and_use_after_shutdown():
     assert llm.engine.stats().num_kv_blocks > 0  # readable after shutdown
     with pytest.raises(RuntimeError, match="shut down; make a new one"):
         llm.generate("hi")
+
+
+def test_ctrl_c_while_rank_0_loads_stays_a_keyboard_interrupt(monkeypatch):
+    """The workers, which Ctrl-C also reaches, may look dead by then; rank 0 still reports an interrupt
+    (exit 130, "interrupted"), not a RuntimeError naming a dead rank."""
+    from tpfuse.engine import worker
+
+    def interrupted(*args, **kwargs):
+        time.sleep(3 * tp_rank.WATCH_INTERVAL_S)  # the worker watch finds rank 1 dead meanwhile
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("multiprocessing.context.SpawnProcess.start", lambda self: None)
+    monkeypatch.setattr("multiprocessing.process.BaseProcess.exitcode", property(lambda self: -2))  # SIGINT
+    monkeypatch.setattr(worker, "build_rank", interrupted)
+    monkeypatch.setattr(worker.TensorParallelExecutor, "shutdown", lambda self: None)  # nothing started
+    with pytest.raises(KeyboardInterrupt):
+        TensorParallelExecutor(EngineConfig(model="tiny", device="cpu", tp_size=2))

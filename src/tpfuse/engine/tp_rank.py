@@ -152,6 +152,7 @@ def worker_main(
 ) -> None:
     """Process target of ranks 1..N-1. `kill -USR1 <pid>` prints every thread's stack (a hang's where)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 acts on it
     threading.Thread(target=_watch_parent, args=(rank, parent_pid), daemon=True).start()
     try:
         runner = build_rank(rank, config, port, devices)

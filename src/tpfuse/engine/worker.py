@@ -165,7 +165,7 @@ class TensorParallelExecutor:
             time.sleep(2 * WATCH_INTERVAL_S if self.failure is None else 0)
             failure = self.failure
             self.shutdown()
-            if failure is not None:
+            if failure is not None and not isinstance(exc, KeyboardInterrupt):  # Ctrl-C stays Ctrl-C
                 raise RuntimeError(failure) from exc
             raise
         finally:
