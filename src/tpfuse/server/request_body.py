@@ -75,7 +75,7 @@ def _check(value: Any, path: str, depth: int) -> None:
 
 
 def printable(text: str) -> str:
-    """text with lone surrogates as \\udXXX escapes, so that it can go into a UTF-8 response."""
+    """text with each lone surrogate as a backslash escape (such as \\ud800), which UTF-8 can carry."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
