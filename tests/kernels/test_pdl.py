@@ -80,3 +80,44 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_the_plain_chain():
         assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
     ref_h, _ = _chain(ws, norm_w, x0, res0)
     assert torch.isfinite(ref_h.float()).all()
+
+
+def _quantized_chain(ws, scales, block, gate, norm_w, x0, res0):
+    """GEMV of e4m3 weights -> fused add + RMSNorm -> the one-launch MoE router, per layer: each
+    kernel reads what the one before it wrote, and the GEMV and the router load weights before
+    their PDL wait."""
+    from tpfuse.kernels.moe_router import ROUTE_TILES, moe_route_triton
+    from tpfuse.kernels.quant_fp8 import fp8_linear_triton
+
+    h, res, routes = x0, res0, []
+    for w, s in zip(ws, scales, strict=True):
+        partial = fp8_linear_triton(h, w, s, block)
+        h, res = rmsnorm.fused_add_rmsnorm_triton(partial, res, norm_w, 1e-6)
+        routes += moe_route_triton(h, gate, 4, True, ROUTE_TILES[1])
+    return h, res, *routes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(1, 1000), (128, 128)], ids=["per-channel", "blocks"])
+def test_pdl_fp8_gemv_and_router_chain_in_a_cuda_graph_equals_the_plain_chain(block):
+    device = torch.device("cuda")
+    gen = torch.Generator(device).manual_seed(1)
+    hidden = 1000  # odd: masked steps
+    ws = [(torch.randn(hidden, hidden, generator=gen, device=device) * 0.5).to(torch.float8_e4m3fn)
+          for _ in range(8)]  # fmt: skip
+    grid = (-(-hidden // block[0]), -(-hidden // block[1]))
+    scales = [torch.rand(grid, generator=gen, device=device) * 0.05 + 0.01 for _ in ws]
+    gate = torch.randn(60, hidden, generator=gen, device=device).bfloat16()
+    norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
+    x0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
+    res0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
+    run = lambda: _quantized_chain(ws, scales, block, gate, norm_w, x0, res0)  # noqa: E731
+    pdl.choose(device, True)
+    try:
+        used = pdl.enabled(device)
+        with_pdl = _graph_run(run)
+    finally:
+        pdl.choose(device, False)
+    plain = _graph_run(run)
+    for a, b in zip(with_pdl, plain, strict=True):
+        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"

@@ -56,17 +56,20 @@ def _moe_route_kernel(
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
-    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_experts
     hs = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
+    gate_rows = gate_ptr + rows[:, None].to(tl.int64) * stride_g
+    # The first step's router weights load before the PDL wait (no kernel writes them).
+    w = tl.load(gate_rows + hs[None, :], mask=row_ok[:, None] & (hs < hidden)[None, :], other=0.0)
+    pdl.begin(PDL)
+    xh = tl.load(x_ptr + token * stride_x + hs, mask=hs < hidden, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * xh[None, :]
+    for h0 in range(BLOCK_H, hidden, BLOCK_H):
         h_ok = hs + h0 < hidden
         xh = tl.load(x_ptr + token * stride_x + h0 + hs, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_g + h0 + hs[None, :],
-                    mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(gate_rows + h0 + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * xh[None, :]
     logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + token * num_experts + rows, logit, mask=row_ok)

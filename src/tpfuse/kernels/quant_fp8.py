@@ -57,6 +57,16 @@ def fp8_linear_ref(x, weight, scale, block, bias=None):
 
 
 @triton.jit
+def fp8_codes(w_rows, ks, hidden, col_mask, EVEN: tl.constexpr):
+    """The e4m3 codes of the rows at w_rows ([BLOCK_N, 1] pointers) at columns ks, read evict-first
+    (each weight byte is read once a step; x, the residual and the KV cache should stay in L2)."""
+    if EVEN:
+        return tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < hidden)[None, :], other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
 def fp8_rows_times_x(
     w_rows,
     s_rows,
@@ -69,22 +79,24 @@ def fp8_rows_times_x(
     SUB_K: tl.constexpr,
     SUBS: tl.constexpr,
     EVEN: tl.constexpr,
+    first=None,
 ):
     """[BLOCK_N, SUB_K] float32 partial products of the rows at w_rows ([BLOCK_N, 1] pointers; their
     scales at s_rows, [BLOCK_N] pointers) with x over k0 .. k0 + SUBS * SUB_K: SUBS sub-tiles, each
     inside one scale block, so a scale is one [BLOCK_N] vector per sub-tile (PER_ROW: no scale here,
-    the caller applies the row's scale after the K loop)."""
+    the caller applies the row's scale after the K loop). first: sub-tile 0's codes when the caller
+    loaded them already (fp8_codes), else None."""
     lanes = tl.arange(0, SUB_K)
     for j in tl.static_range(SUBS):
         ks = k0 + j * SUB_K + lanes
+        if j == 0 and first is not None:
+            w = first.to(tl.float32)
+        else:
+            w = fp8_codes(w_rows, ks, hidden, col_mask, EVEN).to(tl.float32)
         if EVEN:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first").to(tl.float32)
             xv = tl.load(x_ptr + ks).to(tl.float32)
         else:
-            k_mask = ks < hidden
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-            xv = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
         if not PER_ROW:
             kb = (k0 + j * SUB_K) // SCALE_K
             if EVEN:
@@ -103,12 +115,22 @@ def fp8_rows_times_x(
 def fp8_rows_dot_x(
     w_rows, s_rows, x_ptr, hidden, col_mask,
     SCALE_K: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr,
-    SUBS: tl.constexpr, EVEN: tl.constexpr,
+    SUBS: tl.constexpr, EVEN: tl.constexpr, first=None,
 ):  # fmt: skip
     """[BLOCK_N] float32: the rows at w_rows (as fp8_rows_times_x) dotted with x over all of K: one
-    [BLOCK_N, SUB_K] accumulator reduced once after the loop, then scaled by the row's scale (PER_ROW)."""
-    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-    for k0 in range(0, hidden, SUB_K * SUBS):
+    [BLOCK_N, SUB_K] accumulator reduced once after the loop, then scaled by the row's scale (PER_ROW).
+    first: the codes of the first step's first sub-tile, loaded by the caller (fp8_codes at columns
+    0 .. SUB_K - 1), or None; with them K must be at least 1."""
+    STEP: tl.constexpr = SUB_K * SUBS
+    if first is not None:
+        acc = fp8_rows_times_x(
+            w_rows, s_rows, x_ptr, 0, hidden, col_mask, SCALE_K, PER_ROW, SUB_K, SUBS, EVEN, first
+        )
+        start = STEP
+    else:
+        acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+        start = 0
+    for k0 in range(start, hidden, STEP):
         acc += fp8_rows_times_x(
             w_rows, s_rows, x_ptr, k0, hidden, col_mask, SCALE_K, PER_ROW, SUB_K, SUBS, EVEN
         )
@@ -140,14 +162,17 @@ def _fp8_gemv_kernel(
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """One row: BLOCK_N weight rows x the whole of K per program (the layout of kernels/gemv.py),
-    a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop."""
-    pdl.begin(PDL)
+    a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop. The first sub-tile's codes are
+    loaded before the PDL wait (weights: no kernel writes them), as kernels/gemv.py does, so they
+    stream while the previous kernel drains. K >= 1."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
+    first = fp8_codes(w_rows, tl.arange(0, SUB_K), hidden, col_mask, EVEN)
+    pdl.begin(PDL)
     out = fp8_rows_dot_x(
-        w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
+        w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN, first
     )
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -194,6 +219,8 @@ def fp8_linear_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | Non
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     if num_cols == 0:
         return out
+    if hidden == 0:  # the kernel reads a first step before its loop
+        return out.zero_() if bias is None else out.copy_(bias.expand(num_rows, -1))
     per_row, sub_k, subs = gemv_steps(tile.block_k, block[1], hidden)
     _fp8_gemv_kernel[(triton.cdiv(num_cols, tile.block_n),)](
         x, weight, scale, bias if bias is not None else x, out, num_cols, hidden, weight.stride(0),
