@@ -15,7 +15,8 @@ attention kernel at q_len 1 as decode launched it before (old_decode)
 (mla_attention.py, still the prefill / verify path), timed on the same inputs.
 
 Usage (device machine, repo root): python benchmarks/mla_decode.py [--quick] [--no-old] [--sweep]
---sweep times candidate tiles and split targets at six cases instead of the table. JSON rows go to
+[--sweep-cases 16x64x32768,...]. --sweep times candidate tiles and split targets at six cases (or the
+given heads x batch x context) instead of the table. JSON rows go to
 $OUT/mla_decode.json (or mla_decode_sweep.json) when $OUT is set.
 """
 
@@ -123,7 +124,8 @@ def bounds(batch, heads, context, copy_bw, mm_rate):
 
 
 SWEEP_TILES = {
-    16: [(16, 64, 4, 3, True), (16, 64, 4, 2, True), (16, 32, 4, 2, False), (16, 32, 4, 3, False)],
+    16: [(16, 64, 4, 3, True), (16, 64, 4, 2, True), (16, 32, 4, 2, False), (16, 32, 4, 3, False),
+         (16, 64, 4, 2, False), (16, 32, 8, 2, False), (16, 64, 8, 2, False), (16, 16, 4, 4, False)],
     32: [(32, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 32, 4, 2, False), (32, 64, 4, 2, False)],
     128: [(64, 64, 8, 2, False), (64, 64, 8, 3, False), (64, 32, 8, 2, False)],
 }
@@ -139,11 +141,12 @@ SWEEP_CASES = [
 ]
 
 
-def sweep(copy_bw, mm_rate, dump) -> None:
-    """Each case: the old kernel, every candidate tile at its programs per SM, then the best tile at
-    1, 2, 4 and 8; rows are dumped after every case (a run cut short keeps what it measured)."""
+def sweep(copy_bw, mm_rate, dump, cases=SWEEP_CASES) -> None:
+    """Each (heads, batch, context) case: the old kernel, every candidate tile at its programs per SM,
+    then the best tile at 1, 2, 4 and 8; rows are dumped after every case (a run cut short keeps what
+    it measured)."""
     rows = []
-    for heads, batch, context in SWEEP_CASES:
+    for heads, batch, context in cases:
         case = make_case(batch, context, heads)
         _, _, (regime, floor_us) = bounds(batch, heads, context, copy_bw, mm_rate)
         old = time_old(case)
@@ -172,6 +175,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k and 32k only")
     parser.add_argument("--no-old", action="store_true", help="skip the generic kernel's times")
     parser.add_argument("--sweep", action="store_true", help="candidate tiles and split targets instead")
+    parser.add_argument(
+        "--sweep-cases", default=None,
+        help="with --sweep: HEADSxBATCHxCONTEXT cases, comma-separated (e.g. 16x64x32768), instead of six",
+    )  # fmt: skip
     args = parser.parse_args()
     copy_bw, mm_rate = copy_tbps(), matmul_tflops()
     print(
@@ -187,7 +194,10 @@ def main() -> None:
                 json.dump({"copy_TBps": copy_bw, "matmul_TFLOPs": mm_rate, "rows": rows}, f, indent=1)
 
     if args.sweep:
-        sweep(copy_bw, mm_rate, functools.partial(dump, name="mla_decode_sweep.json"))
+        cases = SWEEP_CASES
+        if args.sweep_cases:
+            cases = [tuple(int(v) for v in case.split("x")) for case in args.sweep_cases.split(",")]
+        sweep(copy_bw, mm_rate, functools.partial(dump, name="mla_decode_sweep.json"), cases)
         return
     batches, contexts = (
         ([1, 64], [4096, 32768]) if args.quick else ([1, 8, 32, 64], [1024, 4096, 16384, 32768])
