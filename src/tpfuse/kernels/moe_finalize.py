@@ -42,11 +42,11 @@ def _moe_finalize_kernel(
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait: no kernel writes it
+    pdl.begin(PDL)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(slot_ptr + (row * TOP_K + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
