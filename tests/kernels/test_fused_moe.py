@@ -75,6 +75,7 @@ def test_align_groups_every_slot_once_in_single_expert_blocks(num_tokens, num_ex
         (45, 7, 1, PREFILL_TILE),
         (1, 5, 2, SLOT_GEMV_TILE),
         (9, 7, 3, SLOT_GEMV_TILE),
+        (9, 7, 3, MoeTile(1, 16, 32, 1, 4, down=(32, 16, 2))),  # the down product at its own shape
     ],
 )
 def test_fused_experts_match_float64_at_odd_sizes(num_tokens, num_experts, top_k, tile):

@@ -8,7 +8,7 @@ import torch
 
 from tpfuse.kernels import fused_experts, moe_topk
 from tpfuse.kernels.fused_moe import fused_experts_ref, fused_experts_triton
-from tpfuse.kernels.fused_moe_tiles import CANDIDATE_TILES
+from tpfuse.kernels.fused_moe_tiles import CANDIDATE_TILES, SLOT_DOWN_SHAPES, MoeTile
 from tpfuse.kernels.moe_routing import moe_topk_ref
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +56,16 @@ def test_every_candidate_tile_matches_float64(tile):
     x, logits = routed_inputs(77, seed=6)
     weights, ids = moe_topk(logits, K, True)
     got = fused_experts_triton(x, w13, w2, weights, ids, tile=tile)
+    assert relative_error(got, float64_reference(x, logits, w13, w2)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("shape", SLOT_DOWN_SHAPES, ids=lambda s: "{}x{} w{}".format(*s))
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_every_slot_down_shape_matches_float64(shape, num_tokens):
+    w13, w2 = experts(7)
+    x, logits = routed_inputs(num_tokens, seed=8)
+    weights, ids = moe_topk(logits, K, True)
+    got = fused_experts_triton(x, w13, w2, weights, ids, tile=MoeTile(1, 32, 256, 2, 4, down=shape))
     assert relative_error(got, float64_reference(x, logits, w13, w2)) <= TOLERANCE
 
 

@@ -69,20 +69,26 @@ def _slot_down_kernel(
 
 
 def slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -> None:
-    """The per-slot GEMV route (tile.block_m == 1) of expert_slot_outputs."""
+    """The per-slot GEMV route (tile.block_m == 1) of expert_slot_outputs: gate/up at the tile's
+    shape, then down at tile.down_shape()."""
     num_slots, inter = act.shape
     hidden, top_k = x.shape[1], topk_ids.shape[1]
     ids = topk_ids.reshape(-1).contiguous()
-    opts = dict(
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages, num_warps=tile.num_warps
-    )
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
         x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, **opts,
-        **pdl.launch(x.device),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
-    _slot_down_kernel[(num_slots, triton.cdiv(hidden, tile.block_n))](
+    slot_down(act, w2, slot_out, weights, ids, tile.down_shape(), tile.num_stages)
+
+
+def slot_down(act, w2, slot_out, weights, ids, shape: tuple[int, int, int], num_stages: int = 2) -> None:
+    """slot_out[s] = weights[s] * (act[s] @ w2[ids[s]].T) for every slot s: act [S, I], w2 [E, H, I],
+    weights [S] float32, ids [S] int32; shape (block_n, block_k, num_warps)."""
+    block_n, block_k, num_warps = shape
+    hidden, inter = w2.shape[1], act.shape[1]
+    _slot_down_kernel[(act.shape[0], triton.cdiv(hidden, block_n))](
         act, w2, slot_out, weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        slot_out.stride(0), **opts,
-        **pdl.launch(x.device),
+        slot_out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages, num_warps=num_warps,
+        **pdl.launch(act.device),
     )  # fmt: skip

@@ -18,17 +18,26 @@ class MoeTile:
     """Launch configuration of both expert products: block_m rows of one expert per program (16:
     decode, the MMA minimum; 64-128: prefill), block_n output and block_k reduction columns.
     block_m = 1 is the per-slot GEMV route: no grouping, one (token, slot) row per program, its
-    expert's weight tile streamed with multiply-adds (few tokens, each slot a distinct expert)."""
+    expert's weight tile streamed with multiply-adds (few tokens, each slot a distinct expert). There
+    the two products may take different shapes: down, the (block_n, block_k, num_warps) of the down
+    product where start-up timing found one faster than the gate/up product's (its K is the
+    intermediate size, not the hidden size); None: the same as gate/up."""
 
     block_m: int
     block_n: int
     block_k: int
     num_stages: int = 3
     num_warps: int = 4
+    down: tuple[int, int, int] | None = None
+
+    def down_shape(self) -> tuple[int, int, int]:
+        """(block_n, block_k, num_warps) of the per-slot down product."""
+        return self.down or (self.block_n, self.block_k, self.num_warps)
 
     def label(self) -> str:
         kind = "slot gemv " if self.block_m == 1 else f"moe {self.block_m}x"
-        return f"{kind}{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
+        down = f", down {self.down[0]}x{self.down[1]} w{self.down[2]}" if self.down else ""
+        return f"{kind}{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}{down}"
 
 
 DEFAULT_DECODE_TILE = MoeTile(16, 64, 128, 4, 4)
@@ -49,6 +58,10 @@ DECODE_TILES = (
     MoeTile(16, 64, 256, 3, 8),
     MoeTile(32, 64, 128, 3, 4),
 )
+# Shapes start-up timing tries for the per-slot down product alone, once the joint tile is a slot
+# tile: (block_n, block_k, num_warps).
+SLOT_DOWN_SHAPES = ((16, 256, 4), (32, 256, 4), (64, 256, 8), (16, 512, 4), (32, 512, 8), (64, 128, 4),
+                    (128, 128, 8))  # fmt: skip
 PREFILL_TILES = (
     DEFAULT_PREFILL_TILE,
     MoeTile(64, 64, 64, 4, 4),

@@ -1,27 +1,28 @@
 """Which fused-MoE tile runs each expert weight shape, measured per slot-count bucket at start-up.
 
 The grouped GEMMs of kernels/fused_moe.py take a MoeTile (rows of one expert per program, output and
-reduction columns, stages, warps). At decode the product streams each routed expert's weights for a
-few rows; at prefill it is a tensor-core GEMM per expert; which tile is fastest depends on the shape,
-the routing spread and the GPU, so it is timed, never assumed: for each distinct (w13, w2) shape of a
+reduction columns, stages, warps). At decode the product streams each routed expert's weights for a few
+rows; at prefill it is a tensor-core GEMM per expert; which tile is fastest depends on the shape, the
+routing spread and the GPU, so it is timed, never assumed: for each distinct (w13, w2) shape of a
 model's FusedMoE layers and each power-of-two bucket of T * k slots up to the engine's largest step,
-every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above) is timed by
-CUDA-graph replay on uniformly random routing over the model's own weights, and the fastest is
-recorded with fused_moe_tiles.set_tile. At TP = 1 it also times, per hidden size and bucket, the MoE
-finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel followed by
-fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and token
-bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
+every candidate (DECODE_TILES up to DECODE_MAX_SLOTS slots, PREFILL_TILES above) is timed by CUDA-graph
+replay on uniformly random routing over the model's own weights, and the fastest is recorded with
+fused_moe_tiles.set_tile; where that is a per-slot GEMV tile, the down product alone is timed at
+SLOT_DOWN_SHAPES too and takes its own fastest shape. At TP = 1 it also times, per hidden size and
+bucket, the MoE finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel
+followed by fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and
+token bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
 each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
-quantized experts it times each slot route their method offers at every slot bucket (per slot
-W8A16, per slot W8A8 for FP8 formats that quantize activations, grouped GEMM tiles) and records the
-fastest (model/quant/experts.set_slot_route). At
-TP > 1 every rank applies rank 0's decisions (`agree`): the routing must be bit-identical on every
-rank, or ranks would run different experts for the same token. On CPU nothing is timed: the default
-tiles run, the fused finalize and the fused route.
+quantized experts it times each slot route their method offers at every slot bucket (per slot W8A16, per
+slot W8A8 for FP8 formats that quantize activations, grouped GEMM tiles) and records the fastest
+(model/quant/experts.set_slot_route). At TP > 1 every rank applies rank 0's decisions (`agree`): the
+routing must be bit-identical on every rank, or ranks would run different experts for the same token. On
+CPU nothing is timed: the default tiles run, the fused finalize and the fused route.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from triton.runtime.errors import OutOfResources
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import fused_moe, moe_router
 from tpfuse.kernels import fused_moe_tiles as tiles
+from tpfuse.kernels.fused_moe_gemv import slot_down
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
 from tpfuse.kernels.moe_router import RouteTile
@@ -137,6 +139,32 @@ def _graph_time_tile(experts, tile: MoeTile, num_tokens: int, top_k: int) -> flo
                     min_launches=4, replays=3, samples=3)  # fmt: skip
 
 
+def _with_fastest_down(experts, tile: MoeTile, num_tokens: int, top_k: int) -> MoeTile:
+    """tile with the per-slot down product's fastest shape (tiles.SLOT_DOWN_SHAPES and the tile's
+    own, timed alone on random routing; its own kept on a tie): the down product's K is the
+    intermediate size, so the gate/up product's best shape need not be its best."""
+    w2 = experts.w2
+    g = torch.Generator(device=w2.device).manual_seed(num_tokens + 1)
+    num_slots = num_tokens * top_k
+    act = torch.randn(num_slots, w2.shape[2], device=w2.device, generator=g).to(w2.dtype)
+    ids = torch.rand(num_tokens, w2.shape[0], device=w2.device, generator=g).topk(top_k, dim=-1).indices
+    ids = ids.to(torch.int32).reshape(-1).contiguous()
+    weights = torch.full((num_slots,), 1.0 / top_k, device=w2.device)
+    out = torch.empty(num_slots, w2.shape[1], dtype=w2.dtype, device=w2.device)
+    own = tile.down_shape()
+    times = {}
+    for shape in dict.fromkeys((own, *tiles.SLOT_DOWN_SHAPES)):
+        call = lambda s=shape: slot_down(act, w2, out, weights, ids, s, tile.num_stages)  # noqa: E731
+        try:
+            times[shape] = graph_us([call], min_launches=8, replays=5, samples=3)
+        except OutOfResources:
+            continue
+    best = min(times, key=lambda s: (times[s], s != own))
+    log.info("per-slot down product at %d slots: %s", num_slots,
+             ", ".join(f"{n}x{k} w{w} {us:.1f} us" for (n, k, w), us in times.items()))  # fmt: skip
+    return tile if best == own else dataclasses.replace(tile, down=best)
+
+
 @torch.inference_mode()
 def choose(
     model: nn.Module, max_decode_rows: int, max_prefill_tokens: int, tp_size: int = 1, agree=None
@@ -174,7 +202,10 @@ def choose(
             candidates = tiles.DECODE_TILES if decode else tiles.PREFILL_TILES
             times = [(_time_tile(experts, t, num_tokens, block.top_k), i) for i, t in enumerate(candidates)]
             us, best = min(times)
-            decisions.append(("tile", key, candidates[best]))
+            tile = candidates[best]
+            if tile.block_m == 1:
+                tile = _with_fastest_down(experts, tile, num_tokens, block.top_k)
+            decisions.append(("tile", key, tile))
             tensors[("tile", key)] = experts.w13
             measured.append((key, us, times[0][0]))
             if tp_size == 1:
