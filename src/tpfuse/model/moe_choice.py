@@ -157,8 +157,10 @@ def _with_fastest_down(experts, tile: MoeTile, num_tokens: int, top_k: int) -> M
         call = lambda s=shape: slot_down(act, w2, out, weights, ids, s, tile.num_stages)  # noqa: E731
         try:
             times[shape] = graph_us([call], min_launches=8, replays=5, samples=3)
-        except (OutOfResources, CompilationError) as error:  # the tile's own shape ran already
+        except (OutOfResources, CompilationError) as error:
             log.warning("per-slot down shape %s left out: %s", shape, error)
+    if not times:
+        return tile
     best = min(times, key=lambda s: (times[s], s != own))
     log.info("per-slot down product at %d slots: %s", num_slots,
              ", ".join(f"{n}x{k} w{w} {us:.1f} us" for (n, k, w), us in times.items()))  # fmt: skip
