@@ -42,6 +42,19 @@ def is_gguf(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
+def damaged(path: str, error: Exception) -> str:
+    """The message for a file the gguf reader fails on: a cut download, or not a GGUF file at all."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    if not b"GGUF".startswith(magic):
+        return f"{path} is not a GGUF file (it does not start with the GGUF magic; {reason}); re-download it"
+    return (
+        f"{path} is truncated or damaged ({os.path.getsize(path)} bytes; reading its header, metadata or "
+        f"tensor data failed with {reason}); re-download it"
+    )
+
+
 def hf_name(gguf_name: str) -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (None: nothing tpfuse runs)."""
     base, _, suffix = gguf_name.rpartition(".")
@@ -59,9 +72,11 @@ class GgufFile:
 
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
+            self.reader = GGUFReader(path)  # parses every metadata value and tensor extent
+        except OSError as e:
+            raise ValueError(f"{path} could not be read ({e}); check that it is a readable file") from e
+        except Exception as e:  # the gguf package fails on whatever a cut or corrupted file makes it hit
+            raise ValueError(damaged(path, e)) from e
         self.architecture = self.field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
@@ -92,6 +107,16 @@ class GgufFile:
         def get(key, default=None):
             return self.field(f"{a}.{key}", default)
 
+        for key in ("block_count", "embedding_length", "attention.head_count", "feed_forward_length"):
+            if get(key) is None:
+                raise ValueError(
+                    f"{self.path} has no {a}.{key} metadata; the file is incomplete: re-download it"
+                )
+        if get("vocab_size") is None and self.field("tokenizer.ggml.tokens") is None:
+            raise ValueError(
+                f"{self.path} has neither {a}.vocab_size nor tokenizer.ggml.tokens metadata; the file is "
+                "incomplete: re-download it"
+            )
         heads = get("attention.head_count")
         hidden = get("embedding_length")
         config = {

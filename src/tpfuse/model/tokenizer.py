@@ -120,13 +120,13 @@ class GgufTokenizer(HFTokenizer):
 
         from tpfuse.model.gguf import open_gguf
 
+        file = open_gguf(path)  # first: a truncated or damaged file is named as such
         directory, name = os.path.split(os.path.abspath(path))
         try:
             self._tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
         except (OSError, ValueError) as e:
             reason = " ".join(str(e).split())
             raise ValueError(f"could not build the tokenizer of {path} from its metadata: {reason}") from e
-        file = open_gguf(path)
         template = file.field("tokenizer.chat_template")
         if template:
             self._tok.chat_template = template
