@@ -26,6 +26,7 @@ from tpfuse.model.gguf import GgufFile, is_gguf
 from tpfuse.model.layers import ParallelContext, ShardSlot
 from tpfuse.model.linear_method import QuantConfig, linear_methods, process_all
 from tpfuse.model.presets import PRESETS, is_preset, preset_config
+from tpfuse.model.quant.common import json_kind
 from tpfuse.model.quant.gguf import GgufConfig
 from tpfuse.model.registry import model_class
 
@@ -40,13 +41,20 @@ class CheckpointError(ValueError):
 
 
 def read_json(path: str) -> dict | None:
+    """The JSON object in path (None: no such file). Raises CheckpointError for invalid JSON or a
+    top level that is not an object."""
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore the file from the checkpoint") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{path} must hold a JSON object, got {json_kind(data)}; restore the file from the checkpoint"
+        )
+    return data
 
 
 def load_model_config(engine_config: EngineConfig) -> ModelConfig:
@@ -172,9 +180,12 @@ def checkpoint_files(directory: str) -> dict[str, str]:
     """Tensor name -> safetensors file, from model.safetensors.index.json or the *.safetensors present."""
     index = read_json(os.path.join(directory, INDEX_FILE))
     if index is not None:
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{os.path.join(directory, INDEX_FILE)} has no weight_map object")
+            raise CheckpointError(
+                f"{os.path.join(directory, INDEX_FILE)}: weight_map must be an object (tensor name -> shard "
+                f"file), got {json_kind(weight_map)}; restore the index from the checkpoint"
+            )
         root = os.path.normpath(directory) + os.sep  # as written: shards may be symlinks (HF cache)
         for name, file in weight_map.items():
             if not isinstance(file, str) or not os.path.normpath(os.path.join(root, file)).startswith(root):

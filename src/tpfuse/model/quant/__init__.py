@@ -17,6 +17,7 @@ from tpfuse.model.quant.common import (
     QuantizationError,
     UniformConfig,
     supported_list,
+    typed,
     unsupported,
 )
 from tpfuse.model.quant.int_group import IntGroupLinearMethod
@@ -39,7 +40,7 @@ def from_hf_config(hf: dict, source: str = "config.json") -> QuantConfig | None:
         return None
     if not isinstance(qc, dict):
         raise QuantizationError(f"{source}: quantization_config must be an object; got {type(qc).__name__}")
-    name = qc.get("quant_method")
+    name = typed(qc, "quant_method", str, f"{source}: quantization_config")
     if name not in FORMATS:
         raise unsupported(str(name), source)
     return FORMATS[name](qc, source)

@@ -55,6 +55,36 @@ class QuantizationError(ValueError):
     supported."""
 
 
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
+
+
+def json_kind(value) -> str:
+    """The JSON type of a parsed config value, for messages: 'a list', 'a string', 'null', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def expect(value, kind: type, where: str):
+    """value when it has the JSON type kind (a boolean is no integer); else QuantizationError naming
+    the field (where), the type it must have and the one it has."""
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise QuantizationError(
+        f"{where} must be {_JSON_TYPES[kind]}, got {json_kind(value)} ({value!r}); correct it in config.json"
+    )
+
+
+def typed(container: dict, key: str, kind: type, where: str, default=None):
+    """container[key] checked by expect (where.key names it); default when it is absent or null."""
+    value = container.get(key)
+    return default if value is None else expect(value, kind, f"{where}.{key}")
+
+
 def supported_list() -> str:
     return "; ".join(SUPPORTED_FORMATS)
 

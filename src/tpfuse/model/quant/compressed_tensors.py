@@ -10,7 +10,7 @@ Activations: none (weight-only), or FP8 ones (W8A8: quantized dynamically, model
 
 from __future__ import annotations
 
-from tpfuse.model.quant.common import QuantizationError, UniformConfig
+from tpfuse.model.quant.common import QuantizationError, UniformConfig, expect, typed
 from tpfuse.model.quant.fp8 import Fp8LinearMethod
 from tpfuse.model.quant.int_group import IntGroupLinearMethod
 
@@ -21,7 +21,7 @@ SUPPORTED = (
 
 def parse(qc: dict, source: str) -> UniformConfig:
     """Raises QuantizationError naming the field of quantization_config that tpfuse cannot run."""
-    groups = qc.get("config_groups") or {}
+    groups = typed(qc, "config_groups", dict, f"{source}: quantization_config", {})
     if len(groups) != 1:
         raise QuantizationError(
             f"{source}: quantization_config.config_groups has {len(groups)} groups; tpfuse runs one group "
@@ -29,7 +29,8 @@ def parse(qc: dict, source: str) -> UniformConfig:
         )
     ((group_name, group),) = groups.items()
     where = f"{source}: quantization_config.config_groups.{group_name}"
-    if "Linear" not in (group.get("targets") or []):
+    expect(group, dict, where)
+    if "Linear" not in typed(group, "targets", list, where, []):
         raise QuantizationError(f'{where}.targets must include "Linear"; got {group.get("targets")}')
     if qc.get("kv_cache_scheme"):
         raise QuantizationError(
@@ -44,9 +45,9 @@ def parse(qc: dict, source: str) -> UniformConfig:
     def uniform(method) -> UniformConfig:
         return UniformConfig("compressed-tensors", method, ignore, f"{source}: quantization_config.ignore")
 
-    weights = group.get("weights") or {}
+    weights = typed(group, "weights", dict, where, {})
     fmt = group.get("format") or qc.get("format")
-    activations = group.get("input_activations")
+    activations = typed(group, "input_activations", dict, where)
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if kind == "float":
         if bits != 8 or fmt not in ("float-quantized", "naive-quantized"):
@@ -55,12 +56,13 @@ def parse(qc: dict, source: str) -> UniformConfig:
                 f"supported: {SUPPORTED}"
             )
         _check_fp8_activations(activations, where)
-        static = bool(activations) and not activations.get("dynamic", False)
+        static = bool(activations) and not typed(activations, "dynamic", bool, f"{where}.input_activations")
         if strategy == "block":
             block = weights.get("block_structure")
-            if not (isinstance(block, list) and len(block) == 2):
+            if not (isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)):
                 raise QuantizationError(
-                    f"{where}.weights.block_structure must be [block_n, block_k]; got {block}"
+                    f"{where}.weights.block_structure must be [block_n, block_k] of positive integers; "
+                    f"got {block!r}"
                 )
             return uniform(Fp8LinearMethod("block", tuple(block), static, bool(activations)))
         if strategy not in ("tensor", "channel"):
@@ -74,7 +76,7 @@ def parse(qc: dict, source: str) -> UniformConfig:
                 f"{where}: int weights of {bits} bits in format {fmt!r} are not supported; "
                 f"supported: {SUPPORTED}"
             )
-        if not weights.get("symmetric", True):
+        if not typed(weights, "symmetric", bool, f"{where}.weights", True):
             raise QuantizationError(
                 f"{where}.weights.symmetric is false; tpfuse runs symmetric pack-quantized only"
             )
@@ -85,13 +87,17 @@ def parse(qc: dict, source: str) -> UniformConfig:
         if strategy == "channel":
             return uniform(IntGroupLinearMethod(bits, -1, fmt="int"))
         group_size = weights.get("group_size")
-        if strategy != "group" or not isinstance(group_size, int) or group_size < 1:
+        if strategy != "group" or not _positive_int(group_size):
             raise QuantizationError(
                 f"{where}.weights: strategy {strategy!r} with group_size {group_size!r}; int weights need "
-                "strategy group with a positive group_size, or strategy channel"
+                "strategy group with a positive integer group_size, or strategy channel"
             )
         return uniform(IntGroupLinearMethod(bits, group_size, fmt="int"))
     raise QuantizationError(f"{where}.weights.type {kind!r} is not supported; supported: {SUPPORTED}")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_fp8_activations(activations: dict | None, where: str) -> None:

@@ -167,18 +167,21 @@ class Fp8LinearMethod:
 def parse_fp8(qc: dict, source: str):
     """`quant_method: fp8` (Qwen3-FP8, DeepSeek-V3): e4m3 weights with weight_scale_inv per block.
     Raises QuantizationError naming the field tpfuse cannot run."""
-    from tpfuse.model.quant.common import QuantizationError, UniformConfig, check_ignored
+    from tpfuse.model.quant.common import QuantizationError, UniformConfig, check_ignored, typed
 
     where = f"{source}: quantization_config"
     if qc.get("fmt", "e4m3") != "e4m3":
         raise QuantizationError(f"{where}.fmt {qc['fmt']!r} is not supported; tpfuse runs e4m3 FP8")
     block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise QuantizationError(
             f"{where}.weight_block_size must be [block_n, block_k] (e.g. [128, 128]); got {block!r}"
         )
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise QuantizationError(f"{where}.activation_scheme {scheme!r} is not one of dynamic, static")
-    check_ignored(qc.get("modules_to_not_convert") or [], f"{where}.modules_to_not_convert")
+    ignored = typed(qc, "modules_to_not_convert", list, where, [])
+    if not all(isinstance(module, str) for module in ignored):
+        raise QuantizationError(f"{where}.modules_to_not_convert must list module names; got {ignored!r}")
+    check_ignored(ignored, f"{where}.modules_to_not_convert")
     return UniformConfig("fp8", Fp8LinearMethod("block", tuple(block), scheme == "static"))

@@ -143,7 +143,7 @@ def parse_gptq(qc: dict, source: str):
     if bits not in (4, 8):
         raise QuantizationError(f"{where}.bits {bits!r} is not supported; tpfuse runs 4- and 8-bit GPTQ")
     group_size = qc.get("group_size", 128)
-    if not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
+    if type(group_size) is not int or (group_size < 1 and group_size != -1):
         raise QuantizationError(f"{where}.group_size must be a positive integer or -1; got {group_size!r}")
     if qc.get("lm_head"):
         raise QuantizationError(f"{where}.lm_head true (a quantized lm_head) is not supported")
