@@ -165,8 +165,8 @@ class ModelConfig:
         num_heads = _required(hf, "num_attention_heads", source)
         _check_count("num_attention_heads", num_heads, 1, source)
         hidden = _check_count("hidden_size", _required(hf, "hidden_size", source), 1, source)
-        rope_params = dict(hf.get("rope_parameters") or {})
-        rope_scaling = hf.get("rope_scaling") or rope_params or None
+        rope_params = dict(_object(hf, "rope_parameters", source))
+        rope_scaling = _object(hf, "rope_scaling", source) or rope_params or None
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_scaling is not None:
             rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
@@ -200,7 +200,10 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf, generation_config),
         )
         fields.update(_deepseek_fields(hf, architecture, source))
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except ValueError as e:  # the checks of __post_init__, which knows no file
+            raise ValueError(f"{source}: {e}" if source not in str(e) else str(e)) from e
 
 
 def resolve_dtype(checkpoint_dtype: str | None, override: str = "auto", source: str = "config.json"):
@@ -224,6 +227,10 @@ def resolve_dtype(checkpoint_dtype: str | None, override: str = "auto", source: 
 
 def _architecture(hf: dict, source: str) -> str:
     names = hf.get("architectures") or []
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise ValueError(
+            f'{source} architectures must be a list of class names, e.g. ["LlamaForCausalLM"]; got {names!r}'
+        )
     if not names and hf.get("model_type") in _ARCHITECTURE_OF_MODEL_TYPE:
         names = [_ARCHITECTURE_OF_MODEL_TYPE[hf["model_type"]]]
     for name in names:
@@ -288,6 +295,14 @@ def _check_count(name: str, value, low: int, source: str = "model config") -> in
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{source} {name} must be an integer >= {low}, got {value!r}")
     return value
+
+
+def _object(hf: dict, key: str, source: str) -> dict:
+    """hf[key] when it is a JSON object ({} when absent or null); else ValueError naming it."""
+    value = hf.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{source} {key} must be an object (or null); got {value!r}")
+    return value or {}
 
 
 def _required(hf: dict, key: str, source: str):

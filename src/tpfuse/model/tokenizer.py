@@ -8,7 +8,6 @@ holds back until the next token completes it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -72,27 +71,37 @@ class HFTokenizer:
     """A Hugging Face tokenizer from a local checkpoint directory (never downloads)."""
 
     def __init__(self, path: str):
+        from huggingface_hub import errors as hub_errors
         from transformers import AutoTokenizer
+
+        from tpfuse.model.loader import read_json
 
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
             raise ValueError(
                 f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}; copy them from the "
                 "original checkpoint"
             )
+        # Read first: a config.json that is not a JSON object is named here, not deep in transformers.
+        configs = [read_json(os.path.join(path, name)) for name in ("generation_config.json", "config.json")]
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             reason = " ".join(str(e).split())
             raise ValueError(f"could not load the tokenizer in {path}: {reason}") from e
+        except getattr(hub_errors, "StrictDataclassError", ()) as e:  # transformers 5 types configs strictly
+            raise ValueError(_config_type_error(os.path.join(path, "config.json"), e)) from e
+        except (KeyError, IndexError, TypeError, AttributeError) as e:  # e.g. a config.json field it misreads
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            raise ValueError(
+                f"could not load the tokenizer in {path}: transformers failed reading config.json or the "
+                f"tokenizer files ({reason}); compare config.json with the original checkpoint's"
+            ) from e
         self.bos_token_id = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
         eos = {self._tok.eos_token_id} if self._tok.eos_token_id is not None else set()
-        for name in ("generation_config.json", "config.json"):
-            file = os.path.join(path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    value = json.load(f).get("eos_token_id")
-                eos.update(value if isinstance(value, list) else [] if value is None else [value])
+        for config in configs:
+            value = (config or {}).get("eos_token_id")
+            eos.update(value if isinstance(value, list) else [] if value is None else [value])
         self.eos_token_ids = {int(i) for i in eos}
 
     def encode(self, text: str) -> list[int]:
@@ -109,6 +118,28 @@ class HFTokenizer:
             return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prefix = {r: f"{r.capitalize()}: " for r in ("system", "user", "assistant")}
         return _plain_chat_template(messages, prefix, "\n", "Assistant:")
+
+
+def _config_type_error(config_path: str, error: Exception) -> str:
+    """transformers' strict config typing refusing a field ("Validation error for field 'x': TypeError:
+    Field 'x' expected float, got int (value: 0)") as a message naming the file, the field and the fix."""
+    text = " ".join(str(error).split())
+    field = re.search(r"field '([^']+)'", text)
+    name = field.group(1) if field else "a field"
+    reason = text.split("TypeError: ", 1)[-1].split(". Errors:")[0]
+    reason = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", re.sub(r"^Field '[^']+' ", "", reason))
+    int_for_float = re.search(r"expected float, got int \(value: (-?\d+)\)", text)
+    float_for_int = re.search(r"expected int, got float \(value: (-?\d+)\.0\)", text)
+    quoted_number = re.search(r"expected (?:int|float), got str \(value: '(-?[\d.eE+-]+)'\)", text)
+    if int_for_float:
+        fix = f"write it as {int_for_float.group(1)}.0 (a float)"
+    elif float_for_int:
+        fix = f"write it as {float_for_int.group(1)} (an integer)"
+    elif quoted_number:
+        fix = f"write it as {quoted_number.group(1)} (a number, no quotes)"
+    else:
+        fix = "give it the type transformers expects"
+    return f"{config_path}: transformers refuses field {name} ({reason}); {fix} in config.json"
 
 
 class GgufTokenizer(HFTokenizer):
