@@ -29,6 +29,26 @@ class SpeculativeConfig:
                 f"--speculative-algorithm {self.algorithm!r} is not supported; "
                 f"choose one of {', '.join(SPECULATIVE_ALGORITHMS)}"
             )
+        if self.algorithm is None:  # the other settings would be ignored without a word
+            unused = [
+                _spec_flag(f.name, getattr(self, f.name))
+                for f in fields(self)
+                if f.name not in ("algorithm", "num_draft_tokens") and getattr(self, f.name) != f.default
+            ]
+            if self.num_draft_tokens not in (None, self.num_steps + 1):  # num_steps + 1: derived below
+                unused.append(_spec_flag("num_draft_tokens", self.num_draft_tokens))
+            if unused:
+                raise ValueError(
+                    f"{', '.join(unused)}: no effect without --speculative-algorithm; add "
+                    f"--speculative-algorithm ({', '.join(SPECULATIVE_ALGORITHMS)}) or drop "
+                    f"{'it' if len(unused) == 1 else 'them'}"
+                )
+        if self.algorithm == "ngram" and self.draft_model_path is not None:
+            raise ValueError(
+                f"--speculative-draft-model-path {self.draft_model_path}: --speculative-algorithm ngram "
+                "reads no draft model (its drafts come from the prompt and the output so far); drop it, "
+                "or use --speculative-algorithm draft or eagle3"
+            )
         if self.num_steps < 1:
             raise ValueError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
@@ -51,6 +71,13 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.algorithm is not None
+
+
+def _spec_flag(name: str, value) -> str:
+    """The command-line form of a SpeculativeConfig setting."""
+    if name == "adaptive":
+        return "--speculative-adaptive" if value else "--no-speculative-adaptive"
+    return f"--speculative-{name.replace('_', '-')} {value}"
 
 
 @dataclass(slots=True)
@@ -101,6 +128,11 @@ class EngineConfig:
                 f"--devices lists {len(self.devices)} devices but --tp-size is {self.tp_size}; "
                 "give one device per rank (repeats allowed)"
             )
+        if self.devices is not None and self.device == "cpu":
+            raise ValueError(
+                f"--devices {','.join(map(str, self.devices))} places ranks on CUDA GPUs, but --device cpu "
+                "runs them all on the CPU; drop --devices, or use --device cuda"
+            )
         if self.allreduce not in ("auto", "fused", "nccl"):
             raise ValueError(f"--allreduce must be auto, fused or nccl, got {self.allreduce!r}")
         if self.max_running_requests < 1:
@@ -126,7 +158,7 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     def resolved_device(self) -> str:
-        """"cuda" or "cpu". Raises ValueError for --device cuda where torch sees no CUDA GPU."""
+        """ "cuda" or "cpu". Raises ValueError for --device cuda where torch sees no CUDA GPU."""
         import torch
 
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -134,7 +166,14 @@ class EngineConfig:
             raise ValueError(f"--device cuda, but {why}; run with --device cpu (or auto)")
         if self.device != "auto":
             return self.device
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        if self.devices is not None:
+            raise ValueError(
+                f"--devices {','.join(map(str, self.devices))} places ranks on CUDA GPUs, but none is "
+                "visible, so --device auto runs on the CPU; drop --devices to run there"
+            )
+        return "cpu"
 
 
 @dataclass(slots=True)

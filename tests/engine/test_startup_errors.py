@@ -85,3 +85,81 @@ def test_ctrl_c_while_rank_0_loads_stays_a_keyboard_interrupt(monkeypatch):
     monkeypatch.setattr(worker.TensorParallelExecutor, "shutdown", lambda self: None)  # nothing started
     with pytest.raises(KeyboardInterrupt):
         TensorParallelExecutor(EngineConfig(model="tiny", device="cpu", tp_size=2))
+
+
+IGNORED_FLAGS = [  # flags whose value the other flags would make a silent no-op
+    (
+        ["--speculative-num-steps", "5"],
+        r"--speculative-num-steps 5: no effect without --speculative-algorithm; "
+        r"add --speculative-algorithm \(eagle3, ngram, draft, mtp\) or drop it$",
+    ),  # fmt: skip
+    (
+        ["--speculative-simulate-acceptance-length", "2"],
+        r"--speculative-simulate-acceptance-length 2\.0: no effect",
+    ),
+    (["--speculative-draft-model-path", "tiny"], r"--speculative-draft-model-path tiny: no effect without"),
+    (["--no-speculative-adaptive"], r"--no-speculative-adaptive: no effect without --speculative-algorithm"),
+    (
+        ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
+        r"--speculative-eagle-topk 2, --speculative-num-draft-tokens 6: no effect .* or drop them$",
+    ),
+    (
+        ["--speculative-algorithm", "ngram", "--speculative-draft-model-path", "tiny"],
+        r"--speculative-draft-model-path tiny: --speculative-algorithm ngram reads no draft model .*drop it",
+    ),
+    (
+        ["--tp-size", "2", "--devices", "0,0"],
+        r"--devices 0,0 places ranks on CUDA GPUs, but --device cpu runs them all on the CPU; drop --devices",
+    ),
+]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("flags, message", IGNORED_FLAGS)
+def test_a_flag_the_others_would_ignore_exits_2_naming_both_flags(
+    command, flags, message, monkeypatch, capsys
+):
+    import re
+
+    from tpfuse import cli
+
+    monkeypatch.setattr("tpfuse.engine.cli._generate", lambda *args: 0)  # were the flags accepted
+    monkeypatch.setattr("tpfuse.server.cli.run_server", lambda *args: 0)
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert cli.main([command, "--model", "tiny", "--device", "cpu", *flags, *prompt]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"tpfuse {command}: ") and re.search(message, line), line
+
+
+def test_speculative_settings_with_an_algorithm_or_at_their_defaults_are_accepted():
+    from tpfuse.config import SpeculativeConfig
+
+    assert SpeculativeConfig().num_draft_tokens == 4
+    assert SpeculativeConfig(num_draft_tokens=4).num_draft_tokens == 4  # what num_steps 3 derives anyway
+    assert SpeculativeConfig(algorithm="ngram", num_steps=5, adaptive=False).num_draft_tokens == 6
+
+
+def test_devices_where_auto_finds_no_gpu_is_a_message_naming_the_fix(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--devices 1 places ranks on CUDA GPUs, but none is visible"):
+        EngineConfig(model="tiny", devices=[1]).resolved_device()
+
+
+def test_devices_at_tp_size_1_picks_the_gpu(monkeypatch):
+    """--tp-size 1 --devices 1 ran on GPU 0 (the flag was read only by tensor-parallel ranks)."""
+    import torch
+
+    from tpfuse.engine import engine, runner
+
+    built = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        runner, "ModelRunner", lambda config, hook, device: built.setdefault("device", device)
+    )
+    engine._make_executor(EngineConfig(model="tiny", device="cuda", devices=[1]))
+    assert built["device"] == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"--devices names GPU 2 but only GPUs 0\.\.1 are visible"):
+        engine._make_executor(EngineConfig(model="tiny", device="cuda", devices=[2]))

@@ -5,7 +5,8 @@ inside a completion is written as the two characters \\n or \\r; `--json` keeps 
 `--json`: one JSON object per prompt per line. Logs (load time, tokens/s, speculative acceptance) go
 to stderr. With --speculative-simulate-acceptance-length the logs carry a warning and every JSON
 record has "simulated_acceptance": true: those tokens are not the model's output.
-Errors print one line on stderr and exit 1, without a traceback.
+Errors print one line on stderr, without a traceback, and exit 2 for flags that do not fit together
+(as argparse does for malformed ones) or 1 for anything later (a bad checkpoint, a request too long).
 """
 
 from __future__ import annotations
@@ -45,32 +46,41 @@ def _log(message: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    try:
-        return _generate(args)
-    except Exception as exc:  # one line, no traceback: the message names the problem and the fix
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        if not isinstance(exc, ValueError | RuntimeError | OSError):
-            message = f"{type(exc).__name__}: {message}"
-        print(f"tpfuse generate: error: {message}", file=sys.stderr)
-        return 1
-
-
-def _generate(args: argparse.Namespace) -> int:
     from tpfuse.config import engine_config_from_args
-    from tpfuse.engine.llm import LLM
     from tpfuse.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        seed=args.seed if args.temperature > 0 else None,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    config = engine_config_from_args(args)
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            seed=args.seed if args.temperature > 0 else None,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        config = engine_config_from_args(args)
+    except ValueError as exc:  # the flags themselves
+        return _error(exc, 2)
+    try:
+        return _generate(args, params, config)
+    except Exception as exc:
+        return _error(exc, 1)
+
+
+def _error(exc: Exception, code: int) -> int:
+    """One line, no traceback: the message names the problem and the fix."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, ValueError | RuntimeError | OSError):
+        message = f"{type(exc).__name__}: {message}"
+    print(f"tpfuse generate: error: {message}", file=sys.stderr)
+    return code
+
+
+def _generate(args: argparse.Namespace, params, config) -> int:
+    from tpfuse.engine.llm import LLM
+
     start = time.perf_counter()
     llm = LLM.from_config(config)
     loaded = time.perf_counter()

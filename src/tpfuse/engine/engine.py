@@ -68,7 +68,12 @@ def _make_executor(config: EngineConfig) -> Executor:
         from tpfuse.engine.runner import ModelRunner
         from tpfuse.engine.spec_worker import speculative_hook
 
-        return ModelRunner(config, hook=speculative_hook(config))
+        device = None
+        if config.devices is not None:  # --tp-size 1 --devices N: run on GPU N
+            from tpfuse.engine.worker import rank_devices
+
+            device = rank_devices(config)[0]
+        return ModelRunner(config, hook=speculative_hook(config), device=device)
     from tpfuse.engine.worker import TensorParallelExecutor
 
     return TensorParallelExecutor(config)
