@@ -7,7 +7,7 @@ Nothing is recorded on CPU: the defaults run under the interpreter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -28,7 +28,7 @@ class MoeTile:
     block_k: int
     num_stages: int = 3
     num_warps: int = 4
-    down: tuple[int, int, int] | None = None
+    down: tuple[int, int, int] | None = field(default=None, kw_only=True)  # subclasses add positionals
 
     def down_shape(self) -> tuple[int, int, int]:
         """(block_n, block_k, num_warps) of the per-slot down product."""
