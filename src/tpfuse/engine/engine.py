@@ -87,10 +87,12 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
+        from tpfuse.model.loader import load_model_config
         from tpfuse.model.tokenizer import load_tokenizer
         from tpfuse.spec.tree import num_lookahead_tokens
 
         self.config = config
+        load_model_config(config)  # tpfuse's checks of config.json before transformers reads it
         self.tokenizer = load_tokenizer(config.model)
         self.executor = _make_executor(config)
         self.max_model_len: int = self.executor.max_model_len
