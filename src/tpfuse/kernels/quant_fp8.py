@@ -162,18 +162,24 @@ def _fp8_gemv_kernel(
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """One row: BLOCK_N weight rows x the whole of K per program (the layout of kernels/gemv.py),
-    a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop. The first sub-tile's codes are
-    loaded before the PDL wait (weights: no kernel writes them), as kernels/gemv.py does, so they
-    stream while the previous kernel drains. K >= 1."""
+    a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop. Per-channel scales: the first
+    step's codes are loaded before the PDL wait (weights: no kernel writes them), as kernels/gemv.py
+    does, so they stream while the previous kernel drains. K >= 1."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (cols // SCALE_N).to(tl.int64) * stride_sn
-    first = fp8_codes(w_rows, tl.arange(0, SUB_K), hidden, col_mask, EVEN)
-    pdl.begin(PDL)
-    out = fp8_rows_dot_x(
-        w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN, first
-    )
+    if PER_ROW:
+        first = fp8_codes(w_rows, tl.arange(0, SUB_K), hidden, col_mask, EVEN)
+        pdl.begin(PDL)
+        out = fp8_rows_dot_x(
+            w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN, first
+        )
+    else:  # block scales: the peeled first step measured slower (docs/PERF.md, 2026-12-07 06:10)
+        pdl.begin(PDL)
+        out = fp8_rows_dot_x(
+            w_rows, s_rows, x_ptr, hidden, col_mask, SCALE_K, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
+        )
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
