@@ -50,7 +50,8 @@ def test_mla_decode_on_cuda_matches_float64(heads, contexts):
 @pytest.mark.parametrize(
     "heads,tile",
     [(16, (16, 64, 4, 3, True)), (16, (16, 32, 4, 2, False)), (16, (16, 32, 4, 3, False)),
-     (32, (32, 64, 8, 3, True)), (32, (32, 32, 4, 2, False)), (128, (64, 64, 8, 2, False)), (128, (64, 64, 8, 3, False))],
+     (32, (32, 64, 8, 3, True)), (32, (32, 32, 4, 2, False)), (128, (64, 64, 8, 2, False)),
+     (128, (64, 64, 8, 3, False))],
 )  # fmt: skip
 @pytest.mark.parametrize("num_splits", [3, 130])
 def test_mla_decode_tiles_on_cuda_match_float64(heads, tile, num_splits):
