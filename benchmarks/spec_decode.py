@@ -232,7 +232,7 @@ def find_stalls(results: dict, floor_ms: float = 100.0, factor: float = 10.0) ->
     return stalls
 
 
-def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> dict:
+def summarize(results: dict, concurrencies: list[int], lengths: list[float], moe: bool = False) -> dict:
     off = results["off"]
     header = f"{'C':>5} {'off tok/s':>10}" + "".join(
         f" {f'L={L:g} fixed':>16} {f'L={L:g} adaptive':>19}" for L in lengths
@@ -285,7 +285,12 @@ def summarize(results: dict, concurrencies: list[int], lengths: list[float]) -> 
     if 3.0 in lengths and 1 in concurrencies:
         ratio = results["fixed L=3"][1]["tok_s"] / off[1]["tok_s"]
         summary["targets"]["c1_L3_fixed_over_off"] = ratio
-        print(f"C=1, L=3: fixed / off = {ratio:.2f}x ({'PASS' if ratio >= 2.0 else 'FAIL'} target >= 2.0x)")
+        if moe:  # issue 22 sets no C = 1 target for MoE models
+            print(f"C=1, L=3: fixed / off = {ratio:.2f}x (no target for a MoE model: a verify step reads up "
+                  "to k + 1 times the experts of a decode step)")  # fmt: skip
+        else:
+            verdict = "PASS" if ratio >= 2.0 else "FAIL"
+            print(f"C=1, L=3: fixed / off = {ratio:.2f}x ({verdict} target >= 2.0x)")
     return summary
 
 
@@ -366,7 +371,7 @@ def main() -> int:
     for i, L in enumerate(args.lengths):
         measure_spec(engine, args, L, results, with_k0=i == 0)
     engine.shutdown()
-    summary = summarize(results, args.concurrency, args.lengths)
+    summary = summarize(results, args.concurrency, args.lengths, moe=target.num_experts > 0)
     record = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
