@@ -118,3 +118,21 @@ def test_tpfuses_own_config_reader_names_config_json_and_the_field(llama_dir, tm
     directory = _with(llama_dir, tmp_path, **fields)
     with pytest.raises(ValueError, match=message):
         load_model_config(EngineConfig(model=str(directory)))
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, True, ["1", 2]])
+def test_an_eos_token_id_that_is_not_a_number_is_refused_naming_the_file(tmp_path, value):
+    """A quoted or fractional eos id used to be passed through int() (2.5 became 2)."""
+    from tpfuse.model.config import ModelConfig
+
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "eos_token_id": value}  # fmt: skip
+    source = str(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"config\.json: eos_token_id must be a token id"):
+        ModelConfig.from_hf_dict(hf, source=source)
+    hf["eos_token_id"] = 2
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        ModelConfig.from_hf_dict(hf, generation_config={"eos_token_id": value}, source=source)
+    config = ModelConfig.from_hf_dict(hf, generation_config={"eos_token_id": [3, 2]}, source=source)
+    assert config.eos_token_ids == (2, 3)

@@ -8,6 +8,7 @@ Both transformers 4.x files (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -197,7 +198,7 @@ class ModelConfig:
             **_moe_fields(hf, architecture, source),
             dtype=resolve_dtype(hf.get("torch_dtype") or hf.get("dtype"), dtype, source),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf, generation_config),
+            eos_token_ids=_eos_ids(hf, generation_config, source),
         )
         fields.update(_deepseek_fields(hf, architecture, source))
         try:
@@ -311,12 +312,22 @@ def _required(hf: dict, key: str, source: str):
     return hf[key]
 
 
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+def _token_ids(value, where: str) -> list[int]:
+    """eos_token_id as JSON gives it (an id, a list of ids or null) -> its ids; anything else (a
+    string, a float, a boolean) is refused naming where it was read."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(
+                f"{where}: eos_token_id must be a token id or a list of them, got {v!r}; "
+                f"write it as a number without quotes"
+            )
+    return values
 
 
-def _eos_ids(hf: dict, generation_config: dict | None) -> tuple[int, ...]:
-    ids = _as_list(hf.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
+def _eos_ids(hf: dict, generation_config: dict | None, source: str) -> tuple[int, ...]:
+    folder = os.path.dirname(source)
+    ids = _token_ids(hf.get("eos_token_id"), source) + _token_ids(
+        (generation_config or {}).get("eos_token_id"), os.path.join(folder, "generation_config.json")
+    )
     return tuple(dict.fromkeys(ids))
