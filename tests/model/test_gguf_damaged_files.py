@@ -127,3 +127,28 @@ def test_missing_shape_metadata_is_named(tmp_path):
     write_llama_gguf(str(path), head_count=False)
     with pytest.raises(ValueError, match=r"no-heads\.gguf has no llama\.attention\.head_count metadata"):
         load_for_test(path)
+
+
+@pytest.mark.parametrize(
+    "field", ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "the metadata count"]
+)
+def test_a_corrupted_count_is_refused_before_the_gguf_package_parses_it(good_gguf, tmp_path, field):
+    """A count far beyond the file's bytes (an array of 2^40 items) is named at once: the gguf package
+    would build an object per claimed item until it ran off the end of the file."""
+    import gguf
+
+    data = bytearray(good_gguf[0])
+    path = tmp_path / "corrupted.gguf"
+    if field == "the metadata count":
+        count_at = 16  # magic, version, tensor count
+    else:
+        path.write_bytes(data)
+        offset = gguf.GGUFReader(str(path)).fields[field].offset
+        count_at = offset + 8 + len(field) + 4 + 4  # key length, key, value type, item type
+    data[count_at : count_at + 8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(data)
+    message = rf"{re.escape(str(path))} is truncated or damaged .*(claims|too many).*; re-download it"
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(str(path))
+    with pytest.raises(CheckpointError, match=message):
+        load_for_test(path)

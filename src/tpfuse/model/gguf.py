@@ -18,6 +18,8 @@ import re
 import numpy as np
 import torch
 
+from tpfuse.model.gguf_check import check_container
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GROUP_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # type -> bits, run by the group kernels
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q4_K", "Q6_K")
@@ -72,6 +74,7 @@ class GgufFile:
 
         self.path = path
         try:
+            check_container(path)  # counts and lengths first: the reader trusts them
             self.reader = GGUFReader(path)  # parses every metadata value and tensor extent
         except OSError as e:
             raise ValueError(f"{path} could not be read ({e}); check that it is a readable file") from e
