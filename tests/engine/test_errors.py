@@ -83,3 +83,36 @@ def test_invalid_sampling_params_are_rejected_with_the_field_named(kwargs, messa
 
 def test_a_single_stop_string_is_accepted_as_a_list():
     assert SamplingParams(stop="END").stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([1.5, 2.0], r"prompt token ids must be integers, got 1\.5"),
+     ([1, "2"], r"prompt token ids must be integers, got '2'"),
+     ("hello", r"token ids, got a string; tokenize it first")],
+)  # fmt: skip
+def test_a_prompt_that_is_not_integer_token_ids_is_refused_and_the_engine_serves_on(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("not-ints", prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=2))
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += output.new_token_ids
+    assert len(tokens) == 2
+
+
+def test_integer_like_token_ids_are_taken_as_ints(engine):
+    import numpy as np
+
+    engine.add_request("np", np.array([1, 2, 3]), SamplingParams(max_tokens=1))
+    assert engine.requests["np"].token_ids == [1, 2, 3]
+    assert all(type(t) is int for t in engine.requests["np"].token_ids)
+    engine.abort_request("np")
+
+
+def test_sampling_params_of_another_type_are_refused(engine):
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        engine.add_request("dict", [1, 2], {"max_tokens": 2})
+    assert not engine.has_unfinished()

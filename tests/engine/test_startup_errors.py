@@ -61,6 +61,8 @@ def test_the_offline_api_refuses_bytes_odd_params_and_use_after_shutdown():
     llm = LLM("tiny", device="cpu")
     with pytest.raises(TypeError, match="got bytes; decode it first"):
         llm.generate(b"hi")
+    with pytest.raises(TypeError, match=r"token ids must be integers, got 1\.5"):
+        llm.generate([[1.5, 2]])
     with pytest.raises(TypeError, match="params must be a SamplingParams"):
         llm.generate(["hi"], [{"max_tokens": 2}])
     assert llm.generate("hi", SamplingParams(max_tokens=2, temperature=0))[0].token_ids

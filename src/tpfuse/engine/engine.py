@@ -18,6 +18,7 @@ synchronous loop gives it.
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -79,6 +80,19 @@ def _make_executor(config: EngineConfig) -> Executor:
     return TensorParallelExecutor(config)
 
 
+def _token_ids(prompt) -> list[int]:
+    """prompt as a list of ints (numpy integers too); raises ValueError for anything else, which a
+    step would fail on (every later step too, as the request stays queued)."""
+    if isinstance(prompt, str | bytes | bytearray):
+        raise ValueError("the prompt must be a list of token ids, got a string; tokenize it first")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        ids.append(operator.index(t))
+    return ids
+
+
 class LLMEngine:
     """Continuous-batching engine over one model.
 
@@ -136,10 +150,14 @@ class LLMEngine:
     ) -> None:
         """Queues a request. Raises ValueError for a duplicate id, an empty prompt, a token id (of the
         prompt or stop_token_ids) outside the vocabulary, or a prompt plus max_tokens longer than
-        max_model_len."""
+        max_model_len, or a prompt that is not integer token ids (TypeError for params that are not a
+        SamplingParams)."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         params = (params or SamplingParams()).checked_for(self.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = _token_ids(prompt_token_ids)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")

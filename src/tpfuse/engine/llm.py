@@ -33,8 +33,10 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     for p in prompts:
-        if not isinstance(p, str) and not (isinstance(p, SequenceABC) and all(isinstance(t, int) for t in p)):
+        if not isinstance(p, str | SequenceABC):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+        if not isinstance(p, str) and (bad := [t for t in p if not isinstance(t, int)]):
+            raise TypeError(f"a prompt's token ids must be integers, got {bad[0]!r}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
