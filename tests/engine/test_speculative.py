@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tpfuse.config import EngineConfig
+from tpfuse.config import EngineConfig, SpeculativeConfig
 from tpfuse.engine.engine import LLMEngine
 from tpfuse.engine.llm import LLM
 from tpfuse.engine.sampling_params import SamplingParams
@@ -171,3 +171,36 @@ def test_simulated_acceptance_warns_and_reports_itself_in_stats(head_dir, capfd)
     metrics = ServerMetrics(lambda: dataclasses.asdict(stats)).render().decode()
     assert "tpfuse_engine_simulated_acceptance 1.0" in metrics
     assert 'tpfuse_engine_spec_acceptance_rate_per_position{position="2"}' in metrics
+
+
+def test_a_seeded_request_gets_the_same_tokens_when_its_last_prompt_chunk_is_one_token():
+    """Under a small token budget, two decoding requests (1 + k tokens each) leave a 5-token prompt
+    room for 4 tokens, so its last chunk is one token: a verify row, not a prefill. Its seeded
+    tokens must still equal those it gets alone (prefilled at once)."""
+
+    prompt = [128, 90, 49, 77, 30]
+    seeded = SamplingParams(temperature=0.5, max_tokens=7, seed=65, ignore_eos=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny", device="cpu", num_kv_blocks=16, max_model_len=96, max_num_batched_tokens=8,
+            speculative=SpeculativeConfig(algorithm="ngram", num_steps=1),
+        )
+    )  # fmt: skip
+
+    def run(request_id):
+        tokens = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    tokens += output.new_token_ids
+        return tokens
+
+    engine.add_request("alone", prompt, seeded)
+    alone = run("alone")
+    engine.add_request("g1", [3, 4, 5, 6] * 3, SamplingParams(temperature=0.0, max_tokens=20))
+    engine.add_request("g2", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("joined", prompt, seeded)
+    assert run("joined") == alone
+    engine.shutdown()

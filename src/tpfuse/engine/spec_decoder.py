@@ -29,12 +29,14 @@ from tpfuse.engine.spec_stats import SpecStats
 from tpfuse.engine.spec_tree_step import TreeKvMoves, verify_tree
 from tpfuse.engine.spec_verify import chain_verifier, verify_chain
 from tpfuse.engine.spec_worker import worker_of
+from tpfuse.engine.step_inputs import row_seed
 from tpfuse.engine.token_readback import PendingStep, TokenReadback
 from tpfuse.spec.adaptive import AdaptivePolicy
 from tpfuse.spec.ngram import propose_ngram
+from tpfuse.spec.seeded_random import uniform
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
 from tpfuse.spec.tree_verify import TreeVerifyResult
-from tpfuse.spec.verify import VerifyResult
+from tpfuse.spec.verify import _STREAM_SEEDED, VerifyResult, sample_inverse_cdf, target_probs
 
 
 @dataclass
@@ -218,6 +220,7 @@ class SpecDecoder:
         sampled = []
         if forward.sample_logits is not None:
             sampled = self.runner.sample(forward.step, forward.sample_logits)
+            sampled = seeded_prompt_tokens(batch, decode_rows, engine_seed, forward.sample_logits, sampled)
         # With a window drafter, a drafting step outside the window (a row's first decode after its
         # prefill: the drafter extends over the whole prompt, eagerly) says nothing about what the
         # next decode steps cost, so the policy is not told its time.
@@ -304,3 +307,40 @@ class SpecDecoder:
         width = pending.result.token_ids.shape[1] + 2
         rows = [flat[i : i + width] for i in range(0, len(flat), width)]
         return [row[2 : 3 + row[0]] for row in rows], [row[0] for row in rows], [row[1] for row in rows]
+
+
+def seeded_prompt_tokens(
+    batch: Batch, decode_rows: list[int], engine_seed: int, logits: torch.Tensor, sampled: list[int]
+) -> list[int]:
+    """sampled (the tokens of batch's rows that sample outside verification, in row order) with the
+    token of each seeded sampled row drawn as seeded_sample_verify draws a decode row's: from the
+    uniform keyed by (seed, output index). A seeded request's tokens then do not depend on which kind
+    of row samples them: a one-token last prompt chunk (a small budget, a prefix-cache hit) is a
+    verify row, and a recompute after preemption samples at a prefill. logits: [len(sampled), V],
+    the min_tokens bans already applied."""
+    decode_set = set(decode_rows)
+    rows = [i for i in range(len(batch.seqs)) if i not in decode_set and batch.samples(i)]
+    picks = [
+        (j, batch.seqs[i])
+        for j, i in enumerate(rows)
+        if batch.seqs[i].params.seed is not None and batch.seqs[i].params.temperature > 0.0
+    ]
+    if not picks:
+        return sampled
+    seqs = [seq for _, seq in picks]
+    device = logits.device
+    params = [seq.params for seq in seqs]
+    probs = target_probs(
+        logits[torch.tensor([j for j, _ in picks], device=device)][:, None, :],
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+    )[:, 0]
+    seeds = [row_seed(seq.params.seed, engine_seed, seq.seq_id, -1) for seq in seqs]
+    seeds = torch.tensor(seeds, device=device)
+    counters = torch.tensor([[len(seq) - seq.num_prompt_tokens] for seq in seqs], device=device)
+    drawn = sample_inverse_cdf(probs, uniform(seeds, _STREAM_SEEDED, counters).reshape(-1)).tolist()
+    out = list(sampled)
+    for (j, _), token in zip(picks, drawn, strict=True):
+        out[j] = token
+    return out
