@@ -65,3 +65,20 @@ def test_a_failed_step_is_aborted_and_the_engine_serves_on(engine, monkeypatch):
     assert engine.abort_failed_step() == ["doomed"]
     assert not engine.has_unfinished()
     assert len(_run(engine, "after", SamplingParams(max_tokens=4, ignore_eos=True))) == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(stop_token_ids=[2.7]), r"stop_token_ids must be integer token ids, got 2\.7"),
+     (dict(stop_token_ids=["a"]), r"stop_token_ids must be integer token ids, got 'a'"),
+     (dict(logit_bias={2.5: 1.0}), r"logit_bias keys must be integer token ids, got 2\.5")],
+)  # fmt: skip
+def test_token_ids_that_are_not_integers_are_refused_not_truncated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_none_stop_lists_mean_none():
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == [] and params.stop_token_ids == []
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}  # JSON keys stay accepted

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 INT64_MAX = (1 << 63) - 1
 GREEDY_BELOW = 1e-5  # positive temperatures below this are greedy (dividing by them overflows float32)
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
+
+
+def _is_int_like(value) -> bool:
+    """An int (numpy's too) or a decimal string (JSON object keys)."""
+    if isinstance(value, str):
+        return value.strip().lstrip("+-").isdigit()
+    return hasattr(value, "__index__")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +68,11 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop = list(self.stop or [])
+        bad = [t for t in self.stop_token_ids or [] if isinstance(t, bool) or not hasattr(t, "__index__")]
+        if bad:  # int() would turn 2.7 into 2
+            raise ValueError(f"stop_token_ids must be integer token ids, got {bad[0]!r}")
+        self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids or []]
         if not (isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             raise ValueError(
                 f"temperature must lie in [0, {MAX_TEMPERATURE}] (0: greedy), got {self.temperature!r}"
@@ -96,6 +107,9 @@ class SamplingParams:
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
         if self.logit_bias:
+            bad = [t for t in self.logit_bias if isinstance(t, bool) or not _is_int_like(t)]
+            if bad:  # int() would turn 2.5 into 2
+                raise ValueError(f"logit_bias keys must be integer token ids, got {bad[0]!r}")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             if not all(0 <= t <= INT64_MAX and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
                 raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
