@@ -36,7 +36,7 @@ from tpfuse.spec.ngram import propose_ngram
 from tpfuse.spec.seeded_random import uniform
 from tpfuse.spec.simulate import SIMULATED_ACCEPTANCE_NOTICE
 from tpfuse.spec.tree_verify import TreeVerifyResult
-from tpfuse.spec.verify import _STREAM_SEEDED, VerifyResult, sample_inverse_cdf, target_probs
+from tpfuse.spec.verify import STREAM_SEEDED, VerifyResult, sample_inverse_cdf, target_probs
 
 
 @dataclass
@@ -339,7 +339,7 @@ def seeded_prompt_tokens(
     seeds = [row_seed(seq.params.seed, engine_seed, seq.seq_id, -1) for seq in seqs]
     seeds = torch.tensor(seeds, device=device)
     counters = torch.tensor([[len(seq) - seq.num_prompt_tokens] for seq in seqs], device=device)
-    drawn = sample_inverse_cdf(probs, uniform(seeds, _STREAM_SEEDED, counters).reshape(-1)).tolist()
+    drawn = sample_inverse_cdf(probs, uniform(seeds, STREAM_SEEDED, counters).reshape(-1)).tolist()
     out = list(sampled)
     for (j, _), token in zip(picks, drawn, strict=True):
         out[j] = token

@@ -21,9 +21,8 @@ import torch
 
 from tpfuse.spec.seeded_random import uniform
 from tpfuse.spec.tree import DraftTree
-from tpfuse.spec.verify import sample_inverse_cdf, target_probs
+from tpfuse.spec.verify import STREAM_SEEDED, sample_inverse_cdf, target_probs
 
-_STREAM_SEEDED = 5  # the stream seeded_sample_verify draws from: one token per output index
 _STREAM_TREE_ACCEPT = 6
 _STREAM_TREE_SAMPLE = 7
 
@@ -103,7 +102,7 @@ def seeded_tree_verify(
     batch, n, _ = target_logits.shape
     p = target_probs(target_logits, temperatures.clamp(min=1e-6), top_ks, top_ps)
     counters = first_output_index[:, None] + tree.depths
-    u = uniform(request_seeds, _STREAM_SEEDED, counters)
+    u = uniform(request_seeds, STREAM_SEEDED, counters)
     drawn = sample_inverse_cdf(p.reshape(batch * n, -1), u.reshape(-1)).view(batch, n)
     target = torch.where((temperatures <= 0)[:, None], target_logits.argmax(dim=-1), drawn)
     return match_tree_verify(tree, target, depth_limit, max_depth)

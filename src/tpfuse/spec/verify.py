@@ -19,7 +19,9 @@ from tpfuse.spec.seeded_random import uniform
 
 _STREAM_ACCEPT = 1
 _STREAM_SAMPLE = 2
-_STREAM_SEEDED = 5
+# The stream seeded rows draw from: one token per (seed, output index), whichever step emits it (a
+# verify, a tree verify or a prompt step: engine/spec_decoder.py seeded_prompt_tokens).
+STREAM_SEEDED = 5
 
 
 @dataclass
@@ -121,7 +123,7 @@ def seeded_sample_verify(
     device = target_logits.device
     p = target_probs(target_logits, temperatures.to(device), top_ks.to(device), top_ps.to(device))
     counters = first_output_index.to(device)[:, None] + torch.arange(k + 1, device=device)[None, :]
-    u = uniform(seeds.to(device), _STREAM_SEEDED, counters)
+    u = uniform(seeds.to(device), STREAM_SEEDED, counters)
     drawn = sample_inverse_cdf(p.reshape(batch * (k + 1), -1), u.reshape(-1)).view(batch, k + 1)
     greedy_rows = (temperatures.to(device) <= 0)[:, None]
     target = torch.where(greedy_rows, target_logits.argmax(dim=-1), drawn)
