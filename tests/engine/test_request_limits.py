@@ -82,3 +82,17 @@ def test_none_stop_lists_mean_none():
     params = SamplingParams(stop=None, stop_token_ids=None)
     assert params.stop == [] and params.stop_token_ids == []
     assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}  # JSON keys stay accepted
+
+
+def test_min_tokens_with_every_token_banned_is_refused_and_the_engine_serves_on(engine):
+    """Stop ids plus the end-of-sequence ids covering the vocabulary leave nothing to emit before
+    min_tokens: the engine used to emit token 0, a banned token."""
+    vocab = engine.vocab_size
+    every = SamplingParams(stop_token_ids=list(range(vocab)), min_tokens=2, max_tokens=3)
+    with pytest.raises(ValueError, match=rf"cover all {vocab} tokens, so min_tokens 2 leaves no token"):
+        engine.add_request("all-banned", [1, 2], every)
+    assert not engine.has_unfinished()
+    all_but_one = SamplingParams(
+        stop_token_ids=list(range(1, vocab)), min_tokens=2, max_tokens=3, ignore_eos=True
+    )
+    assert _run(engine, "one-left", all_but_one)[:2] == [0, 0]

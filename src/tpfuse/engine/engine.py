@@ -149,9 +149,9 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
         """Queues a request. Raises ValueError for a duplicate id, an empty prompt, a token id (of the
-        prompt or stop_token_ids) outside the vocabulary, or a prompt plus max_tokens longer than
-        max_model_len, or a prompt that is not integer token ids (TypeError for params that are not a
-        SamplingParams)."""
+        prompt or stop_token_ids) outside the vocabulary, a prompt plus max_tokens longer than
+        max_model_len, a prompt that is not integer token ids, or min_tokens with every token banned
+        (TypeError for params that are not a SamplingParams)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         params = (params or SamplingParams()).checked_for(self.vocab_size)
@@ -174,6 +174,14 @@ class LLMEngine:
                 f"max_tokens {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
                 f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
             )
+        if params.min_tokens and params.grammar is None:
+            eos = set() if params.ignore_eos else self.scheduler.eos_token_ids
+            banned = set(params.stop_token_ids) | eos
+            if len(banned) >= self.vocab_size:
+                raise ValueError(
+                    f"stop_token_ids and the end-of-sequence ids cover all {self.vocab_size} tokens, so "
+                    f"min_tokens {params.min_tokens} leaves no token to emit; drop stop ids or min_tokens"
+                )
         if params.needs_logits_processing:
             if self.config.speculative.enabled:
                 raise ValueError(
