@@ -96,3 +96,16 @@ def test_min_tokens_with_every_token_banned_is_refused_and_the_engine_serves_on(
         stop_token_ids=list(range(1, vocab)), min_tokens=2, max_tokens=3, ignore_eos=True
     )
     assert _run(engine, "one-left", all_but_one)[:2] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(top_k=True), dict(seed=True), dict(max_tokens=True), dict(temperature=True), dict(logprobs=True),
+     dict(presence_penalty="1"), dict(frequency_penalty=None), dict(repetition_penalty="1.1"),
+     dict(ignore_eos="false")],
+)  # fmt: skip
+def test_values_of_the_wrong_type_are_refused_naming_the_field(kwargs):
+    """Booleans were taken as 1 and strings failed in a bare comparison; "false" read as true."""
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)

@@ -12,6 +12,16 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 
 
+def _is_int(value) -> bool:
+    """An integer, and not a boolean (True is no token count or seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """An int or a float, and not a boolean or a string."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _is_int_like(value) -> bool:
     """An int (numpy's too) or a decimal string (JSON object keys)."""
     if isinstance(value, str):
@@ -73,26 +83,28 @@ class SamplingParams:
         if bad:  # int() would turn 2.7 into 2
             raise ValueError(f"stop_token_ids must be integer token ids, got {bad[0]!r}")
         self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids or []]
-        if not (isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+        if not (_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             raise ValueError(
                 f"temperature must lie in [0, {MAX_TEMPERATURE}] (0: greedy), got {self.temperature!r}"
             )
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
-        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+        if not _is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be -1 (off) or a positive int64, got {self.top_k!r}")
         for name in ("max_tokens", "min_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+            if not _is_int(value) or not 0 <= value <= INT64_MAX:
                 raise ValueError(f"{name} must be a non-negative int64, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
@@ -101,7 +113,7 @@ class SamplingParams:
 
     def _check_processing(self) -> None:
         if self.logprobs is not None and not (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
@@ -113,12 +125,12 @@ class SamplingParams:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             if not all(0 <= t <= INT64_MAX and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
                 raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if not (_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
             raise ValueError(
                 f"repetition_penalty must lie in (0, 10] (1: off), got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
+            if not (_is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must lie in [-2, 2] (0: off), got {getattr(self, name)}")
         if self.grammar is not None and self.grammar.kind not in ("json_schema", "ebnf"):
             raise ValueError(f"grammar kind must be json_schema or ebnf, got {self.grammar.kind!r}")
