@@ -137,6 +137,11 @@ class EngineConfig:
             raise ValueError(f"--allreduce must be auto, fused or nccl, got {self.allreduce!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(
+                f"--num-kv-blocks must be >= 1 (or left out: the KV capacity is measured), "
+                f"got {self.num_kv_blocks}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_tokens_per_step < 1:

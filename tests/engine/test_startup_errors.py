@@ -165,3 +165,15 @@ def test_devices_at_tp_size_1_picks_the_gpu(monkeypatch):
     assert built["device"] == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"--devices names GPU 2 but only GPUs 0\.\.1 are visible"):
         engine._make_executor(EngineConfig(model="tiny", device="cuda", devices=[2]))
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_num_kv_blocks_below_1_is_refused_naming_the_flag(command, monkeypatch, capsys):
+    from tpfuse import cli
+
+    monkeypatch.setattr("tpfuse.engine.cli._generate", lambda *args: 0)
+    monkeypatch.setattr("tpfuse.server.cli.run_server", lambda *args: 0)
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert cli.main([command, "--model", "tiny", "--device", "cpu", "--num-kv-blocks", "0", *prompt]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--num-kv-blocks must be >= 1 (or left out: the KV capacity is measured), got 0" in line, line
