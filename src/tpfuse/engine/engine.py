@@ -18,7 +18,6 @@ synchronous loop gives it.
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from tpfuse.config import EngineConfig
 from tpfuse.engine.block_manager import BlockManager
 from tpfuse.engine.executor import Executor
 from tpfuse.engine.logits_processing import LogitsProcessing, TokenLogprobs
-from tpfuse.engine.sampling_params import SamplingParams
+from tpfuse.engine.sampling_params import SamplingParams, token_ids
 from tpfuse.engine.scheduler import GrowthReserve, Scheduler
 from tpfuse.engine.sequence import Sequence
 from tpfuse.engine.step_strategy import LaunchedStep, PlainSteps, StepStrategy
@@ -80,17 +79,12 @@ def _make_executor(config: EngineConfig) -> Executor:
     return TensorParallelExecutor(config)
 
 
-def _token_ids(prompt) -> list[int]:
+def _prompt_ids(prompt) -> list[int]:
     """prompt as a list of ints (numpy integers too); raises ValueError for anything else, which a
     step would fail on (every later step too, as the request stays queued)."""
     if isinstance(prompt, str | bytes | bytearray):
         raise ValueError("the prompt must be a list of token ids, got a string; tokenize it first")
-    ids = []
-    for t in prompt:
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise ValueError(f"prompt token ids must be integers, got {t!r}")
-        ids.append(operator.index(t))
-    return ids
+    return token_ids(prompt, "prompt token ids must be integers")
 
 
 class LLMEngine:
@@ -157,7 +151,7 @@ class LLMEngine:
         params = (params or SamplingParams()).checked_for(self.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = _token_ids(prompt_token_ids)
+        prompt_token_ids = _prompt_ids(prompt_token_ids)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")

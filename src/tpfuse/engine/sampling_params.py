@@ -22,6 +22,17 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def token_ids(values, must: str) -> list[int]:
+    """values as a list of int token ids (numpy integers too); anything else (a bool, a float, which
+    int() would turn from 2.7 into 2, a string) raises ValueError(f"{must}, got {value!r}")."""
+    ids = []
+    for t in values:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise ValueError(f"{must}, got {t!r}")
+        ids.append(operator.index(t))
+    return ids
+
+
 def _is_int_like(value) -> bool:
     """An int (numpy's too) or a decimal string (JSON object keys)."""
     if isinstance(value, str):
@@ -79,10 +90,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        bad = [t for t in self.stop_token_ids or [] if isinstance(t, bool) or not hasattr(t, "__index__")]
-        if bad:  # int() would turn 2.7 into 2
-            raise ValueError(f"stop_token_ids must be integer token ids, got {bad[0]!r}")
-        self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids or []]
+        self.stop_token_ids = token_ids(self.stop_token_ids or [], "stop_token_ids must be integer token ids")
         if not (_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             raise ValueError(
                 f"temperature must lie in [0, {MAX_TEMPERATURE}] (0: greedy), got {self.temperature!r}"

@@ -198,7 +198,7 @@ class ModelConfig:
             **_moe_fields(hf, architecture, source),
             dtype=resolve_dtype(hf.get("torch_dtype") or hf.get("dtype"), dtype, source),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf, generation_config, source),
+            eos_token_ids=eos_ids(hf, generation_config, source),
         )
         fields.update(_deepseek_fields(hf, architecture, source))
         try:
@@ -325,7 +325,9 @@ def _token_ids(value, where: str) -> list[int]:
     return values
 
 
-def _eos_ids(hf: dict, generation_config: dict | None, source: str) -> tuple[int, ...]:
+def eos_ids(hf: dict, generation_config: dict | None, source: str) -> tuple[int, ...]:
+    """The eos_token_id of config.json (hf, read from source) and generation_config.json beside it,
+    in that order without repeats; ValueError naming the file for a value that is not a token id."""
     folder = os.path.dirname(source)
     ids = _token_ids(hf.get("eos_token_id"), source) + _token_ids(
         (generation_config or {}).get("eos_token_id"), os.path.join(folder, "generation_config.json")

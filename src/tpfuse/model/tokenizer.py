@@ -74,6 +74,7 @@ class HFTokenizer:
         from huggingface_hub import errors as hub_errors
         from transformers import AutoTokenizer
 
+        from tpfuse.model.config import eos_ids
         from tpfuse.model.loader import read_json
 
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
@@ -82,14 +83,15 @@ class HFTokenizer:
                 "original checkpoint"
             )
         # Read first: a config.json that is not a JSON object is named here, not deep in transformers.
-        configs = [read_json(os.path.join(path, name)) for name in ("generation_config.json", "config.json")]
+        config_path = os.path.join(path, "config.json")
+        config, generation = read_json(config_path), read_json(os.path.join(path, "generation_config.json"))
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             reason = " ".join(str(e).split())
             raise ValueError(f"could not load the tokenizer in {path}: {reason}") from e
         except getattr(hub_errors, "StrictDataclassError", ()) as e:  # transformers 5 types configs strictly
-            raise ValueError(_config_type_error(os.path.join(path, "config.json"), e)) from e
+            raise ValueError(_config_type_error(config_path, e)) from e
         except (KeyError, IndexError, TypeError, AttributeError) as e:  # e.g. a config.json field it misreads
             reason = f"{type(e).__name__}: {' '.join(str(e).split())}"
             raise ValueError(
@@ -99,10 +101,7 @@ class HFTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
         eos = {self._tok.eos_token_id} if self._tok.eos_token_id is not None else set()
-        for config in configs:
-            value = (config or {}).get("eos_token_id")
-            eos.update(value if isinstance(value, list) else [] if value is None else [value])
-        self.eos_token_ids = {int(i) for i in eos}
+        self.eos_token_ids = eos | set(eos_ids(config or {}, generation, config_path))
 
     def encode(self, text: str) -> list[int]:
         """Token ids; the tokenizer's bos is added unless text already starts with it (chat templates do)."""
