@@ -1,7 +1,7 @@
 """INT4 W4A16 (group 128, symmetric, bf16 scales) at one row: the FMA GEMV (kernels/quant_int.py), its
-GemvTile forms (kernels/quant_int_gemv.py: "vec", "xs") and the tensor-core kernel
-(kernels/quant_int_magic.py) at every candidate tile start-up timing tries (model/linear_choice.py
-QUANT_TILES[1]), at the llama-3.1-8b projections.
+GemvTile forms (kernels/quant_int_gemv.py: "vec", "xs"), the tensor-core kernel
+(kernels/quant_int_magic.py) and the f16x2 GEMV (kernels/quant_int_half2.py) at every candidate tile
+start-up timing tries (model/linear_choice.py QUANT_TILES[1]), at the llama-3.1-8b projections.
 
 Each case is timed by CUDA-graph replay (gpu_timing.graph_us: launches captured back to back, the
 median of repeats) round-robin over enough weight copies to exceed the L2, as 32 layers' weights do.
@@ -11,10 +11,12 @@ weight; rel is that over max |reference|.
 
 Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4.3] [--json PATH] [--sweep]
     [--forms int,vec,xs,magic] [--shapes qkv,o_proj,gate_up,down]
---sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K) and
-GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers).
+--sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K),
+GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers) and HALF2_SWEEP
+(kernels/quant_int_half2.py's f16x2 GEMV by rows, K step and warps).
 --forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV); --shapes those shapes.
-Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, else "gemv".
+Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, "half2" for the
+f16x2 GEMV, else "gemv".
 --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one call each, no timing: a check that
 the script runs; the interpreter multiplies bf16 tl.dot operands as raw bits, so the tensor-core rows'
 errors mean something only where tests/kernels/test_quant_int_magic.py patches that).
@@ -33,7 +35,7 @@ import triton
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
 from tpfuse.kernels import quant_int  # noqa: E402
-from tpfuse.kernels.quant_int import GemvTile, MagicTile  # noqa: E402
+from tpfuse.kernels.quant_int import GemvTile, Half2Tile, MagicTile  # noqa: E402
 from tpfuse.model.linear_choice import QUANT_TILES  # noqa: E402
 
 SWEEP = tuple(  # --sweep: more tensor-core tiles than start-up times, to choose its candidates from
@@ -56,7 +58,13 @@ GEMV_SWEEP = (  # --sweep: more GemvTile forms than start-up times (kernels/quan
     GemvTile(1, 8, 1024, 1, 1, pin=True),
     GemvTile(1, 16, 2048, 1, 2, max_registers=128),
 )
-FORMS = ("int", "vec", "xs", "magic")
+HALF2_SWEEP = tuple(  # --sweep: f16x2 tiles (kernels/quant_int_half2.py) by rows, K step and warps
+    Half2Tile(1, n, k, 1, w)
+    for n in (1, 2, 4, 8, 16)
+    for k, w in ((1024, 1), (2048, 1), (4096, 1), (2048, 2), (4096, 2), (4096, 4), (8192, 4))
+    if n * k // (32 * 32 * w) <= 16
+)
+FORMS = ("int", "vec", "xs", "magic", "half2")
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (32, 384)}
 GROUP = 128
@@ -80,6 +88,8 @@ def family(tile) -> str:
     """The kernel family of a tile: "magic", a GemvTile's form, else "int" (kernels/quant_int.py)."""
     if isinstance(tile, MagicTile):
         return "magic"
+    if isinstance(tile, Half2Tile):
+        return "half2"
     return tile.form if isinstance(tile, GemvTile) else "int"
 
 
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = {name: shapes[name] for name in args.shapes.split(",")}
     tiles = QUANT_TILES[1]
     if args.sweep:
-        tiles += tuple(t for t in SWEEP + GEMV_SWEEP if t not in QUANT_TILES[1])
+        tiles += tuple(t for t in SWEEP + GEMV_SWEEP + HALF2_SWEEP if t not in QUANT_TILES[1])
     tiles = tuple(t for t in tiles if family(t) in forms)
     print(
         f"INT4 group {GROUP}, 1 row, bf16 x; copy bandwidth {copy_tbps:.2f} TB/s" + (" (smoke)" * args.smoke)
@@ -152,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             us = time_us(calls, args.smoke)
             gbps = call_bytes / us / 1e3
             best[form] = min(best.get(form, (float("inf"), "")), (us, tile.label()))
-            row = dict(shape=name, N=num_cols, K=hidden, kernel="magic" if form == "magic" else "gemv",
-                       form=form, tile=tile.label(), us=round(us, 2),
+            kernel = form if form in ("magic", "half2") else "gemv"
+            row = dict(shape=name, N=num_cols, K=hidden, kernel=kernel, form=form, tile=tile.label(),
+                       us=round(us, 2),
                        candidate=tile in QUANT_TILES[1],
                        GBps=round(gbps, 1), of_copy=round(gbps / (copy_tbps * 1e3), 3),
                        max_abs_err=err, rel_err=rel)  # fmt: skip

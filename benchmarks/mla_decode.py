@@ -15,8 +15,9 @@ attention kernel at q_len 1 as decode launched it before (old_decode)
 (mla_attention.py, still the prefill / verify path), timed on the same inputs.
 
 Usage (device machine, repo root): python benchmarks/mla_decode.py [--quick] [--no-old] [--sweep]
-[--sweep-cases 16x64x32768,...]. --sweep times candidate tiles and split targets at six cases (or the
-given heads x batch x context) instead of the table. JSON rows go to
+[--sweep-cases 16x64x32768,...] [--heads 16,32,128] (the table's head counts). --sweep times
+candidate tiles and split targets at six cases (or the given heads x batch x context) instead of the
+table. JSON rows go to
 $OUT/mla_decode.json (or mla_decode_sweep.json) when $OUT is set.
 """
 
@@ -174,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k and 32k only")
     parser.add_argument("--no-old", action="store_true", help="skip the generic kernel's times")
+    parser.add_argument("--heads", default="16,32,128", help="head counts of the table, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="candidate tiles and split targets instead")
     parser.add_argument(
         "--sweep-cases", default=None,
@@ -207,7 +209,7 @@ def main() -> None:
         f"{'heads':>5} {'batch':>5} {'ctx':>6} {'split':>5} {'new_us':>8} {'alt_us':>8} {'old_us':>8} "
         f"{'TB/s':>5} {'TFLOP/s':>7} {'bound':>5} {'of_bound':>8} {'alt_of':>6} {'old_of':>6} {'err':>7}"
     )
-    for heads in (16, 32, 128):
+    for heads in [int(h) for h in args.heads.split(",")]:
         for batch in batches:
             for context in contexts:
                 case = make_case(batch, context, heads)

@@ -115,6 +115,37 @@ def test_every_timed_candidate_tile_matches_float64_in_and_out_of_cuda_graphs(ki
                 _close(_in_graph(lambda inp, tile=tile: run(inp, tile), x), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n,k,group,offsets", [(4096, 4096, 128, False), (37, 1056, 32, True), (300, 14336, 14336, False)]
+)
+def test_half2_int4_gemv_matches_float64_at_hard_inputs(dtype, n, k, group, offsets):
+    """The f16x2 PTX of kernels/quant_int_half2.py (the CPU tests run its fp32 stand-in): x with a few
+    entries near 4000 and the rest near 1e-3 (the f16 sums' range), then only the 1e-3 ones (the
+    precision of small x, which a fixed f16 scale would lose to subnormals), offsets,
+    rows and whole vectors masked, into poisoned outputs, eagerly and in a CUDA graph."""
+    from tpfuse.kernels import quant_int_half2
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+
+    gen = torch.Generator(DEVICE).manual_seed(n + k)
+    packed = quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen, device=DEVICE), 4)
+    scales = (torch.rand(n, -(-k // group), generator=gen, device=DEVICE) * 0.01 + 1e-3).bfloat16()
+    shift = torch.randn(n, -(-k // group), generator=gen, device=DEVICE) * 0.02 if offsets else None
+    tiny = torch.randn(1, k, generator=gen, device=DEVICE) * 1e-3
+    spiked = tiny.clone()
+    spiked[0, torch.randperm(k, generator=gen, device=DEVICE)[:8]] = 4000.0
+    for x in (spiked.to(dtype), tiny.to(dtype)):
+        expected = x.double() @ quant_int.dequantize_int(packed, scales, shift, 4, group, k).double().T
+        for tile in (Half2Tile(1, 8, 1024, 1, 1), Half2Tile(1, 16, 2048, 1, 2), Half2Tile(1, 8, 4096, 1, 4)):
+            out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+
+            def run(inp, tile=tile, out=out):
+                return quant_int_half2.half2_int4_gemv(inp, packed, scales, shift, group, tile=tile, out=out)
+
+            _close(run(x), expected)
+            _close(_in_graph(run, x), expected)
+
+
 def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
     x = torch.randn(77, 1000, device=DEVICE).bfloat16() * 3
     for group in (128, 1000):

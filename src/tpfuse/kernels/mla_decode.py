@@ -152,6 +152,8 @@ def mla_decode_tile(heads: int) -> tuple[int, int, int, int, bool]:
     block_h = min(max(triton.next_power_of_2(heads), 16), 64)
     if block_h == 64:  # 3 stages: 4-11 % faster than 2 on the H200 at 128 heads (PERF.md)
         return 64, 64, 8, 3, False
+    if block_h == 16:  # 3 stages: 1-4 % faster than 2 on the H200's memory-bound cases (PERF.md)
+        return 16, 32, 4, 3, False
     return block_h, 32, 4, 2, False
 
 

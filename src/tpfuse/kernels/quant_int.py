@@ -15,7 +15,8 @@ multiplies the value's float pattern 1 + q / 2^bits (two integer ops, no int-to-
 the x entries it meets; the scale multiplies once per word (once per step when the group spans it),
 and the [BLOCK_N, words] accumulator is reduced once.
 Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot); kernels/quant_int_magic.py
-is the one-row tensor-core alternative (a MagicTile). Which tile runs each shape is measured at
+is the one-row tensor-core alternative (a MagicTile), kernels/quant_int_half2.py the one-row f16x2
+one (a Half2Tile). Which tile runs each shape is measured at
 start-up (model/linear_choice.py).
 """
 
@@ -25,15 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import pdl, quant_int_gemv, quant_int_magic
+from tpfuse.kernels import pdl, quant_int_gemv, quant_int_half2, quant_int_magic
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
 from tpfuse.kernels.quant_int_gemv import GemvTile, x_pairs
+from tpfuse.kernels.quant_int_half2 import Half2Tile
 from tpfuse.kernels.quant_int_magic import MagicTile
 
 __all__ = [
-    "GemvTile", "IntTile", "MagicTile", "dequantize_int", "int_linear_ref", "int_linear_triton", "pack_int",
-    "unpack_int",
+    "GemvTile", "Half2Tile", "IntTile", "MagicTile", "dequantize_int", "int_linear_ref", "int_linear_triton",
+    "pack_int", "unpack_int",
 ]  # fmt: skip
 
 SUPPORTED_BITS = (4, 8)
@@ -248,9 +250,10 @@ def int_linear_triton(
 ):
     """Triton int_linear_ref. x: [M, K] bf16/fp16/fp32, contiguous along K; bias [N] or None.
     One row runs the GEMV kernel above, more rows kernels/quant_dot.py; a MagicTile runs
-    kernels/quant_int_magic.py and a GemvTile kernels/quant_int_gemv.py where they fit (else the
-    default tile). Returns a new [M, N] of x.dtype. Raises ValueError for shapes that do not fit the
-    layout, a group size that splits a packed word, or a GEMV tile given several rows."""
+    kernels/quant_int_magic.py, a Half2Tile kernels/quant_int_half2.py and a GemvTile
+    kernels/quant_int_gemv.py where they fit (else the default tile). Returns a new [M, N] of x.dtype.
+    Raises ValueError for shapes that do not fit the layout, a group size that splits a packed word,
+    or a GEMV tile given several rows."""
     num_rows, hidden = x.shape
     check_int_weights(packed, scales, offsets, bits, group_size, hidden)
     if x.stride(1) != 1:
@@ -266,6 +269,12 @@ def int_linear_triton(
     if isinstance(tile, MagicTile):
         if quant_int_magic.fits(x, bits, group_size):
             return quant_int_magic.magic_int4_gemv(x, packed, scales, offsets, group_size, bias, tile=tile)
+        tile = None
+    if isinstance(tile, Half2Tile):
+        if num_rows != 1:
+            raise ValueError(f"the half2 GEMV tile takes one row; got {num_rows}")
+        if quant_int_half2.fits(x, bits, group_size):
+            return quant_int_half2.half2_int4_gemv(x, packed, scales, offsets, group_size, bias, tile=tile)
         tile = None
     if isinstance(tile, GemvTile):
         if num_rows != 1:

@@ -32,7 +32,7 @@ import triton
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
-from tpfuse.kernels.quant_int import GemvTile, IntTile, MagicTile
+from tpfuse.kernels.quant_int import GemvTile, Half2Tile, IntTile, MagicTile
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
 log = logging.getLogger("tpfuse")
@@ -236,23 +236,19 @@ def reset() -> None:
 # timed the same way over the model's own layers of that shape; there is no cuBLAS route to race.
 # A method that takes part exposes product(layer, x, bias, tile) and tile_key(layer) (its name and
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
-# are few (each is a compile at start-up): bucket 1 the GEMV of kernels/quant_int.py at 8 rows per
-# program (41.9 us at gate_up on an H200, against 46.6 at 16 rows and 72 at 32: those two dropped;
-# about 6.1 instructions per weight on sm_90), two forms of kernels/quant_int_gemv.py (GemvTile: one
-# 16-byte vector of codes per thread and row, x and scales in the codes' registers, 3.1-3.4
-# instructions per weight, 125-128 registers: 16 rows x 2048 a step on 2 warps, the fastest at
-# gate_up; 8 rows x 2048 on 2 warps with each step's loads issued up front, the fastest at qkv,
-# o_proj and down; its one-step and x-stationary forms lost everywhere: docs/PERF.md), and
-# kernels/quant_int_magic.py's
-# tensor-core form (128 rows x 128 columns: about 1.7 with the
-# words prefetched in registers, 2.1 through a 4-stage cp.async pipeline, which adds 16 KB of shared
-# memory traffic per 8 KB of codes; split-K so the 4096-row projections fill the SMs; shapes it does
-# not fit run the GEMV's default tile);
+# are few (each is a compile at start-up). Bucket 1: kernels/quant_int_half2.py's f16x2 GEMV (about
+# 2.2 instructions per weight on sm_90) at the tiles that won its sweep at each llama-3.1-8b shape
+# (docs/PERF.md: 1.2-1.35x the fp32 forms below on the H100), and for the layouts it does not take
+# (8 bits, fp32 x, groups splitting a 32-code vector) the GEMV of kernels/quant_int.py and two forms
+# of kernels/quant_int_gemv.py (GemvTile: fp32 products, 3.1-3.4 instructions per weight), and
+# kernels/quant_int_magic.py's tensor-core form (128 rows x 128 columns, split-K; it lost to the
+# GEMVs wherever it was timed, and stays a candidate for GPUs where the tensor cores may win);
 # 16-64 rows the tl.dot tile with the weight as the MMA's M side (64 rows, swap), x (32 columns,
 # twice the programs for the 4096-row projections), or split-K (o_proj / down: 64 of 132 SMs busy
 # otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
-    1: (IntTile(1, 8, 1024, 1, 4), GemvTile(1, 16, 2048, 1, 2), GemvTile(1, 8, 2048, 1, 2, pin=True),
+    1: (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 2, 4096, 1, 1), Half2Tile(1, 4, 4096, 1, 2),
+        IntTile(1, 8, 1024, 1, 4), GemvTile(1, 16, 2048, 1, 2), GemvTile(1, 8, 2048, 1, 2, pin=True),
         MagicTile(1, 128, 128, 1, 4), MagicTile(1, 128, 128, 1, 4, split_k=2),
         MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2)),
     **{

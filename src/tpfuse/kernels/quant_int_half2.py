@@ -1,0 +1,298 @@
+"""One-row INT4 GEMV with the dequantization and the products two weights per instruction (f16x2).
+
+Contract and weight layout of kernels/quant_int.py (which checks the inputs and launches this for a
+Half2Tile): packed [N, ceil(K / 8)] int32, value i of a word in bits [4i, 4i + 4); scales
+[N, ceil(K / group)] any float; offsets None (w = (q - 8) s) or float32 of the scales' shape
+(w = q s + o); x [1, K] bf16 or fp16 with K a multiple of 32 and the group a multiple of 32 (fits);
+out [1, N] of x's dtype.
+
+Per word and pair of f16 lanes (PTX inline, module constants below): one LOP3 turns the codes at
+bits 0-3 and 16-19 into the f16 pair (1024 + q_i, 1024 + q_i+4), or those at bits 4-7 / 20-23 into
+1024 + 16 q; one HSUB2 makes q - 8 (times 16) exactly; one HFMA2 multiplies it by the matching x pair
+and adds it to an f16x2 sum over the 16-byte vector (32 codes, one scale group). So a weight costs
+about 1.7 instructions, against 3.1-3.8 for the fp32 forms of kernels/quant_int_gemv.py.
+
+x is turned into those pairs once a step for all of a program's rows, in block floating point: each
+vector's x is multiplied by m = 2^-E (E the exponent of its largest |x|), so the largest is in
+[1, 2), every product of the f16 sum is at most 16 and the sum at most 256 whatever x's range, and
+values more than 2^10 below the vector's largest (which add nothing a bf16 output can show) are the
+only ones that lose precision (f16 subnormals). The x16 lanes take m / 16. The vector's sum P goes
+to fp32 and takes its scale there: sum_k w x = (s / m) P (+ (8 s + o) X with offsets, X the vector's
+x sum). Accuracy: each product rounds to f16 (11 bits) and so does each of a lane's 16 partial sums:
+about 1e-3 of a vector's magnitude, against bf16 output's 4e-3.
+
+Layout: a step is a [BLOCK_N, CH, 4] tile of words (row, 16-byte vector, word), each thread one
+vector of each of its rows, and x of that vector as 4 more 16-byte loads of the same shape
+(kernels/quant_int_gemv.py's arrangement), so codes, x pairs and scales share registers without
+shared memory. The f16x2 code needs a GPU: under TRITON_INTERPRET the same sums run in fp32 (the
+CPU tests check the layout, masks, scales and offsets; the GPU tests the f16x2 code).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels import pdl
+from tpfuse.kernels.quant_dot import IntTile
+
+__all__ = ["Half2Tile", "fits", "half2_int4_gemv"]
+
+VECTOR_VALUES = 32  # codes in one 16-byte vector (4 words)
+
+# Two float32 values as one f16 pair: $1 the low lane, $2 the high one.
+_F16_PAIR = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+
+
+def _word(w: int, x0: int) -> str:
+    """PTX: word operand $w, its x pairs $x0 .. $x0 + 3, into the f16x2 register acc."""
+    return f"""
+lop3.b32 t, ${w}, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, k_lo;
+fma.rn.f16x2 acc, t, ${x0}, acc;
+lop3.b32 t, ${w}, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t, t, k_hi;
+fma.rn.f16x2 acc, t, ${x0 + 1}, acc;
+shr.u32 w8, ${w}, 8;
+lop3.b32 t, w8, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, k_lo;
+fma.rn.f16x2 acc, t, ${x0 + 2}, acc;
+lop3.b32 t, w8, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 t, t, k_hi;
+fma.rn.f16x2 acc, t, ${x0 + 3}, acc;
+"""
+
+
+# $0 (f32): sum over a vector of (q - 8) x m; $1..$4 its words, $5..$20 their x pairs (4 a word).
+# k_lo / k_hi: 1024 + 8 and 1024 + 128 as f16 pairs.
+_VECTOR = tl.constexpr(
+    """
+{
+.reg .b32 t, w8, acc, k_lo, k_hi;
+.reg .b16 h0, h1;
+.reg .f32 f0, f1;
+mov.b32 acc, 0;
+mov.b32 k_lo, 0x64086408;
+mov.b32 k_hi, 0x64806480;
+"""
+    + "".join(_word(1 + v, 5 + 4 * v) for v in range(4))
+    + """
+mov.b32 {h0, h1}, acc;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+add.f32 $0, f0, f1;
+}
+"""
+)
+
+
+@dataclass(frozen=True)
+class Half2Tile(IntTile):
+    """A launch of the kernel here (block_m 1; block_n rows a program; block_k the K step, one 16-byte
+    vector a thread and row at 32 * 32 * num_warps; num_stages unused)."""
+
+    def label(self) -> str:
+        return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}"
+
+
+def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether the kernel takes this layout: 4 bits, bf16 / fp16 x as aligned pairs, K and the group
+    (unless it spans K) multiples of 32."""
+    hidden = x.shape[-1]
+    return (
+        bits == 4
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and hidden % VECTOR_VALUES == 0
+        and (group_size >= hidden or group_size % VECTOR_VALUES == 0)
+        and x.data_ptr() % 16 == 0
+    )
+
+
+@triton.jit
+def _split4(t, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 4] -> its four [A, B] slices along the last dim (register renaming)."""
+    e02, e13 = tl.split(tl.reshape(t, [A, B, 2, 2]))
+    e0, e2 = tl.split(e02)
+    e1, e3 = tl.split(e13)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _x_word(x_words, k_vec, k_ok, v: tl.constexpr, X_FP16: tl.constexpr, K_MASK: tl.constexpr):
+    """x of word v of each vector (k_vec [CH] its first k) as float32 (low, high) [CH, 4]: low[c, j] =
+    x[k + 2j], high[c, j] = x[k + 2j + 1] (read as int32 pairs; zeros masked)."""
+    idx = (k_vec // 2 + 4 * v)[:, None] + tl.arange(0, 4)[None, :]
+    if K_MASK:
+        pairs = tl.load(x_words + idx, mask=k_ok[:, None], other=0)
+    else:
+        pairs = tl.load(x_words + idx)
+    if X_FP16:
+        lo = (pairs & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (pairs << 16).to(tl.float32, bitcast=True)
+        hi = (pairs & -65536).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _abs_max(lo, hi):
+    return tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1)
+
+
+@triton.jit
+def _columns(t, CH: tl.constexpr):
+    """[CH, 4] -> its four columns [CH]."""
+    e02, e13 = tl.split(tl.reshape(t, [CH, 2, 2]))
+    e0, e2 = tl.split(e02)
+    e1, e3 = tl.split(e13)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _f16_pair(low, high):
+    return tl.inline_asm_elementwise(_F16_PAIR, "=r,r,r", [low, high], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_operands(lo, hi, m, CH: tl.constexpr):
+    """A word's x (_x_word) times the vectors' m [CH] as its four f16x2 operands [CH]: (x0, x4),
+    (x1, x5) / 16, (x2, x6), (x3, x7) / 16, the low lane first (module doc)."""
+    l0, l1, l2, l3 = _columns(lo * m[:, None], CH)
+    h0, h1, h2, h3 = _columns(hi * (m * 0.0625)[:, None], CH)
+    return _f16_pair(l0, l2), _f16_pair(h0, h2), _f16_pair(l1, l3), _f16_pair(h1, h3)
+
+
+@triton.jit
+def _word_sum_fp32(w, lo, hi, m, CH: tl.constexpr):
+    """The interpreter's stand-in for the PTX: sum over a word's 8 codes of (q - 8) x m in fp32
+    ([BLOCK_N, CH] words, _x_word's x, m [CH])."""
+    x = tl.reshape(tl.join(lo, hi), [CH, 8]) * m[:, None]  # x[c, i] m for the word's value i
+    shifts = tl.arange(0, 8) * 4
+    q = ((w[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32) - 8.0
+    return tl.sum(q * x[None, :, :], axis=2)
+
+
+@triton.jit
+def _half2_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    bias_ptr,
+    out_ptr,
+    num_cols,
+    hidden: tl.constexpr,
+    stride_qn: tl.constexpr,
+    stride_sn: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,  # BLOCK_N divides num_cols: rows unmasked
+    K_MASK: tl.constexpr,  # BLOCK_K does not divide K: whole vectors masked
+    X_FP16: tl.constexpr,
+    INTERPRET: tl.constexpr,  # fp32 sums instead of the f16x2 PTX (TRITON_INTERPRET)
+    PDL: tl.constexpr,  # kernels/pdl.py
+):
+    """BLOCK_N rows over the whole of K per program (module doc). Offsets are int32 (the launcher checks
+    N * row stride < 2^31)."""
+    pdl.begin(PDL)
+    CH: tl.constexpr = BLOCK_K // 32
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = cols < num_cols
+    c = tl.arange(0, CH)
+    vec = c[:, None] * 4 + tl.arange(0, 4)[None, :]
+    q_rows = q_ptr + (cols * stride_qn)[:, None, None]
+    s_rows = s_ptr + (cols * stride_sn)[:, None]
+    o_rows = o_ptr + (cols * stride_sn)[:, None]
+    x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_vec = k0 + c * 32
+        k_ok = k_vec < hidden
+        w_mask = tl.full([BLOCK_N, CH, 4], 1, tl.int1)
+        s_mask = tl.full([BLOCK_N, CH], 1, tl.int1)
+        if not EVEN_N:
+            w_mask = w_mask & row_mask[:, None, None]
+            s_mask = s_mask & row_mask[:, None]
+        if K_MASK:
+            w_mask = w_mask & k_ok[None, :, None]
+            s_mask = s_mask & k_ok[None, :]
+        words = tl.load(
+            q_rows + (k0 // 8 + vec)[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first"
+        )
+        groups = (k_vec // GROUP)[None, :]
+        s = tl.load(s_rows + groups, mask=s_mask, other=0.0).to(tl.float32)
+        lo0, hi0 = _x_word(x_words, k_vec, k_ok, 0, X_FP16, K_MASK)
+        lo1, hi1 = _x_word(x_words, k_vec, k_ok, 1, X_FP16, K_MASK)
+        lo2, hi2 = _x_word(x_words, k_vec, k_ok, 2, X_FP16, K_MASK)
+        lo3, hi3 = _x_word(x_words, k_vec, k_ok, 3, X_FP16, K_MASK)
+        # per vector m = 2^-E, E the exponent of its largest |x| (at most 2^126 kept: m stays normal)
+        amax = tl.maximum(tl.maximum(_abs_max(lo0, hi0), _abs_max(lo1, hi1)),
+                          tl.maximum(_abs_max(lo2, hi2), _abs_max(lo3, hi3)))  # fmt: skip
+        e = tl.minimum(amax.to(tl.int32, bitcast=True) >> 23, 253)
+        m = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        inv_m = (e << 23).to(tl.float32, bitcast=True)
+        w0, w1, w2, w3 = _split4(words, BLOCK_N, CH)
+        if INTERPRET:
+            p = _word_sum_fp32(w0, lo0, hi0, m, CH) + _word_sum_fp32(w1, lo1, hi1, m, CH)
+            p += _word_sum_fp32(w2, lo2, hi2, m, CH) + _word_sum_fp32(w3, lo3, hi3, m, CH)
+        else:
+            a0, b0, c0, d0 = _word_operands(lo0, hi0, m, CH)
+            a1, b1, c1, d1 = _word_operands(lo1, hi1, m, CH)
+            a2, b2, c2, d2 = _word_operands(lo2, hi2, m, CH)
+            a3, b3, c3, d3 = _word_operands(lo3, hi3, m, CH)
+            p = tl.inline_asm_elementwise(
+                _VECTOR, "=r" + ",r" * 20,
+                [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :],
+                 b1[None, :], c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :],
+                 a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+        acc += s * inv_m[None, :] * p
+        if HAS_OFFSET:  # sum w x = s sum (q - 8) x + (8 s + o) X
+            o = tl.load(o_rows + groups, mask=s_mask, other=0.0)
+            x_sum = tl.sum(lo0 + hi0 + lo1 + hi1 + lo2 + hi2 + lo3 + hi3, axis=1)
+            acc_o += (8.0 * s + o) * x_sum[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_OFFSET:
+        out += tl.sum(acc_o, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def half2_step(tile: Half2Tile, hidden: int) -> int:
+    """The K step: tile.block_k capped at next_power_of_2(K), at least one vector."""
+    return max(VECTOR_VALUES, min(tile.block_k, triton.next_power_of_2(hidden)))
+
+
+def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: Half2Tile, out=None):
+    """x [1, K] @ dequant(packed, scales, offsets).T (+ bias) -> out [1, N] of x.dtype (allocated when
+    None); inputs checked by kernels/quant_int.py, layout fitting (fits)."""
+    hidden = x.shape[1]
+    num_cols = packed.shape[0]
+    if out is None:
+        out = torch.empty((1, num_cols), dtype=x.dtype, device=x.device)
+    if num_cols == 0:
+        return out
+    if max(num_cols * packed.stride(0), num_cols * scales.stride(0)) >= 2**31:
+        raise ValueError("the half2 GEMV indexes the weights with int32 offsets: too many weights")
+    block_k = half2_step(tile, hidden)
+    o_arg = offsets if offsets is not None else scales
+    _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
+        x, packed, scales, o_arg, bias if bias is not None else x, out, num_cols,
+        hidden=hidden, stride_qn=packed.stride(0), stride_sn=scales.stride(0), GROUP=group_size,
+        HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, X_FP16=x.dtype == torch.float16,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tile.num_warps, num_stages=1,
+        **pdl.launch(x.device),
+    )  # fmt: skip
+    return out

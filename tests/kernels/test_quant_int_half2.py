@@ -1,0 +1,77 @@
+"""The f16x2 one-row INT4 GEMV (kernels/quant_int_half2.py, Half2Tile) under the interpreter, where it
+runs its fp32 stand-in for the PTX, against float64 products of the dequantized weights: odd N (rows
+masked), K over several steps and K masked by whole vectors, symmetric and offset codes, bias,
+bf16 and fp16 x, into outputs poisoned with NaN; layouts it does not take go to kernels/quant_int.py's
+GEMV. The PTX itself is checked on the GPU (tests/kernels/test_gpu_quant_kernels.py)."""
+
+import pytest
+import torch
+
+from tpfuse.kernels import quant_int, quant_int_half2
+from tpfuse.kernels.quant_int_half2 import Half2Tile
+
+TILES = {"one-step": Half2Tile(1, 8, 4096, 1, 4), "steps": Half2Tile(1, 4, 128, 1, 1)}
+
+CASES = [  # n, k, group, offsets, bias, x dtype
+    (37, 256, 32, False, False, torch.bfloat16),
+    (5, 480, 96, True, True, torch.bfloat16),  # K = 3.75 steps of 128: whole vectors masked
+    (24, 1024, 1024, False, True, torch.float16),  # one group spanning K
+    (3, 2048, 128, True, False, torch.float16),
+    (16, 160, 160, True, True, torch.bfloat16),
+]
+
+
+def _case(n, k, group, offsets, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), generator=gen)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+    shift = (torch.randn(n, groups, generator=gen) * 0.05) if offsets else None
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return quant_int.pack_int(values, 4), scales, shift, x, bias
+
+
+def _expected(x, packed, scales, offsets, group, bias):
+    weight = quant_int.dequantize_int(packed, scales, offsets, 4, group, x.shape[1]).double()
+    out = x.double() @ weight.T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("tile", list(TILES))
+@pytest.mark.parametrize("n,k,group,offsets,with_bias,dtype", CASES)
+def test_half2_gemv_matches_float64(tile, n, k, group, offsets, with_bias, dtype):
+    packed, scales, shift, x, bias = _case(n, k, group, offsets, dtype, seed=n * 7 + k)
+    bias = bias if with_bias else None
+    expected = _expected(x, packed, scales, shift, group, bias)
+    for out in (
+        quant_int.int_linear_triton(x, packed, scales, shift, 4, group, bias, tile=TILES[tile]),
+        quant_int_half2.half2_int4_gemv(
+            x,
+            packed,
+            scales,
+            shift,
+            group,
+            bias,
+            tile=TILES[tile],
+            out=torch.full((1, n), float("nan"), dtype=dtype),
+        ),
+    ):
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert torch.isfinite(out).all(), "an output left unwritten (NaN poison)"
+        err = (out.double() - expected).abs().max().item()
+        assert err <= 2e-2 * expected.abs().max().item(), err
+
+
+def test_layouts_it_does_not_take_run_the_default_gemv():
+    # 8 bits, fp32 x, K not a multiple of 32, groups splitting a vector: quant_int's GEMV, same product
+    for bits, dtype, k, group in ((8, torch.bfloat16, 256, 64), (4, torch.float32, 256, 64),
+                                  (4, torch.bfloat16, 264, 264), (4, torch.bfloat16, 256, 16)):  # fmt: skip
+        x = torch.randn(1, k).to(dtype)
+        assert not quant_int_half2.fits(x, bits, group)
+        gen = torch.Generator().manual_seed(k + bits)
+        packed = quant_int.pack_int(torch.randint(0, 2**bits, (6, k), generator=gen), bits)
+        scales = torch.rand(6, -(-k // group), generator=gen) * 0.01
+        out = quant_int.int_linear_triton(x, packed, scales, None, bits, group, tile=TILES["steps"])
+        ref = x.double() @ quant_int.dequantize_int(packed, scales, None, bits, group, k).double().T
+        assert (out.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
