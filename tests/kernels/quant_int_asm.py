@@ -1,6 +1,7 @@
 """Instructions per weight in the steady-state K loop of the one-row INT4 kernels for sm_90, without a
-GPU: the FMA GEMV of kernels/quant_int.py, the tensor-core kernel of kernels/quant_int_magic.py and the
-GemvTile forms of kernels/quant_int_gemv.py ("vec" / "xs" rows), at the tiles start-up timing tries
+GPU: the FMA GEMV of kernels/quant_int.py, the tensor-core kernel of kernels/quant_int_magic.py, the
+f16x2 GEMV of kernels/quant_int_half2.py ("half2" rows) and the GemvTile forms of
+kernels/quant_int_gemv.py ("vec" / "xs" rows), at the tiles start-up timing tries
 (model/linear_choice.py QUANT_TILES[1]; --sweep: also benchmarks/int4_gemv.py's GEMV_SWEEP), K = 4096,
 group 128, bf16 x, symmetric codes.
 
@@ -33,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tpfuse.kernels import quant_int, quant_int_gemv, quant_int_magic
+from tpfuse.kernels import quant_int, quant_int_gemv, quant_int_half2, quant_int_magic
 from tpfuse.model.linear_choice import QUANT_TILES
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -48,7 +49,7 @@ _LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);
 def _compile(kernel, pointers: dict, ints: dict, constexprs: dict, tile):
     signature = _signature(kernel, pointers, ints, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if signature[name] != "constexpr" and name != "nibbles"}  # fmt: skip
+             if signature[name] != "constexpr" and name not in ("nibbles", "zero")}  # fmt: skip
     return triton.compile(
         ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
@@ -75,6 +76,16 @@ def compile_magic(tile):
     pointers = {"*": "*bf16", "q_ptr": "*i32", "partials_ptr": "*fp32", "counter_ptr": "*i32"}
     return _compile(quant_int_magic._magic_kernel, pointers, ints, constexprs,
                     tile), block_k  # fmt: skip
+
+
+def compile_half2(tile):
+    """quant_int_half2's f16x2 GEMV, bf16 x, symmetric, N a multiple of the rows per program."""
+    block_k = quant_int_half2.half2_step(tile, HIDDEN)
+    constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
+                      HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
+                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, INTERPRET=False, PIN=tile.pin)  # fmt: skip
+    return _compile(quant_int_half2._half2_kernel, {"*": "*bf16", "q_ptr": "*i32"},
+                    {"num_cols": "i32", "zero": "i32"}, constexprs, tile), block_k  # fmt: skip
 
 
 def compile_form(tile):
@@ -155,7 +166,7 @@ def k_loop(sass: str) -> list[tuple[int, str, str]]:
 
 
 def stats(name: str, tile) -> dict:
-    compiled, block_k = (compile_magic if name == "magic" else compile_gemv)(tile)
+    compiled, block_k = {"magic": compile_magic, "half2": compile_half2, "gemv": compile_gemv}[name](tile)
     usage, sass = _disassemble(compiled.asm["cubin"])
     loop = k_loop(sass)
     weights = tile.block_n * block_k / (32 * tile.num_warps)  # per thread per iteration
@@ -174,6 +185,8 @@ def rows(tiles=None) -> list[dict]:
     for tile in QUANT_TILES[1] if tiles is None else tiles:
         if isinstance(tile, quant_int_gemv.GemvTile):
             out.append(form_stats(tile))
+        elif isinstance(tile, quant_int_half2.Half2Tile):
+            out.append(stats("half2", tile))
         else:
             out.append(stats("magic" if isinstance(tile, quant_int_magic.MagicTile) else "gemv", tile))
     return out

@@ -136,7 +136,8 @@ def test_half2_int4_gemv_matches_float64_at_hard_inputs(dtype, n, k, group, offs
     spiked[0, torch.randperm(k, generator=gen, device=DEVICE)[:8]] = 4000.0
     for x in (spiked.to(dtype), tiny.to(dtype)):
         expected = x.double() @ quant_int.dequantize_int(packed, scales, shift, 4, group, k).double().T
-        for tile in (Half2Tile(1, 8, 1024, 1, 1), Half2Tile(1, 16, 2048, 1, 2), Half2Tile(1, 8, 4096, 1, 4)):
+        pinned = Half2Tile(1, 4, 2048, 1, 1, pin=True)
+        for tile in (Half2Tile(1, 8, 1024, 1, 1), pinned, Half2Tile(1, 8, 4096, 1, 4)):
             out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
 
             def run(inp, tile=tile, out=out):
@@ -268,11 +269,12 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, gr
 
     from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, grouped_slots_triton
 
-    for tile in (None, *GROUPED_TILES):  # None: the per-slot route
+    half2 = quant_moe.HALF2_SLOT_TILES if bits == 4 else ()
+    for tile in (None, *half2, *GROUPED_TILES):  # None / Half2SlotTile: the per-slot routes
 
         def run(inp, tile=tile):
-            if tile is None:
-                return quant_moe.quant_slots_triton(inp, w13, w2, weights, ids)
+            if tile is None or isinstance(tile, quant_moe.Half2SlotTile):
+                return quant_moe.quant_slots_triton(inp, w13, w2, weights, ids, tile=tile)
             return grouped_slots_triton(inp, w13, w2, weights, ids, tile)
 
         _close(run(x), expected.double(), tol=3e-2)

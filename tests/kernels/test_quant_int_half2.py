@@ -10,7 +10,11 @@ import torch
 from tpfuse.kernels import quant_int, quant_int_half2
 from tpfuse.kernels.quant_int_half2 import Half2Tile
 
-TILES = {"one-step": Half2Tile(1, 8, 4096, 1, 4), "steps": Half2Tile(1, 4, 128, 1, 1)}
+TILES = {
+    "one-step": Half2Tile(1, 8, 4096, 1, 4),
+    "steps": Half2Tile(1, 4, 128, 1, 1),
+    "steps-pinned": Half2Tile(1, 4, 64, 1, 1, pin=True),
+}
 
 CASES = [  # n, k, group, offsets, bias, x dtype
     (37, 256, 32, False, False, torch.bfloat16),

@@ -171,6 +171,14 @@ def test_quantized_expert_slots_match_float64(bits):
     expected = torch.stack(rows)
     _close(quant_moe.quant_slots_triton(x, w13, w2, weights, ids), expected, torch.float32)
     _close(quant_moe.quant_slots_ref(x, w13, w2, weights, ids), expected, torch.float32)
+    if bits:  # the f16x2 rows (their fp32 stand-in here): bf16 activations, rows and K masked or not
+        xb = x.bfloat16()
+        expected_bf16 = quant_moe.slots_ref(xb.double(), gate_up, down, weights, ids)
+        for tile in (*quant_moe.HALF2_SLOT_TILES, quant_moe.Half2SlotTile((16, 64), (8, 32))):
+            assert tile.fits(xb, w13, w2)
+            out = quant_moe.quant_slots_triton(xb, w13, w2, weights, ids, tile=tile)
+            _close(out, expected_bf16, torch.bfloat16)
+        assert not quant_moe.HALF2_SLOT_TILES[0].fits(x, w13, w2)  # fp32 activations: the W8A16 route
 
 
 def _int_expected(x, packed, values, scales, offsets, bits, group):

@@ -4,7 +4,8 @@ kernels/quant_fp8.py's e4m3 weights with one fp32 scale per (row, K block)).
 
 Program (s, n) takes slot row s = t * k + j and streams expert ids[s]'s rows n-block once through the
 dense GEMV steps (contiguous code loads, scales once per word / sub-tile / row, an accumulator
-reduced once), so decode (few slots) reads each routed expert's packed bytes once per slot;
+reduced once; with a Half2SlotTile, 4-bit codes through kernels/quant_int_half2.py's f16x2 rows),
+so decode (few slots) reads each routed expert's packed bytes once per slot;
 graph-safe (no data-dependent shapes). Larger slot counts re-read an expert for each of its slots:
 a grouped quantized GEMM is the prefill route still to build.
 
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import quant_int_half2
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_dot_x, gemv_steps
 from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word, x_pairs
@@ -50,6 +52,38 @@ class QuantExperts:
         )
 
 
+@dataclass(frozen=True)
+class Half2SlotTile:
+    """The per-slot route with the f16x2 rows of kernels/quant_int_half2.py (4-bit symmetric codes,
+    bf16 / fp16 x, K and group multiples of 32: fits): (rows a program, K step) of the gate/up and the
+    down programs, and warps a program."""
+
+    gate_up: tuple[int, int] = (4, 2048)
+    down: tuple[int, int] = (4, 1024)
+    num_warps: int = 1
+
+    def label(self) -> str:
+        up, down = self.gate_up, self.down
+        return f"half2 slots up {up[0]}x{up[1]} down {down[0]}x{down[1]} w{self.num_warps}"
+
+    def fits(self, x: torch.Tensor, w13: QuantExperts, w2: QuantExperts) -> bool:
+        """Whether both stacks take the f16x2 rows with activations like x (bf16 / fp16, rows 16-byte
+        aligned)."""
+        aligned = x.data_ptr() % 16 == 0 and (x.dim() == 1 or x.stride(0) * x.element_size() % 16 == 0)
+        return (
+            aligned
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and all(s.bits == 4 and s.cols % 32 == 0 for s in (w13, w2))
+            and all(s.group >= s.cols or s.group % 32 == 0 for s in (w13, w2))
+        )
+
+
+# Start-up candidates at decode sizes (model/quant/experts.py): both K steps whole at Qwen3-30B-A3B's
+# expert shapes (hidden 2048, intermediate 768: down masked to 1024 or three steps of 256).
+HALF2_SLOT_TILES = (Half2SlotTile((4, 2048), (4, 1024)), Half2SlotTile((4, 2048), (16, 256)),
+                    Half2SlotTile((8, 1024), (8, 1024)))  # fmt: skip
+
+
 @triton.jit
 def _rows_dot_x(
     w_rows,
@@ -66,11 +100,20 @@ def _rows_dot_x(
     PER_ROW: tl.constexpr,
     EVEN: tl.constexpr,
     X_PAIRS: tl.constexpr,
+    HALF2: tl.constexpr = False,
+    X_FP16: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
     """[BLOCK_N] float32: the expert rows at w_rows ([BLOCK_N, 1] pointers; scales at s_rows, [BLOCK_N]
     pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
-    (kernels/quant_fp8.py for BITS 0, kernels/quant_int.py for 4 / 8)."""
-    if BITS == 0:
+    (kernels/quant_fp8.py for BITS 0, kernels/quant_int.py for 4 / 8, kernels/quant_int_half2.py's
+    rows_dot_x with HALF2, where EVEN covers both the rows and K)."""
+    if HALF2:
+        out = quant_int_half2.rows_dot_x(
+            w_rows[:, :, None], s_rows[:, None], s_rows[:, None], x_row, hidden, col_mask, GROUP, False,
+            BLOCK_N, BLOCK_K, not EVEN, not EVEN, X_FP16, INTERPRET,
+        )  # fmt: skip
+    elif BITS == 0:
         out = fp8_rows_dot_x(
             w_rows, s_rows, x_row, hidden, col_mask, GROUP, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
         )
@@ -95,7 +138,8 @@ def _slot_gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
-    EVEN: tl.constexpr, X_PAIRS: tl.constexpr,
+    EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr = False, X_FP16: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1."""
@@ -107,10 +151,11 @@ def _slot_gate_up_kernel(
     g_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     g_scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
     x_row = x_ptr + token * stride_x
-    g = _rows_dot_x(g_rows, g_scales, x_row, hidden, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
+    g = _rows_dot_x(g_rows, g_scales, x_row, hidden, col_ok, BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS,
+                    PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET)  # fmt: skip
     u = _rows_dot_x(g_rows + inter * stride_wn, g_scales + inter * stride_sn, x_row, hidden, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
+                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16,
+                    INTERPRET)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
@@ -121,7 +166,8 @@ def _slot_down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
-    X_PAIRS: tl.constexpr,
+    X_PAIRS: tl.constexpr, HALF2: tl.constexpr = False, X_FP16: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
     slot = tl.program_id(0).to(tl.int64)
@@ -130,8 +176,8 @@ def _slot_down_kernel(
     col_ok = cols < hidden
     rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
-    y = _rows_dot_x(rows, scales, act_ptr + slot * stride_act, inter, col_ok,
-                    BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS)  # fmt: skip
+    y = _rows_dot_x(rows, scales, act_ptr + slot * stride_act, inter, col_ok, BITS, GROUP, BLOCK_N, BLOCK_K,
+                    SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET)  # fmt: skip
     y = y * tl.load(weights_ptr + slot)
     tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -174,13 +220,24 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
                 SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0)  # fmt: skip
 
 
+def _half2_steps(stack: QuantExperts, cols_k: int, num_cols: int, shape: tuple[int, int], x_fp16: bool):
+    """The constexprs of one projection stack for the f16x2 rows (Half2SlotTile's (rows, K step))."""
+    block_n, block_k = shape
+    block_k = max(32, min(block_k, triton.next_power_of_2(cols_k)))
+    even = cols_k % block_k == 0 and num_cols % block_n == 0
+    return dict(BITS=4, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=block_k, SUBS=1,
+                PER_ROW=False, EVEN=even, X_PAIRS=False, HALF2=True, X_FP16=x_fp16,
+                INTERPRET=quant_int_half2.interpreting())  # fmt: skip
+
+
 def quant_slots_triton(
-    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=16, block_k=None
+    x, w13: QuantExperts, w2: QuantExperts, topk_weights, topk_ids, block_n=16, block_k=None, tile=None
 ):
     """Triton quant_slots_ref (the per-slot route). x [T, H] bf16/fp16/fp32 contiguous. Integer
     stacks need a group size that is a multiple of the values in a packed word. block_n / block_k:
     expert rows per program and the widest K step (default 1024 for integer codes, 512 for FP8: the
-    GEMV shapes with the fewest instructions per weight on sm_90, kernels/quant_int.py, quant_fp8.py)."""
+    GEMV shapes with the fewest instructions per weight on sm_90, kernels/quant_int.py, quant_fp8.py).
+    tile: a Half2SlotTile runs the f16x2 rows where it fits (else block_n / block_k as without)."""
     block_k = block_k or (1024 if w13.bits else 512)
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.codes.shape[1] // 2
@@ -197,16 +254,24 @@ def quant_slots_triton(
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    up = _steps(w13, hidden, block_n, inter, block_k, x_pairs(x))
+    half2 = tile is not None and tile.fits(x, w13, w2) and tile.fits(act, w13, w2)
+    warps = dict(num_warps=tile.num_warps) if half2 else {}
+    if half2:
+        up = _half2_steps(w13, hidden, inter, tile.gate_up, x.dtype == torch.float16)
+    else:
+        up = _steps(w13, hidden, block_n, inter, block_k, x_pairs(x))
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13.codes, w13.scales, act, ids, hidden, inter, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, **up,
+        TOP_K=top_k, **up, **warps,
     )  # fmt: skip
-    down = _steps(w2, inter, block_n, hidden, block_k, x_pairs(act))
+    if half2:
+        down = _half2_steps(w2, inter, hidden, tile.down, act.dtype == torch.float16)
+    else:
+        down = _steps(w2, inter, block_n, hidden, block_k, x_pairs(act))
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, w2.codes, w2.scales, out, weights, ids, hidden, inter, act.stride(0),
         w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        **down,
+        **down, **warps,
     )  # fmt: skip
     return out

@@ -7,7 +7,8 @@ per-expert tensors, stacked per projection as kernels/quant_moe.py runs them.
   (Qwen3-FP8 MoE, DeepSeek-V3), scales expanded at load to one per (row, K block).
 Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) as the bf16
 experts do; down's K shard must start on a scale group.
-CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py), grouped GEMMs over slots
+CUDA routes (Route): per slot with W8A16 products (kernels/quant_moe.py; f16x2 for 4-bit codes with a
+Half2SlotTile), grouped GEMMs over slots
 sorted by expert (kernels/quant_moe_grouped.py), and for FP8 formats that quantize activations on GPUs
 with FP8 tensor cores W8A8 forms of both (kernels/quant_moe_w8a8.py; GroupedTile.fp8_activations).
 Start-up timing picks one per expert shape and slot bucket (model/moe_choice.py: route_candidates,
@@ -27,7 +28,13 @@ from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS, MoeTile, slots_buck
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_dot_supported
 from tpfuse.kernels.quant_int import values_per_word
-from tpfuse.kernels.quant_moe import QuantExperts, quant_slots_triton, slots_ref
+from tpfuse.kernels.quant_moe import (
+    HALF2_SLOT_TILES,
+    Half2SlotTile,
+    QuantExperts,
+    quant_slots_triton,
+    slots_ref,
+)
 from tpfuse.kernels.quant_moe_grouped import GROUPED_TILES, W8A8_GROUPED_TILES, grouped_slots_triton
 from tpfuse.kernels.quant_moe_w8a8 import SLOT_TILES, W8A8SlotTile, activation_step, w8a8_slots_triton
 from tpfuse.model.quant.common import (
@@ -40,9 +47,10 @@ from tpfuse.model.quant.common import (
 )
 from tpfuse.model.shard import ShardSlot, empty_parameter
 
-# A slot route: None (the W8A16 per-slot route, kernels/quant_moe.py), a W8A8SlotTile (the FP8 per-slot
-# route, kernels/quant_moe_w8a8.py) or a MoeTile (grouped GEMMs, kernels/quant_moe_grouped.py)
-Route = W8A8SlotTile | MoeTile | None
+# A slot route: None (the W8A16 per-slot route, kernels/quant_moe.py), a Half2SlotTile (the same with
+# f16x2 products for 4-bit codes), a W8A8SlotTile (the FP8 per-slot route, kernels/quant_moe_w8a8.py)
+# or a MoeTile (grouped GEMMs, kernels/quant_moe_grouped.py)
+Route = W8A8SlotTile | MoeTile | Half2SlotTile | None
 # (gate/up codes' shape, device, slots bucket) -> the route start-up timing chose
 _SLOT_ROUTES: dict[tuple, Route] = {}
 
@@ -65,8 +73,8 @@ class _QuantizedExperts(ABC):
     def run_slots(self, experts, x, topk_weights, topk_ids, route: Route):
         """[T * k, H]: the CUDA slot products by route (what start-up timing times)."""
         w13, w2 = self.stacks(experts)
-        if route is None:
-            return quant_slots_triton(x, w13, w2, topk_weights, topk_ids)
+        if route is None or isinstance(route, Half2SlotTile):
+            return quant_slots_triton(x, w13, w2, topk_weights, topk_ids, tile=route)
         if isinstance(route, MoeTile):
             return grouped_slots_triton(x, w13, w2, topk_weights, topk_ids, route)
         return w8a8_slots_triton(x, w13, w2, topk_weights, topk_ids, route)
@@ -108,6 +116,16 @@ class IntGroupExperts(_QuantizedExperts):
         values_per_word(bits)
         self.bits, self.group = bits, group_size
         self.name = f"int{bits} group {group_size} experts"
+
+    def route_candidates(self, experts, bucket: int):
+        """_QuantizedExperts' routes, and at decode sizes the f16x2 per-slot tiles where they fit the
+        stacks (4 bits, groups and both K multiples of 32, bf16 / fp16 activations)."""
+        routes = super().route_candidates(experts, bucket)
+        if bucket > DECODE_MAX_SLOTS or experts.dtype not in (torch.bfloat16, torch.float16):
+            return routes
+        w13, w2 = self.stacks(experts)
+        probe = torch.empty(1, w13.cols, dtype=experts.dtype, device=w13.codes.device)
+        return routes + tuple(t for t in HALF2_SLOT_TILES if t.fits(probe, w13, w2))
 
     def create_weights(self, experts) -> None:
         e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_local
