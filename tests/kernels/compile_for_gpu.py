@@ -325,6 +325,27 @@ def _quant_variants(p: str):
         steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
         extra = dict(TOP_K=8) if kernel is gate_up else {}
         yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
+    for tile in quant_moe.HALF2_SLOT_TILES:  # the f16x2 INT4 slots (kernels/quant_int_half2.py's rows)
+        for kernel, cols_k, n, shape in ((gate_up, 2048, 768, tile.gate_up), (down, 768, 2048, tile.down)):
+            stack = quant_moe.QuantExperts(None, None, 4, 128, cols_k)
+            steps = quant_moe._half2_steps(stack, cols_k, n, shape, p == "*fp16")
+            extra = dict(TOP_K=8) if kernel is gate_up else {}
+            yield (
+                kernel, {"*": p, "w_ptr": i32, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {},
+                dict(steps, INTERPRET=False, **extra), {"num_warps": tile.num_warps},
+            )  # fmt: skip
+    half2 = quant_int.quant_int_half2
+    for tile in (t for t in QUANT_TILES[1] if isinstance(t, half2.Half2Tile)):  # the f16x2 INT4 GEMV
+        for hidden, group, odd in ((4096, 128, False), (14336, 128, False), (4096, 32, True)):
+            block_k = half2.half2_step(tile, hidden)
+            yield (
+                half2._half2_kernel, {"*": p, "q_ptr": i32, "o_ptr": "*fp32"},
+                {"num_cols": "i32", "zero": "i32"},
+                dict(hidden=hidden, stride_qn=hidden // 8, stride_sn=hidden // group, GROUP=group,
+                     HAS_OFFSET=odd, HAS_BIAS=odd, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=not odd,
+                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", INTERPRET=False, PIN=tile.pin),
+                {"num_warps": tile.num_warps, "num_stages": 1},
+            )  # fmt: skip
     w8a8_slots = {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                   "h_ptr": "*fp32"}  # fmt: skip
     for tile in quant_moe_w8a8.SLOT_TILES:  # FP8 W8A8 slots: qwen3-30b-a3b's experts, block and channel

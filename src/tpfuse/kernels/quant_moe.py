@@ -100,9 +100,9 @@ def _rows_dot_x(
     PER_ROW: tl.constexpr,
     EVEN: tl.constexpr,
     X_PAIRS: tl.constexpr,
-    HALF2: tl.constexpr = False,
-    X_FP16: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
+    HALF2: tl.constexpr,
+    X_FP16: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """[BLOCK_N] float32: the expert rows at w_rows ([BLOCK_N, 1] pointers; scales at s_rows, [BLOCK_N]
     pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
@@ -138,8 +138,8 @@ def _slot_gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
-    EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr = False, X_FP16: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
+    EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1."""
@@ -166,8 +166,7 @@ def _slot_down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
-    X_PAIRS: tl.constexpr, HALF2: tl.constexpr = False, X_FP16: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
+    X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
     slot = tl.program_id(0).to(tl.int64)
@@ -217,7 +216,8 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
     block_n = min(64, max(block_n, block_n * max_block_k // block_k))
     even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
     return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-                SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0)  # fmt: skip
+                SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0, HALF2=False,
+                X_FP16=False, INTERPRET=False)  # fmt: skip
 
 
 def _half2_steps(stack: QuantExperts, cols_k: int, num_cols: int, shape: tuple[int, int], x_fp16: bool):
