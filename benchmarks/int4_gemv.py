@@ -13,7 +13,7 @@ Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4
     [--forms int,vec,xs,magic] [--shapes qkv,o_proj,gate_up,down]
 --sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K),
 GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers) and HALF2_SWEEP
-(kernels/quant_int_half2.py's f16x2 GEMV by rows, K step, warps and load pinning).
+(kernels/quant_int_half2.py's f16x2 GEMV by rows, K step and warps).
 --forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV); --shapes those shapes.
 Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, "half2" for the
 f16x2 GEMV, else "gemv".
@@ -58,11 +58,10 @@ GEMV_SWEEP = (  # --sweep: more GemvTile forms than start-up times (kernels/quan
     GemvTile(1, 8, 1024, 1, 1, pin=True),
     GemvTile(1, 16, 2048, 1, 2, max_registers=128),
 )
-HALF2_SWEEP = tuple(  # --sweep: f16x2 tiles (kernels/quant_int_half2.py) by rows, K step, warps, pinning
-    Half2Tile(1, n, k, 1, w, pin=pin)
-    for n in (2, 4, 8)
+HALF2_SWEEP = tuple(  # --sweep: f16x2 tiles (kernels/quant_int_half2.py) by rows, K step and warps
+    Half2Tile(1, n, k, 1, w)
+    for n in (1, 2, 4, 8, 16)
     for k, w in ((1024, 1), (2048, 1), (4096, 1), (2048, 2), (4096, 2), (4096, 4))
-    for pin in (False, True)
     if n * k // (32 * 32 * w) <= 16
 )
 FORMS = ("int", "vec", "xs", "magic", "half2")

@@ -340,10 +340,10 @@ def _quant_variants(p: str):
             block_k = half2.half2_step(tile, hidden)
             yield (
                 half2._half2_kernel, {"*": p, "q_ptr": i32, "o_ptr": "*fp32"},
-                {"num_cols": "i32", "zero": "i32"},
+                {"num_cols": "i32"},
                 dict(hidden=hidden, stride_qn=hidden // 8, stride_sn=hidden // group, GROUP=group,
                      HAS_OFFSET=odd, HAS_BIAS=odd, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=not odd,
-                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", INTERPRET=False, PIN=tile.pin),
+                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", INTERPRET=False),
                 {"num_warps": tile.num_warps, "num_stages": 1},
             )  # fmt: skip
     w8a8_slots = {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",

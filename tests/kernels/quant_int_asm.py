@@ -49,7 +49,7 @@ _LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);
 def _compile(kernel, pointers: dict, ints: dict, constexprs: dict, tile):
     signature = _signature(kernel, pointers, ints, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if signature[name] != "constexpr" and name not in ("nibbles", "zero")}  # fmt: skip
+             if signature[name] != "constexpr" and name != "nibbles"}  # fmt: skip
     return triton.compile(
         ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
@@ -83,9 +83,9 @@ def compile_half2(tile):
     block_k = quant_int_half2.half2_step(tile, HIDDEN)
     constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
                       HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
-                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, INTERPRET=False, PIN=tile.pin)  # fmt: skip
+                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, INTERPRET=False)  # fmt: skip
     return _compile(quant_int_half2._half2_kernel, {"*": "*bf16", "q_ptr": "*i32"},
-                    {"num_cols": "i32", "zero": "i32"}, constexprs, tile), block_k  # fmt: skip
+                    {"num_cols": "i32"}, constexprs, tile), block_k  # fmt: skip
 
 
 def compile_form(tile):

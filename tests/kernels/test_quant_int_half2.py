@@ -13,7 +13,7 @@ from tpfuse.kernels.quant_int_half2 import Half2Tile
 TILES = {
     "one-step": Half2Tile(1, 8, 4096, 1, 4),
     "steps": Half2Tile(1, 4, 128, 1, 1),
-    "steps-pinned": Half2Tile(1, 4, 64, 1, 1, pin=True),
+    "steps-64": Half2Tile(1, 4, 64, 1, 1),
 }
 
 CASES = [  # n, k, group, offsets, bias, x dtype

@@ -93,12 +93,10 @@ add.f32 $0, f0, f1;
 @dataclass(frozen=True)
 class Half2Tile(IntTile):
     """A launch of the kernel here (block_m 1; block_n rows a program; block_k the K step, one 16-byte
-    vector a thread and row at 32 * 32 * num_warps; num_stages unused; pin: rows_dot_x's PIN)."""
-
-    pin: bool = False
+    vector a thread and row at 32 * 32 * num_warps; num_stages unused)."""
 
     def label(self) -> str:
-        return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}" + " pin" * self.pin
+        return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}"
 
 
 def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
@@ -180,23 +178,16 @@ def _word_sum_fp32(w, lo, hi, m, CH: tl.constexpr):
 
 
 @triton.jit
-def _xor(a, b):
-    return a ^ b
-
-
-@triton.jit
 def rows_dot_x(
     q_rows, s_rows, o_rows, x_ptr, hidden, row_mask, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, K_MASK: tl.constexpr,
-    X_FP16: tl.constexpr, INTERPRET: tl.constexpr, zero=0, PIN: tl.constexpr = False,
+    X_FP16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N] float32: BLOCK_N weight rows dotted with x over K = hidden (module doc). q_rows
     [BLOCK_N, 1, 1] points at each row's first word, s_rows / o_rows [BLOCK_N, 1] at its first scale
     / offset, x_ptr at x's first value (16-byte aligned). MASK_N: rows outside row_mask read as zeros;
     K_MASK: BLOCK_K does not divide K (whole vectors masked). INTERPRET: fp32 sums instead of the
-    f16x2 PTX (TRITON_INTERPRET). PIN: a step's code and scale loads are issued together at its top
-    (ptxas otherwise sinks each to just before its first use, the scales to the step's end): the
-    vectors' scale m takes a +0.0 that depends on all of them, through zero (a runtime 0)."""
+    f16x2 PTX (TRITON_INTERPRET)."""
     CH: tl.constexpr = BLOCK_K // 32
     c = tl.arange(0, CH)
     vec = c[:, None] * 4 + tl.arange(0, 4)[None, :]
@@ -230,9 +221,6 @@ def rows_dot_x(
         m = ((254 - e) << 23).to(tl.float32, bitcast=True)
         inv_m = (e << 23).to(tl.float32, bitcast=True)
         w0, w1, w2, w3 = _split4(words, BLOCK_N, CH)
-        if PIN:
-            bits = tl.reduce(w3 ^ s.to(tl.int32, bitcast=True), 0, _xor)
-            m += (bits & zero).to(tl.float32, bitcast=True)
         if INTERPRET:
             p = _word_sum_fp32(w0, lo0, hi0, m, CH) + _word_sum_fp32(w1, lo1, hi1, m, CH)
             p += _word_sum_fp32(w2, lo2, hi2, m, CH) + _word_sum_fp32(w3, lo3, hi3, m, CH)
@@ -259,7 +247,7 @@ def rows_dot_x(
     return out
 
 
-@triton.jit(do_not_specialize=["zero"])
+@triton.jit
 def _half2_kernel(
     x_ptr,
     q_ptr,
@@ -268,7 +256,6 @@ def _half2_kernel(
     bias_ptr,
     out_ptr,
     num_cols,
-    zero,
     hidden: tl.constexpr,
     stride_qn: tl.constexpr,
     stride_sn: tl.constexpr,
@@ -281,7 +268,6 @@ def _half2_kernel(
     K_MASK: tl.constexpr,  # BLOCK_K does not divide K: whole vectors masked
     X_FP16: tl.constexpr,
     INTERPRET: tl.constexpr,  # fp32 sums instead of the f16x2 PTX (TRITON_INTERPRET)
-    PIN: tl.constexpr,  # rows_dot_x
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     """BLOCK_N rows over the whole of K per program (rows_dot_x). Offsets are int32 (the launcher
@@ -292,7 +278,7 @@ def _half2_kernel(
     out = rows_dot_x(
         q_ptr + (cols * stride_qn)[:, None, None], s_ptr + (cols * stride_sn)[:, None],
         o_ptr + (cols * stride_sn)[:, None], x_ptr, hidden, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
-        not EVEN_N, K_MASK, X_FP16, INTERPRET, zero, PIN,
+        not EVEN_N, K_MASK, X_FP16, INTERPRET,
     )  # fmt: skip
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
@@ -323,11 +309,11 @@ def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
     block_k = half2_step(tile, hidden)
     o_arg = offsets if offsets is not None else scales
     _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
-        x, packed, scales, o_arg, bias if bias is not None else x, out, num_cols, 0,
+        x, packed, scales, o_arg, bias if bias is not None else x, out, num_cols,
         hidden=hidden, stride_qn=packed.stride(0), stride_sn=scales.stride(0), GROUP=group_size,
         HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, X_FP16=x.dtype == torch.float16,
-        INTERPRET=interpreting(), PIN=tile.pin, num_warps=tile.num_warps, num_stages=1,
+        INTERPRET=interpreting(), num_warps=tile.num_warps, num_stages=1,
         **pdl.launch(x.device),
     )  # fmt: skip
     return out
