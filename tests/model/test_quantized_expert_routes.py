@@ -115,3 +115,62 @@ def test_a_quantized_moe_model_gives_the_reference_logits_on_the_triton_routes(f
         runs[mode] = run_prefill_then_decode(model, [[3, 1, 4, 1, 5], [9, 2, 6]], [[7, 8]])
     assert relative_error(runs["triton"][0], runs["torch"][0]) <= 1e-4  # 8 tokens: grouped
     assert relative_error(runs["triton"][1][0], runs["torch"][1][0]) <= 1e-4  # 2 tokens: per slot
+
+
+def _int4_experts(gen, dtype, num=4, hidden=256, inter=64, group=32):
+    """What IntGroupExperts(4, group) reads of an experts module."""
+    from tpfuse.kernels import quant_int
+
+    def packed(n, k):
+        return torch.stack(
+            [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(num)]
+        )
+
+    return SimpleNamespace(
+        w13_packed=packed(2 * inter, hidden),
+        w2_packed=packed(hidden, inter),
+        w13_scale=(torch.rand(num, 2 * inter, hidden // group, generator=gen) * 0.05 + 1e-3).to(dtype),
+        w2_scale=(torch.rand(num, hidden, inter // group, generator=gen) * 0.05 + 1e-3).to(dtype),
+        hidden_size=hidden,
+        intermediate_local=inter,
+        dtype=dtype,
+    )
+
+
+def test_int4_experts_race_the_half2_slots_at_decode_sizes_only_where_they_fit():
+    from tpfuse.kernels.quant_moe import HALF2_SLOT_TILES
+    from tpfuse.model.quant.experts import IntGroupExperts
+
+    gen = torch.Generator().manual_seed(3)
+    method = IntGroupExperts(4, 32)
+    bf16 = _int4_experts(gen, torch.bfloat16)
+    assert method.route_candidates(bf16, 8) == (None, *GROUPED_TILES, *HALF2_SLOT_TILES)
+    assert method.route_candidates(bf16, 2 * DECODE_MAX_SLOTS) == GROUPED_TILES
+    assert method.route_candidates(_int4_experts(gen, torch.float32), 8) == (None, *GROUPED_TILES)
+    odd = _int4_experts(gen, torch.bfloat16, inter=48, group=16)  # groups of 16 split a 32-code vector
+    assert IntGroupExperts(4, 16).route_candidates(odd, 8) == (None, *GROUPED_TILES)
+
+
+def test_a_recorded_half2_route_runs_and_survives_the_tensor_parallel_broadcast(monkeypatch):
+    """Rank 0's decision reaches the other ranks pickled (engine/tp_rank.rank0_decides)."""
+    import pickle
+
+    from tpfuse.kernels.quant_moe import HALF2_SLOT_TILES
+    from tpfuse.model.quant.experts import IntGroupExperts
+
+    monkeypatch.setenv(knobs.KERNELS, "triton")
+    knobs.reload()
+    monkeypatch.setattr(quant_experts, "_SLOT_ROUTES", {})
+    gen = torch.Generator().manual_seed(4)
+    experts, method = _int4_experts(gen, torch.bfloat16), IntGroupExperts(4, 32)
+    x = torch.randn(2, 256, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    weights = torch.rand(2, 2, generator=gen)
+    w13, w2 = method.stacks(experts)
+    route = pickle.loads(pickle.dumps(HALF2_SLOT_TILES[1]))
+    assert route == HALF2_SLOT_TILES[1] and route.label() == HALF2_SLOT_TILES[1].label()
+    quant_experts.set_slot_route(experts.w13_packed, 4, route)
+    out = method.apply_slots(experts, x, weights, ids)
+    assert torch.equal(out, quant_slots_triton(x, w13, w2, weights, ids, tile=route))
+    expected = method.apply_slots(experts, x.float(), weights, ids).double()  # fp32: the W8A16 route
+    assert (out.double() - expected).abs().max() <= 3e-2 * expected.abs().max()
