@@ -121,3 +121,42 @@ def test_pdl_fp8_gemv_and_router_chain_in_a_cuda_graph_equals_the_plain_chain(bl
     plain = _graph_run(run)
     for a, b in zip(with_pdl, plain, strict=True):
         assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(4, 2048, 1), (4, 128, 1)], ids=["one-step", "steps"])
+def test_pdl_half2_int4_chain_in_a_cuda_graph_equals_the_plain_chain(tile):
+    """The f16x2 INT4 GEMV (kernels/quant_int_half2.py) in a PDL chain: GEMV -> fused add + RMSNorm per
+    layer, with PDL and without, bit for bit (one K step and several, masked)."""
+    from tpfuse.kernels import quant_int
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device).manual_seed(2)
+    hidden, group = 1056, 96  # 33 vectors: masked steps at 128
+    ws = [quant_int.pack_int(torch.randint(0, 16, (hidden, hidden), generator=gen, device=device), 4)
+          for _ in range(8)]  # fmt: skip
+    scales = [(torch.rand(hidden, hidden // group, generator=gen, device=device) * 0.02 + 0.005).bfloat16()
+              for _ in ws]  # fmt: skip
+    norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
+    x0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
+    res0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
+    half2 = Half2Tile(1, tile[0], tile[1], 1, tile[2])
+
+    def run():
+        h, res = x0, res0
+        for w, s in zip(ws, scales, strict=True):
+            partial = quant_int.int_linear_triton(h, w, s, None, 4, group, tile=half2)
+            h, res = rmsnorm.fused_add_rmsnorm_triton(partial, res, norm_w, 1e-6)
+        return h, res
+
+    pdl.choose(device, True)
+    try:
+        used = pdl.enabled(device)
+        with_pdl = _graph_run(run)
+    finally:
+        pdl.choose(device, False)
+    plain = _graph_run(run)
+    for a, b in zip(with_pdl, plain, strict=True):
+        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
+    assert torch.isfinite(plain[0].float()).all()

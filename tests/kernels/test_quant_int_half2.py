@@ -79,3 +79,11 @@ def test_layouts_it_does_not_take_run_the_default_gemv():
         out = quant_int.int_linear_triton(x, packed, scales, None, bits, group, tile=TILES["steps"])
         ref = x.double() @ quant_int.dequantize_int(packed, scales, None, bits, group, k).double().T
         assert (out.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_an_empty_k_gives_the_bias():
+    x = torch.empty(1, 0, dtype=torch.bfloat16)
+    packed, scales = torch.empty(5, 0, dtype=torch.int32), torch.empty(5, 0, dtype=torch.bfloat16)
+    bias = torch.arange(5, dtype=torch.bfloat16)
+    out = quant_int_half2.half2_int4_gemv(x, packed, scales, None, 128, bias, tile=TILES["steps"])
+    assert torch.equal(out, bias[None])
