@@ -9,8 +9,9 @@ out [1, N] of x's dtype.
 Per word and pair of f16 lanes (PTX inline, module constants below): one LOP3 turns the codes at
 bits 0-3 and 16-19 into the f16 pair (1024 + q_i, 1024 + q_i+4), or those at bits 4-7 / 20-23 into
 1024 + 16 q; one HSUB2 makes q - 8 (times 16) exactly; one HFMA2 multiplies it by the matching x pair
-and adds it to an f16x2 sum over the 16-byte vector (32 codes, one scale group). So a weight costs
-about 1.7 instructions, against 3.1-3.8 for the fp32 forms of kernels/quant_int_gemv.py.
+and adds it to an f16x2 sum over the 16-byte vector (32 codes, one scale group). So the product
+costs about 1.6 instructions a weight, 2.2-3.0 with x's conversion and the loads (sm_90, the tiles
+start-up times), against 3.1-3.4 for the fp32 forms of kernels/quant_int_gemv.py.
 
 x is turned into those pairs once a step for all of a program's rows, in block floating point: each
 vector's x is multiplied by m = 2^-E (E the exponent of its largest |x|), so the largest is in
