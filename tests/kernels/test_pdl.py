@@ -45,6 +45,22 @@ def _graph_run(fn):
     return [t.clone() for t in out]
 
 
+def _with_and_without_pdl(run):
+    """run's outputs from a CUDA graph with PDL on (where the probe passes) and off, asserted equal bit
+    for bit; returns the plain ones."""
+    device = torch.device("cuda")
+    pdl.choose(device, True)
+    try:
+        used = pdl.enabled(device)
+        with_pdl = _graph_run(run)
+    finally:
+        pdl.choose(device, False)
+    plain = _graph_run(run)
+    for a, b in zip(with_pdl, plain, strict=True):
+        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
+    return plain
+
+
 def test_choose_turns_it_off_and_tp_runs_plain():
     from tpfuse.engine.launch_choice import choose_pdl
 
@@ -68,16 +84,8 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_the_plain_chain():
     norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
     x0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
     res0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
-    pdl.choose(device, True)
-    try:
-        used = pdl.enabled(device)
-        with_pdl = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
-    finally:
-        pdl.choose(device, False)
+    _with_and_without_pdl(lambda: _chain(ws, norm_w, x0, res0))
     assert pdl.launch(device) == {"PDL": False}
-    plain = _graph_run(lambda: _chain(ws, norm_w, x0, res0))
-    for a, b in zip(with_pdl, plain, strict=True):
-        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
     ref_h, _ = _chain(ws, norm_w, x0, res0)
     assert torch.isfinite(ref_h.float()).all()
 
@@ -111,16 +119,7 @@ def test_pdl_fp8_gemv_and_router_chain_in_a_cuda_graph_equals_the_plain_chain(bl
     norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
     x0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
     res0 = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
-    run = lambda: _quantized_chain(ws, scales, block, gate, norm_w, x0, res0)  # noqa: E731
-    pdl.choose(device, True)
-    try:
-        used = pdl.enabled(device)
-        with_pdl = _graph_run(run)
-    finally:
-        pdl.choose(device, False)
-    plain = _graph_run(run)
-    for a, b in zip(with_pdl, plain, strict=True):
-        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
+    _with_and_without_pdl(lambda: _quantized_chain(ws, scales, block, gate, norm_w, x0, res0))
 
 
 @pytest.mark.gpu
@@ -150,13 +149,5 @@ def test_pdl_half2_int4_chain_in_a_cuda_graph_equals_the_plain_chain(tile):
             h, res = rmsnorm.fused_add_rmsnorm_triton(partial, res, norm_w, 1e-6)
         return h, res
 
-    pdl.choose(device, True)
-    try:
-        used = pdl.enabled(device)
-        with_pdl = _graph_run(run)
-    finally:
-        pdl.choose(device, False)
-    plain = _graph_run(run)
-    for a, b in zip(with_pdl, plain, strict=True):
-        assert torch.equal(a, b), f"PDL {'on' if used else 'off (probe failed)'}: results differ"
+    plain = _with_and_without_pdl(run)
     assert torch.isfinite(plain[0].float()).all()

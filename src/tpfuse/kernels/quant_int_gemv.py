@@ -59,7 +59,7 @@ from tpfuse.kernels import pdl
 from tpfuse.kernels.paged_attention_common import device_sms
 from tpfuse.kernels.quant_dot import IntTile
 
-__all__ = ["FORMS", "GemvTile", "fits", "gemv_step", "int_gemv", "k_mask", "x_pairs", "xs_programs"]
+__all__ = ["FORMS", "GemvTile", "fits", "gemv_step", "int_gemv", "k_mask", "split4", "x_pairs", "xs_programs"]
 
 FORMS = ("vec", "xs")
 MASKS = {4: (0xF << 15, 0xF << 19), 8: (0xFF << 15, 0xFF << 15)}  # (lo, hi) code bits after the shift
@@ -108,7 +108,7 @@ def gemv_step(tile: GemvTile, hidden: int, bits: int) -> int:
 
 
 @triton.jit
-def _split4(t, A: tl.constexpr, B: tl.constexpr):
+def split4(t, A: tl.constexpr, B: tl.constexpr):
     """[A, B, 4] -> its four [A, B] slices along the last dim (register renaming)."""
     e02, e13 = tl.split(tl.reshape(t, [A, B, 2, 2]))
     e0, e2 = tl.split(e02)
@@ -139,7 +139,7 @@ def _pin(words, s, zero, BLOCK_N: tl.constexpr, CH: tl.constexpr):
     """+0.0 [CH] that depends on every row's codes and scale (zero: a runtime 0), so that an addition
     of it makes ptxas issue all those loads before that point (it otherwise sinks each load to just
     before its first use, a few instructions' latency ahead)."""
-    w0, w1, w2, w3 = _split4(words, BLOCK_N, CH)
+    w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
     bits = tl.reduce(w3 ^ s.to(tl.int32, bitcast=True), 0, _xor)
     return (bits & zero).to(tl.float32, bitcast=True)
 
@@ -301,7 +301,7 @@ def _step_product(words, s, o, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, start, x_
                   HAS_OFFSET: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, CH] += s * P for a step's words (module doc); acc_o += o * X with offsets."""
     NP: tl.constexpr = 16 // BITS
-    w0, w1, w2, w3 = _split4(words, BLOCK_N, CH)
+    w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
     part_lo = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
     part_hi = tl.zeros([BLOCK_N, CH], dtype=tl.float32) + start[None, :]
     part_lo, part_hi = _word_product(w0, lo0, hi0, part_lo, part_hi, m_lo, m_hi, BITS, CH, NP)

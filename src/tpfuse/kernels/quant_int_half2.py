@@ -40,6 +40,7 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.quant_dot import IntTile
+from tpfuse.kernels.quant_int_gemv import split4
 
 __all__ = ["Half2Tile", "fits", "half2_int4_gemv", "interpreting", "rows_dot_x"]
 
@@ -111,15 +112,6 @@ def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
         and (group_size >= hidden or group_size % VECTOR_VALUES == 0)
         and x.data_ptr() % 16 == 0
     )
-
-
-@triton.jit
-def _split4(t, A: tl.constexpr, B: tl.constexpr):
-    """[A, B, 4] -> its four [A, B] slices along the last dim (register renaming)."""
-    e02, e13 = tl.split(tl.reshape(t, [A, B, 2, 2]))
-    e0, e2 = tl.split(e02)
-    e1, e3 = tl.split(e13)
-    return e0, e1, e2, e3
 
 
 @triton.jit
@@ -221,7 +213,7 @@ def rows_dot_x(
         e = tl.minimum(amax.to(tl.int32, bitcast=True) >> 23, 253)
         m = ((254 - e) << 23).to(tl.float32, bitcast=True)
         inv_m = (e << 23).to(tl.float32, bitcast=True)
-        w0, w1, w2, w3 = _split4(words, BLOCK_N, CH)
+        w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
         if INTERPRET:
             p = _word_sum_fp32(w0, lo0, hi0, m, CH) + _word_sum_fp32(w1, lo1, hi1, m, CH)
             p += _word_sum_fp32(w2, lo2, hi2, m, CH) + _word_sum_fp32(w3, lo3, hi3, m, CH)
