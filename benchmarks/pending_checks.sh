@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call (about 6 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
-# "Not measured yet (as of 2026-12-07, 08:30 UTC)": the f16x2 INT4 kernels and the 3-stage 16-head MLA
-# tile on an H200, and the engine's start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
+# "Not measured yet (as of 2026-12-07, 08:30 UTC)": the PDL chain tests, the f16x2 INT4 kernels and the
+# 3-stage 16-head MLA tile on an H200, and the engine's start-up PDL choice for FP8 llama. Carry the
+# server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
 set -u
 source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
+step "PDL chains (test_pdl.py after its refactor)"
+timeout 100 python3 -m pytest -q -m gpu --timeout=90 tests/kernels/test_pdl.py -p no:cacheprovider 2>&1 | tail -n 2
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step (batch 1 and 64)"
