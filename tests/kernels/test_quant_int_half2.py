@@ -87,3 +87,15 @@ def test_an_empty_k_gives_the_bias():
     bias = torch.arange(5, dtype=torch.bfloat16)
     out = quant_int_half2.half2_int4_gemv(x, packed, scales, None, 128, bias, tile=TILES["steps"])
     assert torch.equal(out, bias[None])
+
+
+def test_a_vector_of_subnormal_x_keeps_its_values():
+    """bf16 x below 2^-126 (subnormal): each 32-value vector's power-of-two scale stays a normal float,
+    so the product keeps those values (large scales put the output in bf16's normal range)."""
+    packed, scales, _, x, _ = _case(6, 96, 32, False, torch.bfloat16, seed=11)
+    x = (x.float() * 1e-39).bfloat16()
+    scales = (scales.float() * 1e6).bfloat16()
+    expected = _expected(x, packed, scales, None, 32, None)
+    assert expected.abs().max() > 1e-35
+    out = quant_int_half2.half2_int4_gemv(x, packed, scales, None, 32, tile=TILES["steps"])
+    assert (out.double() - expected).abs().max() <= 2e-2 * expected.abs().max()

@@ -207,10 +207,11 @@ def rows_dot_x(
         lo1, hi1 = _x_word(x_words, k_vec, k_ok, 1, X_FP16, K_MASK)
         lo2, hi2 = _x_word(x_words, k_vec, k_ok, 2, X_FP16, K_MASK)
         lo3, hi3 = _x_word(x_words, k_vec, k_ok, 3, X_FP16, K_MASK)
-        # per vector m = 2^-E, E the exponent of its largest |x| (at most 2^126 kept: m stays normal)
+        # per vector m = 2^-E, E the exponent of its largest |x| kept within [-126, 126], so that m and 1 / m
+        # stay normal floats (a vector of subnormal x keeps its values, one of zeros gives zeros)
         amax = tl.maximum(tl.maximum(_abs_max(lo0, hi0), _abs_max(lo1, hi1)),
                           tl.maximum(_abs_max(lo2, hi2), _abs_max(lo3, hi3)))  # fmt: skip
-        e = tl.minimum(amax.to(tl.int32, bitcast=True) >> 23, 253)
+        e = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 253)
         m = ((254 - e) << 23).to(tl.float32, bitcast=True)
         inv_m = (e << 23).to(tl.float32, bitcast=True)
         w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
