@@ -59,7 +59,10 @@ from tpfuse.kernels import pdl
 from tpfuse.kernels.paged_attention_common import device_sms
 from tpfuse.kernels.quant_dot import IntTile
 
-__all__ = ["FORMS", "GemvTile", "fits", "gemv_step", "int_gemv", "k_mask", "split4", "x_pairs", "xs_programs"]
+__all__ = [
+    "FORMS", "GemvTile", "fits", "gemv_step", "int_gemv", "k_mask", "one_row_output", "split4", "x_pairs",
+    "xs_programs",
+]  # fmt: skip
 
 FORMS = ("vec", "xs")
 MASKS = {4: (0xF << 15, 0xF << 19), 8: (0xFF << 15, 0xFF << 15)}  # (lo, hi) code bits after the shift
@@ -497,17 +500,25 @@ def k_mask(hidden: int, block_k: int, bits: int) -> int:
     return 1 if hidden % vector_values(bits) == 0 else 2
 
 
+def one_row_output(x, packed, scales, out, kernel: str) -> torch.Tensor:
+    """out, or a new [1, N] of x.dtype for a one-row integer GEMV. Raises ValueError where the weights
+    are too many for the int32 offsets the one-row kernels index them with (kernel names them)."""
+    num_cols = packed.shape[0]
+    if out is None:
+        out = torch.empty((1, num_cols), dtype=x.dtype, device=x.device)
+    if max(num_cols * packed.stride(0), num_cols * scales.stride(0)) >= 2**31:
+        raise ValueError(f"{kernel} index the weights with int32 offsets: too many weights")
+    return out
+
+
 def int_gemv(x, packed, scales, offsets, bits, group_size, bias=None, *, tile: GemvTile, out=None):
     """x [1, K] @ dequant(packed, scales, offsets).T (+ bias) -> out [1, N] of x.dtype (allocated when
     None) in the form tile.form; inputs checked by kernels/quant_int.py, layout fitting (fits)."""
     hidden = x.shape[1]
     num_cols = packed.shape[0]
-    if out is None:
-        out = torch.empty((1, num_cols), dtype=x.dtype, device=x.device)
+    out = one_row_output(x, packed, scales, out, "the GemvTile forms")
     if num_cols == 0:
         return out
-    if max(num_cols * packed.stride(0), num_cols * scales.stride(0)) >= 2**31:
-        raise ValueError("the GemvTile forms index the weights with int32 offsets: too many weights")
     block_k = gemv_step(tile, hidden, bits)
     form = tile.form if tile.form != "xs" or hidden <= block_k else "vec"
     m_lo, m_hi = MASKS[bits]

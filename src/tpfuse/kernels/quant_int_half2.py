@@ -40,7 +40,7 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.quant_dot import IntTile
-from tpfuse.kernels.quant_int_gemv import split4
+from tpfuse.kernels.quant_int_gemv import one_row_output, split4
 
 __all__ = ["Half2Tile", "fits", "half2_int4_gemv", "interpreting", "rows_dot_x"]
 
@@ -294,12 +294,9 @@ def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
     None); inputs checked by kernels/quant_int.py, layout fitting (fits)."""
     hidden = x.shape[1]
     num_cols = packed.shape[0]
-    if out is None:
-        out = torch.empty((1, num_cols), dtype=x.dtype, device=x.device)
+    out = one_row_output(x, packed, scales, out, "the half2 GEMV's programs")
     if num_cols == 0:
         return out
-    if max(num_cols * packed.stride(0), num_cols * scales.stride(0)) >= 2**31:
-        raise ValueError("the half2 GEMV indexes the weights with int32 offsets: too many weights")
     block_k = half2_step(tile, hidden)
     o_arg = offsets if offsets is not None else scales
     _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
