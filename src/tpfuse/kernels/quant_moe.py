@@ -254,10 +254,12 @@ def quant_slots_triton(
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    half2 = tile is not None and tile.fits(x, w13, w2) and tile.fits(act, w13, w2)
+    # act (x's dtype, rows of inter = w2.cols values) fits whenever x does
+    half2 = tile is not None and tile.fits(x, w13, w2)
     warps = dict(num_warps=tile.num_warps) if half2 else {}
+    x_fp16 = x.dtype == torch.float16
     if half2:
-        up = _half2_steps(w13, hidden, inter, tile.gate_up, x.dtype == torch.float16)
+        up = _half2_steps(w13, hidden, inter, tile.gate_up, x_fp16)
     else:
         up = _steps(w13, hidden, block_n, inter, block_k, x_pairs(x))
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, up["BLOCK_N"]))](
@@ -266,7 +268,7 @@ def quant_slots_triton(
         TOP_K=top_k, **up, **warps,
     )  # fmt: skip
     if half2:
-        down = _half2_steps(w2, inter, hidden, tile.down, act.dtype == torch.float16)
+        down = _half2_steps(w2, inter, hidden, tile.down, x_fp16)
     else:
         down = _steps(w2, inter, block_n, hidden, block_k, x_pairs(act))
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, down["BLOCK_N"]))](
