@@ -9,9 +9,9 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "PDL chains (test_pdl.py after its refactor) and the f16x2 GEMV after its scale floor"
+step "PDL chains (test_pdl.py after its refactor), the f16x2 GEMV and expert slots after the last edits"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_pdl.py tests/kernels/test_gpu_quant_kernels.py \
-  -k "pdl or half2" -p no:cacheprovider 2>&1 | tail -n 2
+  -k "pdl or half2 or expert_slots" -p no:cacheprovider 2>&1 | tail -n 2
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step (batch 1 and 64)"
