@@ -47,6 +47,7 @@ from tpfuse.kernels import (
     quant_moe_w8a8,
     rmsnorm,
     rope,
+    rope_decode_attention,
     rope_store_kv,
     sampling,
     sampling_cut,
@@ -133,6 +134,16 @@ def _variants(dtype: str):
             attention,
             dict(decode_common, NUM_SPLITS=splits, BLOCK_N=paged_attention_common.DECODE_BLOCK_N,
                  MERGE_IN_KERNEL=merge_in_kernel),
+        )  # fmt: skip
+    rope_kv = {**kv, "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    for splits, qk_norm in ((1, True), (16, True), (16, False)):
+        parts = {"part_out_ptr": p if splits == 1 else "*fp32", "part_lse_ptr": p if splits == 1 else "*fp32"}
+        yield (
+            rope_decode_attention._rope_decode_split_kernel,
+            {**rope_kv, **parts},
+            dict(attention, eps="fp32"),
+            dict(decode_common, HALF=64, NUM_SPLITS=splits, BLOCK_N=paged_attention_common.DECODE_BLOCK_N,
+                 QK_NORM=qk_norm, MERGE_IN_KERNEL=False),
         )  # fmt: skip
     yield (
         decode_merge._decode_merge_kernel,

@@ -13,6 +13,7 @@ from tpfuse.kernels import (
     qk_norm_rope_store_kv,
     rmsnorm,
     rope,
+    rope_decode_attention,
     rope_store_kv,
     sampling,
 )
@@ -26,6 +27,7 @@ OPS = [
     (activation, "silu_and_mul"),
     (kv_store, "store_kv"),
     (decode_attention, "decode_attention"),
+    (rope_decode_attention, "rope_decode_attention"),
     (prefill_attention, "prefill_attention"),
     (sampling, "sample"),
 ]

@@ -29,23 +29,31 @@ def test_triton_kernels_match_torch_references_inside_the_model(kind, tmp_path, 
 
 
 def test_a_qk_norm_layer_norms_rotates_and_stores_in_one_op(tmp_path, monkeypatch):
+    """Prefill: one op norms, rotates and stores; decode: the attention op does all of it."""
     build_hf_checkpoint(tmp_path, "qwen3_moe")
     model, _ = load_for_test(tmp_path)
-    fused_calls, normed_widths = [], []
-    real_fused, real_rmsnorm = attention.qk_norm_rope_store_kv_op, layers.rmsnorm_op
+    fused_calls, decode_norms, normed_widths = [], [], []
+    real_fused, real_decode = attention.qk_norm_rope_store_kv_op, attention.rope_decode_attention_op
+    real_rmsnorm = layers.rmsnorm_op
 
     def fused(*args):
         fused_calls.append(args[1].shape)
         return real_fused(*args)
+
+    def decode(*args):
+        decode_norms.append(args[-1])
+        return real_decode(*args)
 
     def rmsnorm(x, weight, eps):
         normed_widths.append(x.shape[-1])
         return real_rmsnorm(x, weight, eps)
 
     monkeypatch.setattr(attention, "qk_norm_rope_store_kv_op", fused)
+    monkeypatch.setattr(attention, "rope_decode_attention_op", decode)
     monkeypatch.setattr(layers, "rmsnorm_op", rmsnorm)
-    prefill, decode = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
-    assert prefill.isfinite().all() and all(d.isfinite().all() for d in decode)
+    prefill, decoded = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    assert prefill.isfinite().all() and all(d.isfinite().all() for d in decoded)
     layer_count = model.config.num_layers
-    assert len(fused_calls) == 2 * layer_count  # one prefill pass and one decode pass
+    assert len(fused_calls) == layer_count  # the prefill pass
+    assert len(decode_norms) == layer_count and all(norm is not None for norm in decode_norms)
     assert model.config.head_dim not in normed_widths, "q or k was normed by a separate RMSNorm launch"

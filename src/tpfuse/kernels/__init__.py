@@ -34,6 +34,7 @@ from tpfuse.kernels import (
     quant_int,
     rmsnorm,
     rope,
+    rope_decode_attention,
     rope_store_kv,
     sampling,
     skinny_linear,
@@ -60,6 +61,7 @@ __all__ = [
     "prefill_attention_op",
     "qk_norm_rope_store_kv_op",
     "rmsnorm_op",
+    "rope_decode_attention_op",
     "rope_op",
     "rope_store_kv_op",
     "rope_cos_sin_cache",
@@ -118,6 +120,19 @@ def qk_norm_rope_store_kv_op(
     return _pick(qk_norm_rope_store_kv, "qk_norm_rope_store_kv", q)(
         positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
+
+
+def rope_decode_attention_op(
+    positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
+    qk_norm=None,
+):  # fmt: skip
+    """A decode step's (q/k norm,) rope, KV store and decode attention, in one launch (plus the merge)
+    where that is faster (kernels/rope_decode_attention.py): k, v only read, q may be rotated in place;
+    returns [B, Hq, D]. qk_norm: (q_w, k_w, eps) or None."""
+    return _pick(rope_decode_attention, "rope_decode_attention", q)(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
+        qk_norm,
+    )  # fmt: skip
 
 
 def silu_and_mul(x):

@@ -59,6 +59,72 @@ def decode_attention_ref(
 
 
 @triton.jit
+def attend_key_range(
+    q, k_cache_ptr, v_cache_ptr, block_table_row, start, end, kv_head, dims, dim_mask, scale_log2e,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of q [BLOCK_G, BLOCK_D] over keys [start, end) of one sequence's paged cache:
+    (running max m [BLOCK_G], sum l [BLOCK_G], unnormalised output acc [BLOCK_G, BLOCK_D]), scores in
+    the log2 domain (scale_log2e applied)."""
+    # Running max starts finite so that fully masked tiles give p = 0, never NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        pages = _load_pages(block_table_row, tokens, token_mask, BLOCK_SIZE)
+        k = _load_paged_tile(k_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                             stride_kb, stride_ks, stride_kh, BLOCK_SIZE)  # fmt: skip
+        # V is loaded before the scores are used so both tiles are in flight together.
+        v = _load_paged_tile(v_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
+                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)  # fmt: skip
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_split_result(
+    m_i, l_i, acc, part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, kv_head, split, heads, head_mask,
+    dims, dim_mask, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+):  # fmt: skip
+    """One split's attend_key_range result: the output itself with one split, else its partials
+    (normalised within the split, lse in the log2 domain, -inf without keys), merged by the last split
+    to arrive with MERGE_IN_KERNEL (decode_merge.py). Grid (batch, KV heads, NUM_SPLITS)."""
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mask = head_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        # partials: out [B, Hq, NUM_SPLITS, HEAD_DIM], lse [B, Hq, NUM_SPLITS] (log2 domain), contiguous
+        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=head_mask)
+        if MERGE_IN_KERNEL:
+            rows = b * GROUP * tl.num_programs(1) + heads
+            merge_group_in_last_split(part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, kv_head, rows,
+                                      heads, head_mask, dims, dim_mask, stride_ob, stride_oh, HEAD_DIM,
+                                      NUM_SPLITS, BLOCK_G, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -109,50 +175,15 @@ def _decode_split_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    block_table_row = block_tables_ptr + b * stride_bt
-
-    # Running max starts finite so that fully masked tiles give p = 0, never NaN.
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        pages = _load_pages(block_table_row, tokens, token_mask, BLOCK_SIZE)
-        k = _load_paged_tile(k_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_kb, stride_ks, stride_kh, BLOCK_SIZE)  # fmt: skip
-        # V is loaded before the scores are used so both tiles are in flight together.
-        v = _load_paged_tile(v_cache_ptr, pages, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE)  # fmt: skip
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    mask = head_mask[:, None] & dim_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
-    else:
-        # partials: out [B, Hq, NUM_SPLITS, HEAD_DIM], lse [B, Hq, NUM_SPLITS] (log2 domain), contiguous
-        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=head_mask)
-        if MERGE_IN_KERNEL:
-            rows = b * GROUP * tl.num_programs(1) + heads
-            merge_group_in_last_split(part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, kv_head, rows,
-                                      heads, head_mask, dims, dim_mask, stride_ob, stride_oh, HEAD_DIM,
-                                      NUM_SPLITS, BLOCK_G, BLOCK_D)  # fmt: skip
+    m_i, l_i, acc = attend_key_range(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, start, end, kv_head, dims, dim_mask,
+        scale_log2e, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, BLOCK_G,
+        BLOCK_D, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    store_split_result(
+        m_i, l_i, acc, part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, kv_head, split, heads, head_mask,
+        dims, dim_mask, stride_ob, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_G, BLOCK_D, MERGE_IN_KERNEL,
+    )  # fmt: skip
 
 
 # The last split program of each (sequence, KV head) can merge the partials instead of a second

@@ -132,6 +132,16 @@ def _qk_norm_rope_store_kv_kernel(
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_qk_norm_weights(head_dim: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor) -> None:
+    """Raises ValueError unless both norm weights are contiguous [head_dim] vectors."""
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight.shape != (head_dim,) or weight.stride(-1) != 1:
+            raise ValueError(
+                f"the per-head q/k norm needs {name} of shape ({head_dim},) (one weight per head_dim "
+                f"column, contiguous); got {tuple(weight.shape)} with strides {weight.stride()}"
+            )
+
+
 def qk_norm_rope_store_kv_triton(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -152,12 +162,7 @@ def qk_norm_rope_store_kv_triton(
     Raises ValueError as rope_store_kv does, or when a norm weight is not a contiguous [head_dim]."""
     check_rope_store_kv_args(q, k, v, cos_sin_cache, k_cache, v_cache)
     head_dim = q.shape[-1]
-    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if weight.shape != (head_dim,) or weight.stride(-1) != 1:
-            raise ValueError(
-                f"qk_norm_rope_store_kv needs {name} of shape ({head_dim},) (one weight per head_dim "
-                f"column, contiguous); got {tuple(weight.shape)} with strides {weight.stride()}"
-            )
+    check_qk_norm_weights(head_dim, q_norm_weight, k_norm_weight)
     if q.shape[0] == 0:
         return q
     half = head_dim // 2

@@ -15,6 +15,7 @@ from tpfuse.kernels import (
     decode_attention_op,
     prefill_attention_op,
     qk_norm_rope_store_kv_op,
+    rope_decode_attention_op,
     rope_store_kv_op,
 )
 from tpfuse.model.config import ModelConfig
@@ -87,12 +88,19 @@ def paged_attention(
     """(Per-head q/k RMSNorm,) rotary embedding, KV-cache store and attention over the paged cache, for
     one layer.
 
-    positions: [T]; q: [T, Hq, D] (normed and rotated in place); k, v: [T, Hk, D] (not modified; the
-    normed, rotated k and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping).
+    positions: [T]; q: [T, Hq, D] (may be normed and rotated in place); k, v: [T, Hk, D] (not modified;
+    the normed, rotated k and v are written into kv_cache = (k_cache, v_cache) at attn.slot_mapping).
     qk_norm: (q_norm, k_norm) over head_dim, of one eps (Qwen3), or None. Returns [T, Hq, D]:
-    attend_paged's result (or, while a piecewise graph is captured, the graph break's output).
+    attend_paged's result (or, while a piecewise graph is captured, the graph break's output). A decode
+    step does it all in the attention launch (kernels/rope_decode_attention.py).
     """
     k_cache, v_cache = kv_cache
+    if attn.is_decode and attn.graph_break is None:
+        norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        return rope_decode_attention_op(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping, attn.block_tables,
+            attn.seq_lens, scale, norms,
+        )  # fmt: skip
     # One launch: q (normed and) rotated in place, rotated k and v written to their slots (k untouched).
     if qk_norm is None:
         rope_store_kv_op(positions, q, k, v, cos_sin_cache, k_cache, v_cache, attn.slot_mapping)
