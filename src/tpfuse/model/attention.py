@@ -165,8 +165,8 @@ class Attention(nn.Module):
     """Self-attention of one decoder layer over the paged KV cache, heads split over ranks.
 
     qkv projection -> (Qwen3: per-head RMSNorm of q and k, in the same launch as) rotary embedding fused
-    with the K/V store into the cache -> paged decode or prefill attention -> o_proj, whose output is this
-    rank's partial sum.
+    with the K/V store into the cache -> paged decode or prefill attention (a decode step may do all of
+    it in the attention launch) -> o_proj, whose output is this rank's partial sum.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext):
