@@ -174,24 +174,41 @@ def logits_step(model, ids, positions, attn, caches):
 
 
 def routed_experts(model, step, block_type) -> list[int]:
-    """Runs step once eagerly, recording per block_type layer how many distinct experts its routing chose
-    (block.route(x) -> (weights, ids) is wrapped for the call, then restored)."""
-    counts, originals = [], []
+    """Runs step once eagerly, recording per block_type layer how many distinct experts its routing chose:
+    the ids its experts (block.experts, a FusedMoE) were called with, or picked themselves where the
+    block routes inside them (routed_slot_outputs); the methods are wrapped for the call, then restored."""
+    counts, wrapped = {}, []
     for block in model.modules():
-        if isinstance(block, block_type):
-            original = block.route
+        if not isinstance(block, block_type):
+            continue
+        experts = block.experts
 
-            def recording(x, original=original):
-                weights, ids = original(x)
-                counts.append(int(torch.unique(ids).numel()))
-                return weights, ids
+        def by_argument(original, experts=experts):
+            def recording(x, weights, ids):
+                counts[experts] = int(torch.unique(ids).numel())
+                return original(x, weights, ids)
 
-            block.route = recording
-            originals.append((block, original))
+            return recording
+
+        def by_result(original, experts=experts):
+            def recording(*args):
+                out = original(*args)
+                counts[experts] = int(torch.unique(out[2]).numel())
+                return out
+
+            return recording
+
+        for name, wrap in (
+            ("forward", by_argument),
+            ("slot_outputs", by_argument),
+            ("routed_slot_outputs", by_result),
+        ):
+            setattr(experts, name, wrap(getattr(experts, name)))
+            wrapped.append((experts, name))
     step()
-    for block, original in originals:
-        block.route = original
-    return counts
+    for experts, name in wrapped:
+        delattr(experts, name)  # the class's method again
+    return [counts[experts] for experts, name in wrapped if name == "forward"]
 
 
 def routed_graph_seconds(model, step, block_type, iters: int, profile_batch: int | None):

@@ -32,6 +32,7 @@ from tpfuse.kernels import (
     mla_decode,
     moe_align,
     moe_finalize,
+    moe_norm_router,
     moe_router,
     moe_routing,
     paged_attention_common,
@@ -402,6 +403,11 @@ def _moe_variants(p: str):
             dict(TOP_K=8, RENORMALIZE=True, BLOCK_R=tile.rows, BLOCK_H=1024, BLOCK_E=128, BLOCK_K=8),
             {"num_warps": tile.num_warps},
         )  # fmt: skip
+    for tile in moe_norm_router.NORM_ROUTER_TILES:
+        yield (
+            moe_norm_router._moe_norm_router_kernel, {"*": p, "logits_ptr": "*fp32"}, {"eps": "fp32"},
+            dict(BLOCK_R=tile.rows, BLOCK_H=2048), {"num_warps": tile.num_warps},
+        )  # fmt: skip
     i32 = {"*": "*i32"}
     yield moe_align._count_kernel, i32, {}, dict(BLOCK=256)
     yield moe_align._offsets_kernel, i32, {}, dict(BLOCK_M=16, BLOCK_E=128, BLOCK_B=32)
@@ -417,9 +423,17 @@ def _moe_variants(p: str):
         )
         options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
         if tile.block_m == 1:
-            slot = {"*": p, "ids_ptr": "*i32", "weights_ptr": "*fp32"}
+            slot = {"*": p, "ids_ptr": "*i32", "weights_ptr": "*fp32", "logits_ptr": "*fp32"}
             gemv_blocks = dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
-            yield fused_moe_gemv._slot_gate_up_kernel, slot, {}, dict(gemv_blocks, TOP_K=8), options
+            for route in (False, True):  # expert ids read, or picked from the router logits
+                routing = dict(ROUTE=route, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8)
+                yield (
+                    fused_moe_gemv._slot_gate_up_kernel,
+                    slot,
+                    {},
+                    dict(gemv_blocks, TOP_K=8, **routing),
+                    options,
+                )
             yield fused_moe_gemv._slot_down_kernel, slot, {}, gemv_blocks, options
             continue
         yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options

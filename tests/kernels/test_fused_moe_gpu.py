@@ -205,3 +205,78 @@ def test_start_up_choice_times_the_router_routes_per_token_bucket():
         assert moe_choice.route_tile(x, block.gate.weight) in (None, *ROUTE_TILES)
     too_many = torch.empty(65, H, device=CUDA, dtype=torch.bfloat16)
     assert moe_choice.route_tile(too_many, block.gate.weight) is None
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_fused_moe_entry_matches_float64_and_replays_from_a_graph(num_tokens):
+    """add + RMSNorm + router in one launch, the top-k inside the per-slot gate/up launch: against
+    float64 on rows whose routing rounding cannot reorder, equal to the unfused kernels everywhere
+    (same routing bits), and replayed from a CUDA graph on fresh inputs."""
+    from tpfuse.kernels.fused_moe import expert_slot_outputs, routed_slot_outputs_triton
+    from tpfuse.kernels.moe_finalize import moe_finalize_ref
+    from tpfuse.kernels.moe_norm_router import NORM_ROUTER_TILES, moe_norm_router_ref, moe_norm_router_triton
+    from tpfuse.kernels.moe_routing import moe_topk_triton
+    from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
+
+    w13, w2 = experts(num_tokens + 40)
+    g = torch.Generator(device=CUDA).manual_seed(num_tokens)
+    gate = (torch.randn(E, H, device=CUDA, generator=g) * 0.05).bfloat16()
+    norm_weight = (torch.rand(H, device=CUDA, generator=g) + 0.5).bfloat16()
+    x, residual = (torch.randn(num_tokens, H, device=CUDA, generator=g).bfloat16() for _ in range(2))
+    want_normed, want_res, want_logits = moe_norm_router_ref(
+        *(t.double() for t in (x, residual, norm_weight, gate)), 1e-6
+    )
+    plain = fused_add_rmsnorm_triton(x, residual, norm_weight, 1e-6)
+    for tile in NORM_ROUTER_TILES:
+        normed, new_res, logits = moe_norm_router_triton(x, residual, norm_weight, gate, 1e-6, tile)
+        assert torch.equal(normed, plain[0]) and torch.equal(new_res, plain[1]), tile
+        assert relative_error(logits, want_logits) <= TOLERANCE, tile
+    tile = MoeTile(1, 32, 256, 2, 4)
+    slots, weights, ids = routed_slot_outputs_triton(normed, w13, w2, logits, K, True, tile)
+    want_w, want_ids = moe_topk_triton(logits, K, True)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    assert torch.equal(slots, expert_slot_outputs(normed, w13, w2, want_w, want_ids, tile))
+    f64_slots = fused_experts_ref(
+        normed.double(), w13.double(), w2.double(), want_w.double(), want_ids, combine=False
+    )
+    assert relative_error(slots, f64_slots.flatten(0, 1)) <= TOLERANCE
+    assert relative_error(normed, want_normed) <= TOLERANCE and relative_error(new_res, want_res) <= TOLERANCE
+    static = (x.clone(), residual.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_normed, g_res, g_logits = moe_norm_router_triton(*static, norm_weight, gate, 1e-6)
+        g_slots, g_w, g_ids = routed_slot_outputs_triton(g_normed, w13, w2, g_logits, K, True, tile)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in static:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        e_normed, e_res, e_logits = moe_norm_router_triton(*static, norm_weight, gate, 1e-6)
+        e_slots, e_w, e_ids = routed_slot_outputs_triton(e_normed, w13, w2, e_logits, K, True, tile)
+        assert torch.equal(g_ids, e_ids) and torch.equal(g_w, e_w) and torch.equal(g_slots, e_slots)
+        assert torch.equal(g_res, e_res) and torch.equal(g_normed, e_normed)
+    finalized = moe_finalize_ref(g_slots.double(), K, g_res.double(), norm_weight.double(), 1e-6)
+    assert finalized[0].isfinite().all()
+
+
+def test_start_up_choice_times_the_fused_moe_entry():
+    from tpfuse.comm.communicator import SingleRankCommunicator
+    from tpfuse.kernels.moe_norm_router import NORM_ROUTER_TILES
+    from tpfuse.model import moe_choice
+    from tpfuse.model.layers import ParallelContext
+    from tpfuse.model.moe import SparseMoeBlock
+
+    block = SparseMoeBlock(H, E, K, I, True, ParallelContext(0, 1, None), torch.bfloat16).to(CUDA)
+    for p in (block.gate.weight, block.experts.w13, block.experts.w2):
+        torch.nn.init.normal_(p, std=0.02)
+    moe_choice.choose(block, max_decode_rows=8, max_prefill_tokens=8, tp_size=1)
+    entries = [moe_choice.norm_route_tile(torch.empty(t, H, device=CUDA, dtype=torch.bfloat16), block)
+               for t in (1, 2, 4, 8)]  # fmt: skip
+    assert all(e in (None, *NORM_ROUTER_TILES) for e in entries)
+    x, residual = (torch.randn(4, H, device=CUDA).bfloat16() for _ in range(2))
+    w = torch.ones(H, device=CUDA, dtype=torch.bfloat16)
+    comm = SingleRankCommunicator()
+    got = block.forward_after_attention(x, residual, w, w, 1e-6, comm)
+    h, res = comm.fused_add_rmsnorm_all_reduce(x, residual, w, 1e-6)
+    want = block.forward_add_rmsnorm(h, res, w, 1e-6, comm)
+    assert relative_error(got[0], want[0].double()) <= TOLERANCE and torch.equal(got[1], want[1])

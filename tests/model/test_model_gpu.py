@@ -120,3 +120,32 @@ def test_two_ranks_sharing_one_gpu_give_single_rank_logits(kind, tmp_path):
     ranks = run_distributed(_gpu_tp_logits, 2, str(tmp_path), timeout=300)
     for want, got in zip((prefill, *decodes), ranks[0], strict=True):
         assert relative_error(torch.from_numpy(got), want.cpu()) <= 1e-3
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_gpu_moe_logits_match_transformers_through_the_fused_entry(kind, tmp_path, monkeypatch):
+    """MoE layers with a per-slot expert tile take the fused entry (add + RMSNorm inside the router
+    product, the top-k inside the experts' first kernel) at every step of up to 64 tokens."""
+    from tpfuse.kernels import fused_moe_tiles
+    from tpfuse.model import moe
+
+    hf_model = build_hf_checkpoint(tmp_path, kind)
+    full = [p + [s[i] for s in DECODE_TOKENS] for i, p in enumerate(PROMPTS)]
+    expected = hf_logits(hf_model, full)
+    model, _ = load_for_test(tmp_path, dtype="float32", device="cuda")
+    blocks = [m for m in model.modules() if isinstance(m, moe.SparseMoeBlock)]
+    for block in blocks:
+        w13 = block.experts.w13
+        for bucket in (2, 4, 8, 16, 32, 64):
+            key = (tuple(w13.shape), w13.dtype, w13.device, bucket)
+            monkeypatch.setitem(fused_moe_tiles._CHOSEN_TILES, key, fused_moe_tiles.MoeTile(1, 16, 64, 2, 4))
+    entries = []
+    real_entry = moe.moe_norm_route
+    monkeypatch.setattr(moe, "moe_norm_route", lambda *a: entries.append(1) or real_entry(*a))
+    prefill, decodes = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    assert len(entries) == len(blocks) * (1 + len(DECODE_TOKENS))
+    want_prefill = torch.cat([e[: len(p)] for p, e in zip(PROMPTS, expected, strict=True)])
+    assert relative_error(prefill.cpu(), want_prefill) <= 5e-3
+    for step, got in enumerate(decodes):
+        want = torch.stack([e[len(p) + step] for p, e in zip(PROMPTS, expected, strict=True)])
+        assert relative_error(got.cpu(), want) <= 5e-3

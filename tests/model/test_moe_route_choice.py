@@ -49,3 +49,53 @@ def test_the_fused_route_gives_the_linear_and_topk_result():
     want = moe_topk(block.gate(x), 2, True)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0])
+
+
+def _slot_tile_for(block, monkeypatch, buckets=(2, 4, 8, 16, 32, 64, 128)):
+    from tpfuse.kernels import fused_moe_tiles
+
+    w13 = block.experts.w13
+    for bucket in buckets:
+        key = (tuple(w13.shape), w13.dtype, w13.device, bucket)
+        monkeypatch.setitem(fused_moe_tiles._CHOSEN_TILES, key, fused_moe_tiles.MoeTile(1, 16, 32, 1, 4))
+
+
+def test_the_fused_entry_runs_only_where_the_experts_route_and_the_finalize_is_fused(monkeypatch):
+    from tpfuse.kernels.moe_norm_router import MAX_TOKENS, NORM_ROUTER_TILES
+
+    block = _block()
+    assert moe_choice.norm_route_tile(torch.empty(1, 16), block) is None  # grouped tile: no routed slots
+    _slot_tile_for(block, monkeypatch, buckets=(2, 4))
+    assert moe_choice.norm_route_tile(torch.empty(1, 16), block) == NORM_ROUTER_TILES[0]
+    assert moe_choice.norm_route_tile(torch.empty(3, 16), block) is None  # 6 slots: bucket 8 is grouped
+    monkeypatch.setitem(moe_choice._FUSED_FINALIZE, (16, torch.float32, torch.device("cpu"), 2), False)
+    assert moe_choice.norm_route_tile(torch.empty(1, 16), block) is None  # the plain finalize was faster
+    _slot_tile_for(block, monkeypatch, buckets=(256,))
+    assert moe_choice.norm_route_tile(torch.empty(MAX_TOKENS + 1, 16), block) is None
+
+
+def test_each_token_bucket_takes_the_measured_entry(monkeypatch):
+    from tpfuse.kernels.moe_norm_router import NORM_ROUTER_TILES
+
+    block = _block()
+    _slot_tile_for(block, monkeypatch)
+
+    def times(block, tokens):  # the fused entry wins up to 4 tokens (its second tile), then plain
+        return {
+            None: 2.0 if tokens <= 4 else 0.5,
+            **{t: 1.0 + (t != NORM_ROUTER_TILES[1]) for t in NORM_ROUTER_TILES},
+        }
+
+    monkeypatch.setattr(moe_choice, "_time_norm_route", times)
+    decisions = moe_choice._norm_route_decisions(block, 16, set())
+    assert [(key[3], entry) for key, entry in decisions] == [
+        (1, NORM_ROUTER_TILES[1]), (2, NORM_ROUTER_TILES[1]), (4, NORM_ROUTER_TILES[1]), (8, None), (16, None)
+    ]  # fmt: skip
+    for key, entry in decisions:
+        monkeypatch.setitem(moe_choice._NORM_ROUTES, key, entry)
+    got = [moe_choice.norm_route_tile(torch.empty(t, 16), block) for t in (1, 3, 4, 5, 16)]
+    assert got == [NORM_ROUTER_TILES[1]] * 3 + [None] * 2
+    monkeypatch.setattr(
+        moe_choice, "_time_norm_route", lambda *a: dict.fromkeys((None, *NORM_ROUTER_TILES), 1.0)
+    )
+    assert moe_choice._norm_route_decisions(block, 1, set())[0][1] is None  # a tie keeps the plain entry

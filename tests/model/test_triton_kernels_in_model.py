@@ -57,3 +57,39 @@ def test_a_qk_norm_layer_norms_rotates_and_stores_in_one_op(tmp_path, monkeypatc
     assert len(fused_calls) == layer_count  # the prefill pass
     assert len(decode_norms) == layer_count and all(norm is not None for norm in decode_norms)
     assert model.config.head_dim not in normed_widths, "q or k was normed by a separate RMSNorm launch"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_the_fused_moe_entry_matches_the_references_inside_the_model(kind, tmp_path, monkeypatch):
+    """With a per-slot tile recorded for the experts (as start-up timing records it on a GPU), every MoE
+    layer of a step takes the fused entry: add + RMSNorm inside the router product, top-k inside the
+    experts' first kernel; the logits stay the references'."""
+    from tpfuse.kernels import fused_moe_tiles
+    from tpfuse.model import moe
+
+    build_hf_checkpoint(tmp_path, kind)
+    model, _ = load_for_test(tmp_path)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
+    reference = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    blocks = [m for m in model.modules() if isinstance(m, moe.SparseMoeBlock)]
+    slot_tile = fused_moe_tiles.MoeTile(1, 16, 32, 1, 4)
+    for block in blocks:
+        for bucket in (1, 2, 4, 8, 16, 32):
+            key = (tuple(block.experts.w13.shape), block.experts.w13.dtype, block.experts.w13.device, bucket)
+            monkeypatch.setitem(fused_moe_tiles._CHOSEN_TILES, key, slot_tile)
+    entries = []
+    real_entry = moe.moe_norm_route
+
+    def counted(*args):
+        entries.append(args[0].shape[0])
+        return real_entry(*args)
+
+    monkeypatch.setattr(moe, "moe_norm_route", counted)
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    triton = run_prefill_then_decode(model, PROMPTS, DECODE_TOKENS)
+    assert entries == [7] * len(blocks) + [2] * len(blocks)  # the prefill pass, then the decode step
+    assert relative_error(triton[0], reference[0]) <= 1e-4
+    for got, want in zip(triton[1], reference[1], strict=True):
+        assert relative_error(got, want) <= 1e-4

@@ -25,6 +25,7 @@ from tpfuse.kernels import (
     mla_rope_store,
     mla_store,
     moe_finalize,
+    moe_norm_router,
     moe_router,
     moe_routing,
     prefill_attention,
@@ -56,11 +57,13 @@ __all__ = [
     "mla_rope_op",
     "moe_combine",
     "moe_finalize_op",
+    "moe_norm_route",
     "moe_route",
     "moe_topk",
     "prefill_attention_op",
     "qk_norm_rope_store_kv_op",
     "rmsnorm_op",
+    "routed_expert_slots",
     "rope_decode_attention_op",
     "rope_op",
     "rope_store_kv_op",
@@ -295,6 +298,24 @@ def moe_route(x, gate, top_k: int, renormalize: bool, tile=None):
     if not use_triton(x):
         return moe_router.moe_route_ref(x, gate, top_k, renormalize)
     return moe_router.moe_route_triton(x, gate, top_k, renormalize, tile or moe_router.ROUTE_TILES[0])
+
+
+def moe_norm_route(x, residual, norm_weight, gate, eps, tile=None):
+    """x (the attention's partial sum), residual [T, H], norm_weight [H], gate [E, H] -> (normed, new
+    residual, router logits [T, E] float32): fused_add_rmsnorm then the router linear, in one launch
+    (kernels/moe_norm_router.py) of launch shape `tile` (a NormRouterTile; None: the default)."""
+    if not use_triton(x):
+        return moe_norm_router.moe_norm_router_ref(x, residual, norm_weight, gate, eps)
+    tile = tile or moe_norm_router.NORM_ROUTER_TILES[0]
+    return moe_norm_router.moe_norm_router_triton(x, residual, norm_weight, gate, eps, tile)
+
+
+def routed_expert_slots(x, w13, w2, logits, top_k: int, renormalize: bool, tile):
+    """fused_experts_slots with the softmax top-k of logits [T, E] float32 inside the per-slot gate/up
+    launch (tile: a per-slot MoeTile): -> (slots [T * k, H], topk_weights [T, k], topk_ids [T, k])."""
+    if not use_triton(x):
+        return fused_moe.routed_slot_outputs_ref(x, w13, w2, logits, top_k, renormalize)
+    return fused_moe.routed_slot_outputs_triton(x, w13, w2, logits, top_k, renormalize, tile)
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids):

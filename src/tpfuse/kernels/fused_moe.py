@@ -4,7 +4,8 @@ x [T, H]; w13 [E, 2I, H] (gate rows then up rows of each expert); w2 [E, H, I]; 
 [T, k] from kernels/moe_routing.py. Output [T, H] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t]),
 this rank's partial sum when I is a tensor-parallel slice. Two routes, by the tile
 (kernels/fused_moe_tiles.py): grouped GEMMs on tensor cores over tokens sorted by expert
-(kernels/moe_align.py), or per-slot GEMVs for a few tokens (kernels/fused_moe_gemv.py).
+(kernels/moe_align.py), or per-slot GEMVs for a few tokens (kernels/fused_moe_gemv.py), which may also
+take the router logits and pick each slot's expert themselves (routed_slot_outputs: no top-k launch).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fused_moe_gemv import slot_products
+from tpfuse.kernels.fused_moe_gemv import routed_slot_products, slot_products
 from tpfuse.kernels.fused_moe_tiles import MoeTile, default_tile, tile_for
 from tpfuse.kernels.moe_align import moe_align_triton
+from tpfuse.kernels.moe_routing import MAX_EXPERTS, moe_topk_ref
 
 
 def fused_experts_ref(
@@ -159,12 +161,8 @@ def expert_slot_outputs(
     """The two grouped GEMMs: [T * k, H] of x.dtype, row t * k + j = topk_weights[t, j] * expert(x[t])
     for expert topk_ids[t, j] (float32 accumulation, the SiLU-and-mul product stored in x.dtype)."""
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
-    if w2.shape != (num_experts, hidden, inter) or x.shape[1] != hidden:
-        raise ValueError(
-            f"fused_experts: x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} disagree"
-        )
+    _check_expert_shapes(x, w13, w2)
+    hidden, inter = x.shape[1], w2.shape[2]
     num_slots = num_tokens * top_k
     tile = tile or default_tile(num_slots)
     slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
@@ -177,7 +175,7 @@ def expert_slot_outputs(
         slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile)
         return slot_out
     sorted_slots, block_expert, num_padded = moe_align_triton(
-        topk_ids.contiguous(), num_experts, tile.block_m
+        topk_ids.contiguous(), w13.shape[0], tile.block_m
     )
     nb = block_expert.shape[0]
     common = dict(
@@ -196,6 +194,49 @@ def expert_slot_outputs(
         **common,
     )  # fmt: skip
     return slot_out
+
+
+def _check_expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if w2.shape != (num_experts, hidden, two_inter // 2) or x.shape[1] != hidden:
+        raise ValueError(
+            f"fused_experts: x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} disagree"
+        )
+
+
+def routed_slot_outputs_ref(x, w13, w2, logits, top_k: int, renormalize: bool):
+    """routed_slot_outputs_triton in torch: moe_topk_ref(logits), then fused_experts_ref's weighted
+    slot outputs. -> (slot_out [T * k, H] of x.dtype, topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+    weights, ids = moe_topk_ref(logits, top_k, renormalize)
+    slot_out = fused_experts_ref(x, w13, w2, weights, ids, combine=False).flatten(0, 1)
+    return slot_out, weights, ids
+
+
+def routed_slot_outputs_triton(x, w13, w2, logits, top_k: int, renormalize: bool, tile: MoeTile):
+    """expert_slot_outputs with the top-k inside the per-slot gate/up launch (tile.block_m == 1): the
+    router logits [T, E] float32 in, and the routing it chose out: (slot_out [T * k, H] of x.dtype,
+    topk_weights [T, k] float32, topk_ids [T, k] int32), as moe_topk_triton(logits) would give them.
+    Raises ValueError on shapes that disagree or a grouped tile."""
+    _check_expert_shapes(x, w13, w2)
+    num_tokens, (num_experts, two_inter, hidden) = x.shape[0], w13.shape
+    if tile.block_m != 1 or logits.shape != (num_tokens, num_experts) or logits.dtype != torch.float32:
+        raise ValueError(
+            f"routed slots need a per-slot tile (got {tile.label()}) and float32 logits [{num_tokens}, "
+            f"{num_experts}] (got {list(logits.shape)} {logits.dtype})"
+        )
+    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS:
+        raise ValueError(f"routed slots need 1 <= top_k ({top_k}) <= E ({num_experts}) <= {MAX_EXPERTS}")
+    num_slots = num_tokens * top_k
+    slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    act = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)
+    if num_slots == 0:
+        empty = torch.empty(0, top_k, device=x.device)
+        return slot_out, empty, empty.to(torch.int32)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weights, ids = routed_slot_products(
+        x, w13, w2, logits.contiguous(), top_k, renormalize, act, slot_out, tile
+    )
+    return slot_out, weights.view(num_tokens, top_k), ids.view(num_tokens, top_k)
 
 
 def combine_slots_ref(slot_out: torch.Tensor, top_k: int) -> torch.Tensor:

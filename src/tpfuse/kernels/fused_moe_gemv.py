@@ -8,24 +8,39 @@ grouped route's sorting launches cost more than they save; start-up timing decid
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.fused_moe_tiles import MoeTile
+from tpfuse.kernels.moe_routing import routed_slot
 
 
 @triton.jit
 def _slot_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_act,
+    x_ptr, w13_ptr, act_ptr, ids_ptr, logits_ptr, weights_ptr, hidden, inter, num_experts,
+    stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
-    """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k."""
+    """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k.
+    ROUTE: e comes from token t's router logits instead (kernels/moe_routing.py: routed_slot), and the
+    slot's first program stores it to ids[s] and its routing weight to weights[s]."""
     pdl.begin(PDL)
     slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // TOP_K).to(tl.int64)
+    if ROUTE:
+        expert, weight = routed_slot(
+            logits_ptr, token, slot % TOP_K, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK
+        )
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slot, expert)
+            tl.store(weights_ptr + slot, weight)
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
@@ -75,11 +90,32 @@ def slot_products(x, w13, w2, weights, topk_ids, act, slot_out, tile: MoeTile) -
     hidden, top_k = x.shape[1], topk_ids.shape[1]
     ids = topk_ids.reshape(-1).contiguous()
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
-        x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_stages=tile.num_stages,
-        num_warps=tile.num_warps, **pdl.launch(x.device),
+        x, w13, act, ids, None, None, hidden, inter, w13.shape[0],
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=False, RENORMALIZE=False, BLOCK_E=1,
+        BLOCK_TOPK=1,
+        num_stages=tile.num_stages, num_warps=tile.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     slot_down(act, w2, slot_out, weights, ids, tile.down_shape(), tile.num_stages)
+
+
+def routed_slot_products(x, w13, w2, logits, top_k: int, renormalize: bool, act, slot_out, tile: MoeTile):
+    """slot_products with the routing inside the gate/up launch: each program picks its slot's expert
+    from logits [T, E] float32 (softmax, top_k, renormalised when asked: kernels/moe_routing.py).
+    Returns (weights [T * k] float32, ids [T * k] int32), the routing it used."""
+    num_slots, inter = act.shape
+    hidden, num_experts = x.shape[1], w13.shape[0]
+    ids = torch.empty(num_slots, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_slots, dtype=torch.float32, device=x.device)
+    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tile.block_n))](
+        x, w13, act, ids, logits, weights, hidden, inter, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=True, RENORMALIZE=renormalize,
+        BLOCK_E=max(triton.next_power_of_2(num_experts), 16), BLOCK_TOPK=triton.next_power_of_2(top_k),
+        num_stages=tile.num_stages, num_warps=tile.num_warps, **pdl.launch(x.device),
+    )  # fmt: skip
+    slot_down(act, w2, slot_out, weights, ids, tile.down_shape(), tile.num_stages)
+    return weights, ids
 
 
 def slot_down(act, w2, slot_out, weights, ids, shape: tuple[int, int, int], num_stages: int = 2) -> None:

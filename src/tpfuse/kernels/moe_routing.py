@@ -53,6 +53,19 @@ def topk_of_row(x, valid, cols, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, 
 
 
 @triton.jit
+def routed_slot(logits_ptr, token, j, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """(expert int32, weight float32) of slot j of token's routing, from its float32 logits row at
+    logits_ptr + token * num_experts (BLOCK_K = next_power_of_2(TOP_K)): topk_of_row's entry j, so a
+    kernel that needs one slot's expert computes it as the top-k kernel would (same bits)."""
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < num_experts
+    x = tl.load(logits_ptr + token * num_experts + cols, mask=valid, other=-float("inf"))
+    top_w, top_id, ks = topk_of_row(x, valid, cols, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    return tl.sum(tl.where(ks == j, top_id, 0), axis=0), tl.sum(tl.where(ks == j, top_w, 0.0), axis=0)
+
+
+@triton.jit
 def _moe_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -1,10 +1,12 @@
-"""Blocks the decoder families share: the gated MLP and the decoder layer.
+"""Blocks the decoder families share: the feed-forward contract, the gated MLP and the decoder layer.
 
-A feed-forward block (GatedMLP here, SparseMoeBlock in model/moe.py) has one contract:
+A feed-forward block (GatedMLP here, SparseMoeBlock in model/moe.py) is a FeedForwardBlock:
 `forward_add_rmsnorm(h, residual, weight, eps, comm) -> (normed, new_residual)` ends the layer, its
 output summed over ranks into the residual stream and normed by `weight` (the next layer's input
-norm); `checkpoint_slots(prefix)` names its checkpoint tensors. So a block may fuse its own epilogue
-(the MoE combine) into the all-reduce without the decoder loop knowing.
+norm); `forward_after_attention` starts one step earlier, from the attention's partial sum (the
+post-attention all-reduce + add + RMSNorm first); `checkpoint_slots(prefix)` names its checkpoint
+tensors. So a block may fuse its own prologue (the MoE router) and epilogue (the MoE combine) into
+the neighbouring syncs without the decoder loop knowing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,32 @@ from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, 
 from tpfuse.model.linear_method import method_for
 
 
-class GatedMLP(nn.Module):
+class FeedForwardBlock(nn.Module):
+    """The feed-forward half of a decoder layer (the module docstring's contract)."""
+
+    def forward_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] normed -> (the next norm's output, the new residual), both [T, H]."""
+        raise NotImplementedError(f"{type(self).__name__} must define forward_add_rmsnorm")
+
+    def forward_after_attention(
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor,
+        post_weight: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        comm: Communicator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention's partial sum [T, H]: all-reduce + residual add + RMSNorm by post_weight
+        (the post-attention norm), then forward_add_rmsnorm. A block overrides it to fuse that norm into
+        its own first kernel."""
+        h, residual = comm.fused_add_rmsnorm_all_reduce(partial, residual, post_weight, eps)
+        return self.forward_add_rmsnorm(h, residual, weight, eps, comm)
+
+
+class GatedMLP(FeedForwardBlock):
     """down(silu(gate(x)) * up(x)), gate and up merged and split over ranks by rows, down by columns.
 
     names: the checkpoint's (gate, up, down) projection names, e.g. ("gate_proj", "up_proj", "down_proj"),

@@ -3,9 +3,10 @@
 A family subclasses it and says how to build layer i (`make_layer`); everything else (the forward
 loop, logits, checkpoint names) is here. The residual stream crosses ranks only through
 `comm.fused_add_rmsnorm_all_reduce` (or a feed-forward block's fused form of it), twice per layer:
-after o_proj (applying post_attention_layernorm) and after the feed-forward block (applying the next
-layer's input_layernorm, or the final norm after the last layer). The embedding's partial sum enters
-the same way, with a zero residual, so a forward pass of N layers makes exactly 2N + 1 such calls.
+after o_proj (applying post_attention_layernorm; the feed-forward block's forward_after_attention runs
+it, model/blocks.py) and after the feed-forward block (applying the next layer's input_layernorm, or
+the final norm after the last layer). The embedding's partial sum enters the same way, with a zero
+residual, so a forward pass of N layers makes exactly 2N + 1 such calls.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ class DecoderForCausalLM(nn.Module):
             if i in self.aux_hidden_state_layers:
                 aux.append(residual)
             partial = layer.self_attn(positions, h, attn, kv_caches[i], self.cos_sin_cache)
-            h, residual = comm.fused_add_rmsnorm_all_reduce(
-                partial, residual, layer.post_attention_layernorm.weight, eps
-            )
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
-            h, residual = layer.mlp.forward_add_rmsnorm(h, residual, next_norm.weight, eps, comm)
+            h, residual = layer.mlp.forward_after_attention(
+                partial, residual, layer.post_attention_layernorm.weight, next_norm.weight, eps, comm
+            )
         if self.aux_final_hidden:
             aux.append(h)
         return h, (torch.cat(aux, dim=-1) if aux else None)

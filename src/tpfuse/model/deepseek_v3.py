@@ -22,7 +22,7 @@ from torch import nn
 from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import grouped_topk_op, moe_finalize_op
 from tpfuse.model import moe_choice
-from tpfuse.model.blocks import GatedMLP
+from tpfuse.model.blocks import FeedForwardBlock, GatedMLP
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
 from tpfuse.model.kv_layout import LatentCacheLayout
@@ -36,7 +36,7 @@ def _replicated(param: nn.Parameter) -> ShardSlot:
     return ShardSlot(param, tuple(param.shape), 0, 0, param.shape[0])
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(FeedForwardBlock):
     """Router "gate" (float32 [E, H] weight and e_score_correction_bias, replicated) -> grouped_topk ->
     FusedMoE "experts", plus GatedMLP "shared_experts"; the feed-forward block contract of
     model/blocks.py."""

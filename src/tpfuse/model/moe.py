@@ -16,8 +16,18 @@ import torch
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import fused_experts, fused_experts_slots, moe_finalize_op, moe_route, moe_topk
+from tpfuse.kernels import (
+    fused_experts,
+    fused_experts_slots,
+    moe_finalize_op,
+    moe_norm_route,
+    moe_route,
+    moe_topk,
+    routed_expert_slots,
+)
+from tpfuse.kernels.fused_moe_tiles import tile_for
 from tpfuse.model import moe_choice
+from tpfuse.model.blocks import FeedForwardBlock
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 from tpfuse.model.linear_method import expert_method_for
 
@@ -51,6 +61,17 @@ class ExpertMethod(Protocol):
         """-> [T * k, H], row t * k + j the weighted output of token t's j-th expert (uncombined)."""
         ...
 
+    def routes_slots(self, experts: FusedMoE, num_slots: int) -> bool:
+        """Whether apply_routed_slots runs at num_slots = T * k (its kernels pick the experts)."""
+        ...
+
+    def apply_routed_slots(
+        self, experts: FusedMoE, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """apply_slots with the softmax top-k of the router logits [T, E] float32 done by the experts'
+        own first kernel: -> (slots [T * k, H], topk_weights [T, k], topk_ids [T, k])."""
+        ...
+
 
 class UnquantizedExperts:
     """w13 [E, 2 * I_local, H] and w2 [E, H, I_local] in the model dtype, run by kernels.fused_experts."""
@@ -76,6 +97,13 @@ class UnquantizedExperts:
 
     def apply_slots(self, experts, x, topk_weights, topk_ids):
         return fused_experts_slots(x, experts.w13, experts.w2, topk_weights, topk_ids)
+
+    def routes_slots(self, experts, num_slots):
+        return tile_for(experts.w13, num_slots).block_m == 1  # the per-slot GEMVs, chosen at start-up
+
+    def apply_routed_slots(self, experts, x, logits, top_k, renormalize):
+        tile = tile_for(experts.w13, x.shape[0] * top_k)
+        return routed_expert_slots(x, experts.w13, experts.w2, logits, top_k, renormalize, tile)
 
 
 class FusedMoE(nn.Module):
@@ -114,8 +142,15 @@ class FusedMoE(nn.Module):
         """[T * k, H]: each (token, slot)'s weighted expert output, not yet summed over k."""
         return self.method.apply_slots(self, x, topk_weights, topk_ids)
 
+    def routes_slots(self, num_slots: int) -> bool:
+        return self.method.routes_slots(self, num_slots)
 
-class SparseMoeBlock(nn.Module):
+    def routed_slot_outputs(self, x, logits, top_k: int, renormalize: bool):
+        """slot_outputs with the top-k in the experts' first kernel: -> (slots, topk_weights, topk_ids)."""
+        return self.method.apply_routed_slots(self, x, logits, top_k, renormalize)
+
+
+class SparseMoeBlock(FeedForwardBlock):
     """Router (replicated [E, H] linear, named "gate") -> top-k -> FusedMoE ("experts"); the
     feed-forward block contract of model/blocks.py."""
 
@@ -166,6 +201,18 @@ class SparseMoeBlock(nn.Module):
             return moe_finalize_op(slots, self.top_k, residual, weight, eps)
         partial = self.experts(x, topk_weights, topk_ids)
         return comm.fused_add_rmsnorm_all_reduce(partial, residual, weight, eps)
+
+    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm):
+        """At TP = 1 on decode-sized steps, where model/moe_choice.py measured it faster, two launches
+        fewer: the post-attention add + RMSNorm runs inside the router product
+        (kernels/moe_norm_router.py) and the top-k inside the experts' first kernel; else the plain
+        sequence of model/blocks.py."""
+        tile = moe_choice.norm_route_tile(partial, self) if comm.world_size == 1 else None
+        if tile is None:
+            return super().forward_after_attention(partial, residual, post_weight, weight, eps, comm)
+        h, residual, logits = moe_norm_route(partial, residual, post_weight, self.gate.weight, eps, tile)
+        slots, _, _ = self.experts.routed_slot_outputs(h, logits, self.top_k, self.renormalize)
+        return moe_finalize_op(slots, self.top_k, residual, weight, eps)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         weight = self.gate.weight

@@ -15,9 +15,13 @@ token bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k 
 each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
 quantized experts it times each slot route their method offers at every slot bucket (per slot W8A16, per
 slot W8A8 for FP8 formats that quantize activations, grouped GEMM tiles) and records the fastest
-(model/quant/experts.set_slot_route). At TP > 1 every rank applies rank 0's decisions (`agree`): the
+(model/quant/experts.set_slot_route). At TP = 1, once those are recorded, it times each SparseMoeBlock's
+fused entry (the post-attention add + RMSNorm inside the router product, the top-k inside the per-slot
+experts: kernels/moe_norm_router.py) against the plain sequence per token bucket, through the block
+itself (norm_route_tile). At TP > 1 every rank applies rank 0's decisions (`agree`): the
 routing must be bit-identical on every rank, or ranks would run different experts for the same token. On
-CPU nothing is timed: the default tiles run, the fused finalize and the fused route.
+CPU nothing is timed: the default tiles run, the fused finalize and the fused route (and the fused
+entry wherever a per-slot tile is recorded).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from torch import nn
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from tpfuse.comm.communicator import SingleRankCommunicator
 from tpfuse.gpu_timing import graph_us
-from tpfuse.kernels import fused_moe, moe_router
+from tpfuse.kernels import fused_moe, moe_norm_router, moe_router
 from tpfuse.kernels import fused_moe_tiles as tiles
 from tpfuse.kernels.fused_moe_gemv import slot_down
 from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
+from tpfuse.kernels.moe_norm_router import NormRouterTile
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
@@ -47,6 +53,8 @@ from tpfuse.model.quant.experts import set_slot_route
 log = logging.getLogger("tpfuse")
 
 _FUSED_FINALIZE: dict[tuple, bool] = {}  # (hidden, dtype, device, slots bucket) -> fused is faster
+# (gate shape, dtype, device, tokens bucket) -> the norm + router tile, None where the plain entry is faster
+_NORM_ROUTES: dict[tuple, NormRouterTile | None] = {}
 # (gate shape, dtype, device, tokens bucket) -> the one-launch tile, None where linear + top-k is faster
 _ROUTE_TILES: dict[tuple, RouteTile | None] = {}
 
@@ -71,6 +79,83 @@ def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bo
         times[tile] = graph_us([lambda t=tile: moe_router.moe_route_triton(x, gate, top_k, renormalize, t)],
                                16, 5, 3)  # fmt: skip
     return times
+
+
+def norm_route_tile(x: torch.Tensor, block) -> NormRouterTile | None:
+    """The launch shape of the norm + router kernel when SparseMoeBlock block takes its fused entry for
+    the attention's partial sum x [T, H] (kernels/moe_norm_router.py, then the top-k inside the
+    experts' first kernel), or None for the plain sequence: None above moe_norm_router.MAX_TOKENS
+    tokens or MAX_HIDDEN, where the experts do not route inside their kernels at this slot count or
+    the finalize is not fused; measured at start-up; the default tile where nothing was measured."""
+    if not _fused_entry_runs(x, block):
+        return None
+    return _NORM_ROUTES.get(
+        _norm_route_key(block.gate.weight, x.shape[0]), moe_norm_router.NORM_ROUTER_TILES[0]
+    )
+
+
+def _fused_entry_runs(x: torch.Tensor, block) -> bool:
+    num_tokens, hidden = x.shape
+    num_slots = num_tokens * block.top_k
+    if num_tokens > moe_norm_router.MAX_TOKENS or hidden > moe_norm_router.MAX_HIDDEN:
+        return False
+    return block.experts.routes_slots(num_slots) and fuse_finalize(x, num_slots)
+
+
+def _norm_route_key(gate: torch.Tensor, num_tokens: int) -> tuple:
+    return (tuple(gate.shape), gate.dtype, gate.device, tiles.slots_bucket(num_tokens))
+
+
+def _time_norm_route(block, num_tokens: int) -> dict:
+    """us of block.forward_after_attention at num_tokens tokens (TP = 1) per entry: None (the plain
+    sequence) and each NormRouterTile; a tile that cannot run here is left out."""
+    gate = block.gate.weight
+    g = torch.Generator(device=gate.device).manual_seed(num_tokens)
+    rows = [torch.randn(num_tokens, gate.shape[1], device=gate.device, generator=g) for _ in range(2)]
+    partial, residual = (r.to(gate.dtype) for r in rows)
+    weight = torch.ones(gate.shape[1], device=gate.device, dtype=gate.dtype)
+    comm, key, times = SingleRankCommunicator(), _norm_route_key(gate, num_tokens), {}
+    try:
+        for entry in (None, *moe_norm_router.NORM_ROUTER_TILES):
+            _NORM_ROUTES[key] = entry
+            call = lambda: block.forward_after_attention(partial, residual, weight, weight, 1e-6, comm)  # noqa: E731
+            try:
+                times[entry] = graph_us([call], 16, 5, 3)
+            except (OutOfResources, CompilationError) as error:
+                log.warning("MoE norm + router %s left out: %s", entry.label(), error)
+    finally:
+        del _NORM_ROUTES[key]
+    return times
+
+
+def _choose_norm_routes(model: nn.Module, max_decode_rows: int) -> None:
+    """Records, per router shape and token bucket up to the decode rows, whether SparseMoeBlocks enter
+    fused (and at which tile) or plain: timed through the block itself, after every other choice here
+    is recorded (the fused entry depends on the slot tile and the finalize route). TP = 1 only."""
+    from tpfuse.model.moe import SparseMoeBlock  # moe.py asks this module for its routes
+
+    seen: set = set()
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock) and block.gate.weight.is_cuda:
+            for key, entry in _norm_route_decisions(block, max_decode_rows, seen):
+                _NORM_ROUTES[key] = entry
+
+
+def _norm_route_decisions(block, max_decode_rows: int, seen: set) -> list[tuple]:
+    """(key, the fastest entry: a NormRouterTile or None for plain) per token bucket of block up to the
+    decode rows where the fused entry can run at all; a tie keeps the plain entry."""
+    gate, out, tokens = block.gate.weight, [], 1
+    while tokens <= min(max(max_decode_rows, 1), moe_norm_router.MAX_TOKENS):
+        key = _norm_route_key(gate, tokens)
+        probe = gate.new_empty(tokens, gate.shape[1])
+        if key not in seen and _fused_entry_runs(probe, block):
+            seen.add(key)
+            times = _time_norm_route(block, tokens)
+            out.append((key, min(times, key=lambda t: (times[t], t is not None))))
+            described = (f"{t.label() if t else 'plain'} {us:.1f} us" for t, us in times.items())
+            log.info("MoE entry (add + norm, router, top-k) <= %d tokens: %s", tokens, ", ".join(described))
+        tokens *= 2
+    return out
 
 
 def fuse_finalize(x: torch.Tensor, num_slots: int) -> bool:
@@ -221,7 +306,10 @@ def choose(
         if [(t, k) for t, k, _ in agreed] != [(t, k) for t, k, _ in decisions]:
             raise RuntimeError("tensor-parallel ranks measured different MoE cases; they must load one model")
         decisions = agreed
-    return _apply(decisions, tensors, measured)
+    decided = _apply(decisions, tensors, measured)
+    if tp_size == 1:
+        _choose_norm_routes(model, max_decode_rows)
+    return decided
 
 
 def _slot_route_decisions(block, buckets: list[int], seen: set, tensors: dict) -> list[tuple]:

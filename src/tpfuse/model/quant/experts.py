@@ -90,6 +90,13 @@ class _QuantizedExperts(ABC):
             experts.__dict__["reference_weights"] = cached
         return slots_ref(x, *cached, topk_weights, topk_ids)
 
+    def routes_slots(self, experts, num_slots: int) -> bool:
+        """False: the quantized slot kernels read the top-k kernel's ids (no routing inside them yet)."""
+        return False
+
+    def apply_routed_slots(self, experts, x, logits, top_k, renormalize):
+        raise NotImplementedError(f"{type(self).__name__} does not route inside its slot kernels")
+
     def apply(self, experts, x, topk_weights, topk_ids):
         slots = self.apply_slots(experts, x, topk_weights, topk_ids)
         k = topk_ids.shape[1]
