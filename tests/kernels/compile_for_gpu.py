@@ -335,17 +335,19 @@ def _quant_variants(p: str):
         codes = {"w_ptr": i32 if bits else fp8, "s_ptr": p if bits else "*fp32"}
         stack = quant_moe.QuantExperts(None, None, bits, group, cols_k)
         steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
-        extra = dict(TOP_K=8) if kernel is gate_up else {}
-        yield kernel, {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {}, dict(steps, **extra)
+        routes = (dict(TOP_K=8, ROUTE=r, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8) for r in (False, True))
+        for extra in routes if kernel is gate_up else ({},):  # gate/up: expert ids read, or routed in it
+            pointers = {"*": p, **codes, "ids_ptr": "*i32", "weights_ptr": "*fp32", "logits_ptr": "*fp32"}
+            yield kernel, pointers, {}, dict(steps, **extra)
     for tile in quant_moe.HALF2_SLOT_TILES:  # the f16x2 INT4 slots (kernels/quant_int_half2.py's rows)
         for kernel, cols_k, n, shape in ((gate_up, 2048, 768, tile.gate_up), (down, 768, 2048, tile.down)):
             stack = quant_moe.QuantExperts(None, None, 4, 128, cols_k)
             steps = quant_moe._half2_steps(stack, cols_k, n, shape, p == "*fp16")
-            extra = dict(TOP_K=8) if kernel is gate_up else {}
-            yield (
-                kernel, {"*": p, "w_ptr": i32, "ids_ptr": "*i32", "weights_ptr": "*fp32"}, {},
-                dict(steps, INTERPRET=False, **extra), {"num_warps": tile.num_warps},
-            )  # fmt: skip
+            routed = dict(TOP_K=8, ROUTE=True, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8)
+            extra = routed if kernel is gate_up else {}
+            pointers = {"*": p, "w_ptr": i32, "ids_ptr": "*i32", "weights_ptr": "*fp32"}
+            pointers["logits_ptr"] = "*fp32"
+            yield kernel, pointers, {}, dict(steps, INTERPRET=False, **extra), {"num_warps": tile.num_warps}
     half2 = quant_int.quant_int_half2
     for tile in (t for t in QUANT_TILES[1] if isinstance(t, half2.Half2Tile)):  # the f16x2 INT4 GEMV
         for hidden, group, odd in ((4096, 128, False), (14336, 128, False), (4096, 32, True)):

@@ -181,6 +181,39 @@ def test_quantized_expert_slots_match_float64(bits):
         assert not quant_moe.HALF2_SLOT_TILES[0].fits(x, w13, w2)  # fp32 activations: the W8A16 route
 
 
+@pytest.mark.parametrize("bits", [4, 0])  # 0: FP8 e4m3
+def test_quantized_routed_slots_pick_the_topk_kernels_experts(bits):
+    """The routing inside the gate/up launch: the top-k kernel's ids and weights bit for bit, and the
+    slot products of quant_slots_triton at that routing (W8A16 rows and, for 4 bits, f16x2 rows)."""
+    from tpfuse.kernels import quant_moe
+    from tpfuse.kernels.moe_routing import moe_topk_triton
+
+    gen = torch.Generator().manual_seed(bits + 20)
+    experts, hidden, inter, tokens, top_k, group = 7, 64, 32, 3, 3, 32
+
+    def stack(n, k):
+        if bits:
+            codes = torch.stack(
+                [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(experts)]
+            )
+        else:
+            codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
+        return quant_moe.QuantExperts(codes, torch.rand(experts, n, k // group, generator=gen) * 0.05 + 1e-3,
+                                      bits, group, k)  # fmt: skip
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    logits = torch.randn(tokens, experts, generator=gen)
+    want_w, want_ids = moe_topk_triton(logits, top_k, True)
+    x = torch.randn(tokens, hidden, generator=gen)
+    routes = [(x, None)] + ([(x.bfloat16(), quant_moe.HALF2_SLOT_TILES[0])] if bits else [])
+    for x, tile in routes:
+        out, weights, ids = quant_moe.quant_routed_slots_triton(x, w13, w2, logits, top_k, True, tile=tile)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+        assert torch.equal(out, quant_moe.quant_slots_triton(x, w13, w2, want_w, want_ids, tile=tile))
+    with pytest.raises(ValueError, match="float32 logits"):
+        quant_moe.quant_routed_slots_triton(x, w13, w2, logits[:, :3], top_k, True)
+
+
 def _int_expected(x, packed, values, scales, offsets, bits, group):
     k = x.shape[1]
     s = scales.double().repeat_interleave(group, 1)[:, :k]
@@ -315,8 +348,16 @@ def test_fp8_w8a8_decode_form_matches_float64_of_its_activation_groups(
 ):
     gen = torch.Generator().manual_seed(rows * 13 + n)
     weight, scale = _fp8_weights(n, k, block, gen)
-    tile = quant_fp8_w8a8.W8A8Tile(max(16, 1 << (rows - 1).bit_length()), 64, 128, 1, 4, swap=True,
-                                   split_k=split_k, prequantize=prequantize)
+    tile = quant_fp8_w8a8.W8A8Tile(
+        max(16, 1 << (rows - 1).bit_length()),
+        64,
+        128,
+        1,
+        4,
+        swap=True,
+        split_k=split_k,
+        prequantize=prequantize,
+    )
     group = quant_fp8_w8a8.decode_group(block, k, tile)
     assert group == (min(128, block[1]) if block[1] < k else (k if prequantize else 128))
     x = e4m3_exact_activations(rows, k, group, gen).to(dtype)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import quant_int_half2
+from tpfuse.kernels.moe_routing import MAX_EXPERTS, routed_slot
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_dot_x, gemv_steps
 from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word, x_pairs
@@ -134,18 +135,29 @@ def _rows_dot_x(
 
 @triton.jit
 def _slot_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, hidden, inter,
+    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, logits_ptr, weights_ptr, hidden, inter, num_experts,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
     EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
-    0..I-1 of the stack, up rows I..2I-1."""
+    0..I-1 of the stack, up rows I..2I-1. ROUTE: e is picked from token t's router logits
+    (moe_routing.routed_slot) and the slot's first program stores it to ids[s], its weight to weights[s]."""
     slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // TOP_K).to(tl.int64)
+    if ROUTE:
+        expert, weight = routed_slot(
+            logits_ptr, token, slot % TOP_K, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK
+        )
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slot, expert)
+            tl.store(weights_ptr + slot, weight)
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
@@ -238,10 +250,33 @@ def quant_slots_triton(
     expert rows per program and the widest K step (default 1024 for integer codes, 512 for FP8: the
     GEMV shapes with the fewest instructions per weight on sm_90, kernels/quant_int.py, quant_fp8.py).
     tile: a Half2SlotTile runs the f16x2 rows where it fits (else block_n / block_k as without)."""
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    return _slots(x, w13, w2, weights, ids, topk_ids.shape[1], None, False, block_n, block_k, tile)
+
+
+def quant_routed_slots_triton(x, w13: QuantExperts, w2: QuantExperts, logits, top_k: int, renormalize: bool,
+                              tile=None):  # fmt: skip
+    """quant_slots_triton with the softmax top-k of logits [T, E] float32 inside the gate/up launch
+    (each program picks its slot's expert, as moe_topk_triton would): -> (slots [T * k, H], topk_weights
+    [T, k] float32, topk_ids [T, k] int32)."""
+    num_tokens, num_experts = x.shape[0], w13.codes.shape[0]
+    if logits.shape != (num_tokens, num_experts) or logits.dtype != torch.float32:
+        raise ValueError(f"routed slots need float32 logits [{num_tokens}, {num_experts}], got "
+                         f"{list(logits.shape)} {logits.dtype}")  # fmt: skip
+    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS:
+        raise ValueError(f"routed slots need 1 <= top_k ({top_k}) <= E ({num_experts}) <= {MAX_EXPERTS}")
+    ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=x.device)
+    out = _slots(x, w13, w2, weights, ids, top_k, logits.contiguous(), renormalize, 16, None, tile)
+    return out, weights.view(num_tokens, top_k), ids.view(num_tokens, top_k)
+
+
+def _slots(x, w13, w2, weights, ids, top_k, logits, renormalize, block_n, block_k, tile):
+    """The two per-slot launches; with logits the gate/up launch routes and fills ids and weights."""
     block_k = block_k or (1024 if w13.bits else 512)
-    num_tokens, top_k = topk_ids.shape
+    num_slots = ids.numel()
     hidden, inter = x.shape[1], w13.codes.shape[1] // 2
-    num_slots = num_tokens * top_k
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     if num_slots == 0:
         return out
@@ -252,8 +287,10 @@ def quant_slots_triton(
                 f"values in a packed int32 word at {stack.bits} bits"
             )
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
+    num_experts = w13.codes.shape[0]
+    block_e = max(triton.next_power_of_2(num_experts), 16)
+    routing = dict(ROUTE=logits is not None, RENORMALIZE=renormalize, BLOCK_E=block_e,
+                   BLOCK_TOPK=triton.next_power_of_2(top_k))  # fmt: skip
     # act (x's dtype, rows of inter = w2.cols values) fits whenever x does
     half2 = tile is not None and tile.fits(x, w13, w2)
     warps = dict(num_warps=tile.num_warps) if half2 else {}
@@ -263,9 +300,9 @@ def quant_slots_triton(
     else:
         up = _steps(w13, hidden, block_n, inter, block_k, x_pairs(x))
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w13.codes, w13.scales, act, ids, hidden, inter, x.stride(0),
+        x, w13.codes, w13.scales, act, ids, logits, weights, hidden, inter, num_experts, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, **up, **warps,
+        TOP_K=top_k, **up, **routing, **warps,
     )  # fmt: skip
     if half2:
         down = _half2_steps(w2, inter, hidden, tile.down, x_fp16)

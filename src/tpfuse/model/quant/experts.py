@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from tpfuse.kernels import moe_combine, use_triton
+from tpfuse.kernels import moe_combine, moe_topk, use_triton
 from tpfuse.kernels.fused_moe import combine_slots_ref
 from tpfuse.kernels.fused_moe_tiles import DECODE_MAX_SLOTS, MoeTile, slots_bucket
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE
@@ -32,6 +32,7 @@ from tpfuse.kernels.quant_moe import (
     HALF2_SLOT_TILES,
     Half2SlotTile,
     QuantExperts,
+    quant_routed_slots_triton,
     quant_slots_triton,
     slots_ref,
 )
@@ -91,11 +92,18 @@ class _QuantizedExperts(ABC):
         return slots_ref(x, *cached, topk_weights, topk_ids)
 
     def routes_slots(self, experts, num_slots: int) -> bool:
-        """False: the quantized slot kernels read the top-k kernel's ids (no routing inside them yet)."""
-        return False
+        """The per-slot routes (W8A16 or f16x2 rows) pick their experts from the router logits; the
+        grouped and W8A8 routes read the top-k kernel's ids."""
+        route = slot_route(self.stacks(experts)[0].codes, num_slots)
+        return route is None or isinstance(route, Half2SlotTile)
 
     def apply_routed_slots(self, experts, x, logits, top_k, renormalize):
-        raise NotImplementedError(f"{type(self).__name__} does not route inside its slot kernels")
+        if not use_triton(x):  # the reference: the top-k, then the dequantized products
+            weights, ids = moe_topk(logits, top_k, renormalize)
+            return self.apply_slots(experts, x, weights, ids), weights, ids
+        w13, w2 = self.stacks(experts)
+        tile = slot_route(w13.codes, x.shape[0] * top_k)
+        return quant_routed_slots_triton(x, w13, w2, logits, top_k, renormalize, tile=tile)
 
     def apply(self, experts, x, topk_weights, topk_ids):
         slots = self.apply_slots(experts, x, topk_weights, topk_ids)
