@@ -140,24 +140,29 @@ def test_fp8_scale_of_the_wrong_block_count_is_refused():
         quant_fp8.fp8_linear_triton(torch.randn(1, 300), weight, scale[:1], (128, 128))
 
 
+def _expert_stack(gen, bits: int, experts: int, n: int, k: int, group: int):
+    """A random quantized expert stack [experts, n, k]: 4-bit codes or FP8 e4m3 (bits 0), group scales."""
+    from tpfuse.kernels import quant_moe
+
+    if bits:
+        codes = torch.stack(
+            [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(experts)]
+        )
+    else:
+        codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
+    scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 1e-3
+    return quant_moe.QuantExperts(codes, scales, bits, group, k)
+
+
 @pytest.mark.parametrize("bits", [4, 0])  # 0: FP8 e4m3
 def test_quantized_expert_slots_match_float64(bits):
     from tpfuse.kernels import quant_moe
 
     gen = torch.Generator().manual_seed(bits)
     experts, hidden, inter, tokens, top_k, group = 5, 96, 64, 3, 2, 32
-
-    def stack(n, k):
-        if bits:
-            codes = torch.stack(
-                [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(experts)]
-            )
-        else:
-            codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
-        scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 1e-3
-        return quant_moe.QuantExperts(codes, scales, bits, group, k)
-
-    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    w13, w2 = (
+        _expert_stack(gen, bits, experts, n, k, group) for n, k in ((2 * inter, hidden), (hidden, inter))
+    )
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen).int()
     weights = torch.rand(tokens, top_k, generator=gen)
@@ -190,18 +195,9 @@ def test_quantized_routed_slots_pick_the_topk_kernels_experts(bits):
 
     gen = torch.Generator().manual_seed(bits + 20)
     experts, hidden, inter, tokens, top_k, group = 7, 64, 32, 3, 3, 32
-
-    def stack(n, k):
-        if bits:
-            codes = torch.stack(
-                [quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen), 4) for _ in range(experts)]
-            )
-        else:
-            codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
-        return quant_moe.QuantExperts(codes, torch.rand(experts, n, k // group, generator=gen) * 0.05 + 1e-3,
-                                      bits, group, k)  # fmt: skip
-
-    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    w13, w2 = (
+        _expert_stack(gen, bits, experts, n, k, group) for n, k in ((2 * inter, hidden), (hidden, inter))
+    )
     logits = torch.randn(tokens, experts, generator=gen)
     want_w, want_ids = moe_topk_triton(logits, top_k, True)
     x = torch.randn(tokens, hidden, generator=gen)

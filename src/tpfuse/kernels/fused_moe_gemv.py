@@ -14,7 +14,7 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.fused_moe_tiles import MoeTile
-from tpfuse.kernels.moe_routing import routed_slot
+from tpfuse.kernels.moe_routing import slot_expert
 
 
 @triton.jit
@@ -26,21 +26,13 @@ def _slot_gate_up_kernel(
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """Per-slot GEMV: act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k.
-    ROUTE: e comes from token t's router logits instead (kernels/moe_routing.py: routed_slot), and the
+    ROUTE: e comes from token t's router logits instead (kernels/moe_routing.py: slot_expert), and the
     slot's first program stores it to ids[s] and its routing weight to weights[s]."""
     pdl.begin(PDL)
     slot = tl.program_id(0)
     token = (slot // TOP_K).to(tl.int64)
-    if ROUTE:
-        expert, weight = routed_slot(
-            logits_ptr, token, slot % TOP_K, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK
-        )
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + slot, expert)
-            tl.store(weights_ptr + slot, weight)
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
+    expert = slot_expert(ids_ptr, logits_ptr, weights_ptr, slot, num_experts, TOP_K, ROUTE, RENORMALIZE,
+                         BLOCK_E, BLOCK_TOPK)  # fmt: skip
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)

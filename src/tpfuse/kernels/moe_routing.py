@@ -66,6 +66,24 @@ def routed_slot(logits_ptr, token, j, num_experts, TOP_K: tl.constexpr, RENORMAL
 
 
 @triton.jit
+def slot_expert(ids_ptr, logits_ptr, weights_ptr, slot, num_experts, TOP_K: tl.constexpr, ROUTE: tl.constexpr,
+                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The expert (int64) of slot = t * TOP_K + j in a kernel with a program per (slot, column block):
+    read from ids, or with ROUTE picked from token t's logits (routed_slot), the slot's first column
+    program storing it to ids[slot] and its weight to weights[slot] for the kernels after."""
+    if ROUTE:
+        token = (slot // TOP_K).to(tl.int64)
+        j = slot % TOP_K
+        expert, weight = routed_slot(logits_ptr, token, j, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slot, expert)
+            tl.store(weights_ptr + slot, weight)
+    else:
+        expert = tl.load(ids_ptr + slot)
+    return expert.to(tl.int64)
+
+
+@triton.jit
 def _moe_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import quant_int_half2
-from tpfuse.kernels.moe_routing import MAX_EXPERTS, routed_slot
+from tpfuse.kernels.moe_routing import MAX_EXPERTS, slot_expert
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_dot_x, gemv_steps
 from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_times_x, values_per_word, x_pairs
@@ -145,19 +145,11 @@ def _slot_gate_up_kernel(
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1. ROUTE: e is picked from token t's router logits
-    (moe_routing.routed_slot) and the slot's first program stores it to ids[s], its weight to weights[s]."""
+    (moe_routing.slot_expert) and the slot's first program stores it to ids[s], its weight to weights[s]."""
     slot = tl.program_id(0)
     token = (slot // TOP_K).to(tl.int64)
-    if ROUTE:
-        expert, weight = routed_slot(
-            logits_ptr, token, slot % TOP_K, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK
-        )
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + slot, expert)
-            tl.store(weights_ptr + slot, weight)
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
+    expert = slot_expert(ids_ptr, logits_ptr, weights_ptr, slot, num_experts, TOP_K, ROUTE, RENORMALIZE,
+                         BLOCK_E, BLOCK_TOPK)  # fmt: skip
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
