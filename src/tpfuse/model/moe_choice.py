@@ -132,11 +132,10 @@ def _choose_norm_routes(model: nn.Module, max_decode_rows: int) -> None:
     """Records, per router shape and token bucket up to the decode rows, whether SparseMoeBlocks enter
     fused (and at which tile) or plain: timed through the block itself, after every other choice here
     is recorded (the fused entry depends on the slot tile and the finalize route). TP = 1 only."""
-    from tpfuse.model.moe import SparseMoeBlock  # moe.py asks this module for its routes
-
     seen: set = set()
     for block in model.modules():
-        if isinstance(block, SparseMoeBlock) and block.gate.weight.is_cuda:
+        gate = _softmax_router(block)
+        if gate is not None and gate.is_cuda:
             for key, entry in _norm_route_decisions(block, max_decode_rows, seen):
                 _NORM_ROUTES[key] = entry
 
@@ -368,12 +367,19 @@ def _time_slot_routes(experts, codes, candidates: tuple, num_tokens: int, top_k:
     return times
 
 
+def _softmax_router(block) -> torch.Tensor | None:
+    """The router weight of a SparseMoeBlock-like block (a `gate` linear and a softmax top-k with
+    `renormalize`), None for anything else (DeepSeek-V3's grouped sigmoid routing, say)."""
+    gate = getattr(getattr(block, "gate", None), "weight", None)
+    return None if gate is None or getattr(block, "renormalize", None) is None else gate
+
+
 def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
     """("route", key, the fastest RouteTile or None) per token bucket of block's router up to the
     decode rows."""
-    gate = getattr(getattr(block, "gate", None), "weight", None)
-    if gate is None or getattr(block, "renormalize", None) is None:
-        return []  # not a softmax top-k router (DeepSeek-V3's grouped sigmoid routing, say)
+    gate = _softmax_router(block)
+    if gate is None:
+        return []
     out, tokens = [], 1
     while tokens <= min(max(max_decode_rows, 1), moe_router.MAX_TOKENS):
         key = (tuple(gate.shape), gate.dtype, tiles.slots_bucket(tokens))
