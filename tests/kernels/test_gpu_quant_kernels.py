@@ -280,6 +280,42 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, gr
         _close(_in_graph(run, x), expected.double(), tol=3e-2)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (0, 128), (0, None)])  # 0: FP8; None: per-channel
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_quantized_routed_slots_equal_topk_then_slots_in_and_out_of_cuda_graphs(bits, group, tokens):
+    """The per-slot routes with the top-k inside the gate/up launch: the top-k kernel's routing bit for
+    bit, and quant_slots_triton's products at it, eagerly and replayed from a CUDA graph."""
+    from tpfuse.kernels import quant_moe
+    from tpfuse.kernels.moe_routing import moe_topk_triton
+
+    gen = torch.Generator(DEVICE).manual_seed(bits + tokens + 7)
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+
+    def stack(n, k):
+        g = group or k
+        if bits:
+            values = torch.randint(0, 16, (experts, n, k), generator=gen, device=DEVICE)
+            codes = torch.stack([quant_int.pack_int(v, 4) for v in values])
+        else:
+            codes = torch.randn(experts, n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+        scales = torch.rand(experts, n, k // g, generator=gen, device=DEVICE) * 0.01 + 1e-3
+        return quant_moe.QuantExperts(codes, scales, bits, g, k)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
+    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
+    weights, ids = moe_topk_triton(logits, top_k, True)
+    for tile in (None, *(quant_moe.HALF2_SLOT_TILES if bits == 4 else ())):
+        want = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, tile=tile)
+
+        def routed(inp, tile=tile):
+            return quant_moe.quant_routed_slots_triton(inp, w13, w2, logits, top_k, True, tile=tile)
+
+        out, got_w, got_ids = routed(x)
+        assert torch.equal(got_ids, ids) and torch.equal(got_w, weights) and torch.equal(out, want), tile
+        assert torch.equal(_in_graph(lambda inp: routed(inp)[0], x), want), tile
+
+
 @pytest.mark.parametrize("quantization", ["int4", "fp8-block"])
 def test_quantized_dummy_qwen3_moe_generates_under_cuda_graphs(quantization):
     from tpfuse.engine.llm import LLM
