@@ -99,3 +99,30 @@ def test_each_token_bucket_takes_the_measured_entry(monkeypatch):
         moe_choice, "_time_norm_route", lambda *a: dict.fromkeys((None, *NORM_ROUTER_TILES), 1.0)
     )
     assert moe_choice._norm_route_decisions(block, 1, set())[0][1] is None  # a tie keeps the plain entry
+
+
+def test_a_fused_entry_whose_output_is_off_the_plain_one_is_left_out(monkeypatch, caplog):
+    """The start-up timing runs each entry through the block first: a tile whose result disagrees with
+    the plain sequence (a miscompiled kernel, say) is never recorded, and says so."""
+    from tpfuse import knobs
+    from tpfuse.kernels.moe_norm_router import NORM_ROUTER_TILES
+    from tpfuse.model import moe
+
+    block = _block()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    _slot_tile_for(block, monkeypatch)
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    real = moe.moe_norm_route
+
+    def broken_second_tile(x, residual, norm_w, gate, eps, tile):
+        normed, new_residual, logits = real(x, residual, norm_w, gate, eps, tile)
+        return (normed * 3 if tile == NORM_ROUTER_TILES[1] else normed), new_residual, logits
+
+    monkeypatch.setattr(moe, "moe_norm_route", broken_second_tile)
+    monkeypatch.setattr(moe_choice, "graph_us", lambda calls, *a: 1.0 if calls[0]() else 0.0)
+    times = moe_choice._time_norm_route(block, 2)
+    assert set(times) == {None, *NORM_ROUTER_TILES} - {NORM_ROUTER_TILES[1]}
+    assert "left out: its output is off" in caplog.text
+    assert moe_choice._norm_route_key(block.gate.weight, 2) not in moe_choice._NORM_ROUTES  # restored

@@ -108,21 +108,34 @@ def _norm_route_key(gate: torch.Tensor, num_tokens: int) -> tuple:
 
 def _time_norm_route(block, num_tokens: int) -> dict:
     """us of block.forward_after_attention at num_tokens tokens (TP = 1) per entry: None (the plain
-    sequence) and each NormRouterTile; a tile that cannot run here is left out."""
+    sequence) and each NormRouterTile. A tile that cannot run here, or whose output is off the plain
+    entry's by more than linear_choice.AGREEMENT of its largest value, is left out with a warning."""
     gate = block.gate.weight
     g = torch.Generator(device=gate.device).manual_seed(num_tokens)
     rows = [torch.randn(num_tokens, gate.shape[1], device=gate.device, generator=g) for _ in range(2)]
     partial, residual = (r.to(gate.dtype) for r in rows)
     weight = torch.ones(gate.shape[1], device=gate.device, dtype=gate.dtype)
-    comm, key, times = SingleRankCommunicator(), _norm_route_key(gate, num_tokens), {}
+    comm, key, times, plain = SingleRankCommunicator(), _norm_route_key(gate, num_tokens), {}, None
+
+    def call():
+        return block.forward_after_attention(partial, residual, weight, weight, 1e-6, comm)
+
     try:
         for entry in (None, *moe_norm_router.NORM_ROUTER_TILES):
             _NORM_ROUTES[key] = entry
-            call = lambda: block.forward_after_attention(partial, residual, weight, weight, 1e-6, comm)  # noqa: E731
             try:
-                times[entry] = graph_us([call], 16, 5, 3)
+                normed, new_residual = call()
             except (OutOfResources, CompilationError) as error:
-                log.warning("MoE norm + router %s left out: %s", entry.label(), error)
+                log.warning("MoE entry %s left out: %s", entry.label(), error)
+                continue
+            if plain is None:
+                plain = (normed.float(), new_residual)
+            elif not torch.equal(new_residual, plain[1]) or (
+                (normed.float() - plain[0]).abs().max() > AGREEMENT * plain[0].abs().max()
+            ):
+                log.warning("MoE entry %s left out: its output is off the plain entry's", entry.label())
+                continue
+            times[entry] = graph_us([call], 16, 5, 3)
     finally:
         del _NORM_ROUTES[key]
     return times
