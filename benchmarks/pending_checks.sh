@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# One device call (about 7 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
-# "Not measured yet (as of 2026-12-07, 10:40 UTC)": the GPU test of rope inside decode attention after
-# its last edit, the FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile
-# on an H200, and the engine's start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
+# One device call (about 8 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
+# "Not measured yet (as of 2026-12-07, 13:00 UTC)": the fused MoE entry's GPU tests and its effect on the
+# MoE step (bf16 and INT4 experts), the GPU test of rope inside decode attention after its last edit,
+# the FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
+# and the engine's start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
 set -u
 source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
+step "the fused MoE entry (norm + router, routed slots; unquantized and quantized) and its start-up choice"
+timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
+  tests/kernels/test_gpu_quant_kernels.py -k "entry or routed" -p no:cacheprovider 2>&1 | tail -n 2
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
 step "FP8 llama-3.1-8b batch 1 and 64 with PDL (rope fused into decode attention)"
 timeout 100 python3 benchmarks/quant_decode.py --methods fp8 --iters 20 --prefill-tokens 64 --pdl 2>&1 | grep -E "^ +fp8 "
-step "qwen3-30b-a3b bf16 batch 1 with PDL"
-timeout 120 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --pdl 2>&1 | grep -E "^ +1 "
+step "qwen3-30b-a3b bf16 batch 1 with PDL (the fused MoE entry where start-up timing took it)"
+timeout 120 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --pdl 2>&1 | grep -E "MoE entry|^ +1 "
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step (batch 1 and 64)"
