@@ -118,3 +118,17 @@ def test_grouped_topk_triton_breaks_ties_to_the_lower_group_and_expert():
     tied = torch.zeros(2, 8)  # every expert and group ties: the lowest ids win
     _, ids = grouped_topk_triton(tied, None, 3, 4, 2, False, 1.0)
     assert ids.sort(-1).values.tolist() == [[0, 1, 2]] * 2
+
+
+def test_nan_logits_still_pick_distinct_experts_of_kept_groups():
+    """A NaN row must not send the expert kernels past the stack (that would take the engine down)."""
+    logits = torch.randn(3, 24, generator=torch.Generator().manual_seed(5))
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    clean = logits[2:].clone()
+    for bias in (None, torch.zeros(24)):
+        weights, ids = grouped_topk_triton(logits, bias, 4, 6, 2, True, 1.0)
+        assert ((ids >= 0) & (ids < 24)).all(), ids
+        assert all(len(set(row.tolist())) == 4 for row in ids)
+        assert len({i // 4 for i in ids[0].tolist()}) <= 2  # still at most topk_group groups
+        assert torch.equal(ids[2], grouped_topk_triton(clean, bias, 4, 6, 2, True, 1.0)[1][0])

@@ -117,3 +117,21 @@ def test_bad_inputs_are_refused_with_what_disagrees():
         moe_norm_router_triton(
             torch.randn(1, big), torch.randn(1, big), torch.ones(big), torch.randn(2, big), 1e-6
         )
+
+
+def test_nan_router_logits_still_route_inside_the_expert_stack():
+    """A NaN row (a broken activation upstream) must not send a kernel to an expert that does not
+    exist: that would read past the weights and take the whole engine down."""
+    g = torch.Generator().manual_seed(13)
+    w13, w2 = torch.randn(6, 16, 8, generator=g), torch.randn(6, 8, 8, generator=g)
+    logits = torch.randn(3, 6, generator=g)
+    logits[0] = float("nan")
+    logits[1, 2] = float("nan")
+    want_w, want_ids = moe_topk_triton(logits, 4, True)
+    _, weights, ids = routed_slot_outputs_triton(torch.randn(3, 8, generator=g), w13, w2, logits, 4, True,
+                                                 SLOT_TILES[0])  # fmt: skip
+    for got in (ids, want_ids):
+        assert ((got >= 0) & (got < 6)).all(), got
+        assert all(len(set(row.tolist())) == 4 for row in got)  # k distinct experts a token
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(ids[2], moe_topk_ref(logits[2:].double(), 4, True)[1][0])  # a clean row is unchanged

@@ -80,7 +80,9 @@ def _grouped_topk_kernel(
     choice = score
     if HAS_BIAS:
         choice += tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
+    # A NaN score (a broken activation upstream) ranks below every number and above the masked
+    # lanes, and group sums stay finite: every pick is a real expert of a kept group.
+    choice = tl.where(valid, tl.where(choice == choice, choice, -1.0e30), float("-inf"))
     if LIMIT_GROUPS:
         best = tl.max(choice, axis=1)
         first = tl.min(tl.where(choice == best[:, None], members[None, :], BLOCK_P), axis=1)

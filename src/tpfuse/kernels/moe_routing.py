@@ -35,9 +35,12 @@ def topk_of_row(x, valid, cols, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, 
                 BLOCK_K: tl.constexpr):  # fmt: skip
     """x [BLOCK_E] float32 logits (masked by valid, cols = arange(BLOCK_E)) -> (weights [BLOCK_K]
     float32, ids [BLOCK_K] int32, ks = arange(BLOCK_K)): softmax, then the TOP_K largest by repeated
-    arg-max (ties: lower id), renormalised when asked; entries past TOP_K are 0."""
+    arg-max (ties: lower id), renormalised when asked; entries past TOP_K are 0. Ids are always those
+    of valid columns (TOP_K <= their count): a NaN probability ranks below every number, the masked
+    columns below that, so a row of NaN logits still routes inside the expert stack."""
     e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    remaining = tl.where(valid, e / tl.sum(e, axis=0), -1.0)
+    p = e / tl.sum(e, axis=0)
+    remaining = tl.where(valid, tl.where(p == p, p, -1.0), -3.0)  # chosen columns become -2 below
     ks = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
