@@ -11,6 +11,7 @@ the neighbouring syncs without the decoder loop knowing.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
@@ -24,14 +25,14 @@ from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, 
 from tpfuse.model.linear_method import method_for
 
 
-class FeedForwardBlock(nn.Module):
+class FeedForwardBlock(nn.Module, abc.ABC):
     """The feed-forward half of a decoder layer (the module docstring's contract)."""
 
+    @abc.abstractmethod
     def forward_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] normed -> (the next norm's output, the new residual), both [T, H]."""
-        raise NotImplementedError(f"{type(self).__name__} must define forward_add_rmsnorm")
 
     def forward_after_attention(
         self,
