@@ -141,6 +141,34 @@ def test_grouped_topk_triton_on_cuda_in_a_graph_matches_the_reference():
     torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_grouped_route_on_cuda_in_a_graph_matches_float64(tokens):
+    """The one-launch router + grouped top-k at DeepSeek-V3's shape (hidden 7168, 256 experts in 8
+    groups, 4 kept, top 8), every launch tile, replayed twice (the arrival counters reset)."""
+    from tpfuse.kernels.moe_grouped_router import grouped_route_ref, grouped_route_triton
+    from tpfuse.kernels.moe_router import ROUTE_TILES
+
+    x = _randn(tokens, 7168, seed=40)
+    gate = (torch.randn(256, 7168, generator=_gen(41)) / 7168**0.5).to(CUDA)
+    bias = (torch.randn(256, generator=_gen(42)) * 0.01).to(CUDA)
+    want_w, want_ids = grouped_route_ref(x.double(), gate.double(), bias, 8, 8, 4, True, 2.5)
+    want_order = want_ids.long().argsort(-1)
+    for tile in ROUTE_TILES:
+        grouped_route_triton(x, gate, bias, 8, 8, 4, True, 2.5, tile)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w, ids = grouped_route_triton(x, gate, bias, 8, 8, 4, True, 2.5, tile)
+        for _ in range(2):
+            w.fill_(float("nan"))
+            ids.fill_(-1)
+            graph.replay()
+            order = ids.long().argsort(-1)
+            assert torch.equal(ids.long().gather(1, order), want_ids.long().gather(1, want_order)), tile
+            torch.testing.assert_close(w.gather(1, order).double(), want_w.gather(1, want_order), rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
+
+
 @pytest.mark.parametrize("heads", [128, 16])
 def test_mla_rope_norm_store_on_cuda_matches_reference(heads):
     from tpfuse.kernels.mla_rope_store import mla_rope_norm_store_ref, mla_rope_norm_store_triton

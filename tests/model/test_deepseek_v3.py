@@ -140,6 +140,24 @@ def test_triton_kernels_match_torch_references_inside_the_model(tmp_path, monkey
     assert relative_error(runs["triton"][1][0], runs["torch"][1][0]) <= 1e-4
 
 
+def test_the_one_launch_router_routes_as_the_router_linear_and_grouped_topk(checkpoints, monkeypatch):
+    """Each MoE layer's two routes (model/moe_choice.py picks per token bucket) give the same experts,
+    tied groups included, and weights equal to float32 rounding (interpreted Triton kernels)."""
+    from tpfuse import knobs
+    from tpfuse.kernels.moe_router import ROUTE_TILES
+
+    model, _ = load_for_test(checkpoints["q_lora_yarn_tied_groups"][0])
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    x = torch.randn(5, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for layer in model.layers[SHAPE["first_k_dense_replace"] :]:
+        want_weights, want_ids = layer.mlp.route_with(x, None)
+        for tile in ROUTE_TILES:
+            weights, ids = layer.mlp.route_with(x, tile)
+            assert torch.equal(ids, want_ids), tile
+            torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
 def test_unsupported_routing_and_a_missing_latent_projection_are_named(checkpoints, tmp_path):
     import json
     from pathlib import Path

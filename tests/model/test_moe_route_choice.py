@@ -16,9 +16,7 @@ def _block():
 def test_each_token_bucket_takes_the_measured_route(monkeypatch):
     block = _block()
 
-    def times(
-        gate, tokens, top_k, renormalize
-    ):  # the second tile fastest up to 4 tokens, then linear + top-k
+    def times(_, tokens):  # the second tile fastest up to 4 tokens, then linear + top-k
         return {None: 2.0 if tokens <= 4 else 0.5, **{t: 1.0 + (t != ROUTE_TILES[1]) for t in ROUTE_TILES}}
 
     monkeypatch.setattr(moe_choice, "_time_route", times)

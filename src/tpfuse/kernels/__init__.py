@@ -25,6 +25,7 @@ from tpfuse.kernels import (
     mla_rope_store,
     mla_store,
     moe_finalize,
+    moe_grouped_router,
     moe_norm_router,
     moe_router,
     moe_routing,
@@ -50,6 +51,7 @@ __all__ = [
     "fused_experts_slots",
     "int_linear_op",
     "gemv_op",
+    "grouped_route",
     "grouped_topk_op",
     "mla_decode_op",
     "mla_prefill_op",
@@ -283,6 +285,16 @@ def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_grou
     return _pick(grouped_topk, "grouped_topk", router_logits)(
         router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
     )
+
+
+def grouped_route(x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, tile=None):
+    """x [T, H], float32 router weight gate [E, H] -> grouped_topk_op(x @ gate.T in float32, ...) in one
+    launch (kernels/moe_grouped_router.py) of launch shape `tile` (a RouteTile; None: the default); for
+    decode-sized T, model/moe_choice.py measures where it wins."""
+    args = (x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling)
+    if not use_triton(x):
+        return moe_grouped_router.grouped_route_ref(*args)
+    return moe_grouped_router.grouped_route_triton(*args, tile or moe_router.ROUTE_TILES[0])
 
 
 def moe_topk(router_logits, top_k: int, renormalize: bool):

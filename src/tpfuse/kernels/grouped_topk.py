@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-def _check(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> int:
+def experts_per_group(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> int:
     """Experts per group; raises ValueError when E is not num_groups groups of >= 2 or top_k does not fit."""
     if num_groups < 1 or num_experts % num_groups or num_experts // num_groups < 2:
         raise ValueError(
@@ -45,7 +45,7 @@ def grouped_topk_ref(
     Returns (weights [T, top_k] float32/float64, expert ids [T, top_k] int32).
     Raises ValueError when E is not num_groups groups of at least 2 or top_k does not fit."""
     num_tokens, num_experts = router_logits.shape
-    per_group = _check(num_experts, top_k, num_groups, topk_groups)
+    per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     scores = router_logits.to(acc).sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(acc)
@@ -63,18 +63,19 @@ def grouped_topk_ref(
 
 
 @triton.jit
-def _grouped_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling,
-    NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT_GROUPS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+def grouped_topk_of_row(
+    row_ptr, bias_ptr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
+    """One token's routing from its NUM_GROUPS * PER_GROUP logits at row_ptr (loaded with cache
+    modifier CACHE) -> (weights [BLOCK_K] float32 before the scaling factor, ids [BLOCK_K] int32,
+    slots = arange(BLOCK_K)); entries past TOP_K are 0. Groups x experts-in-group form one tile."""
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_P)
     valid = (groups < NUM_GROUPS)[:, None] & (members < PER_GROUP)[None, :]
     expert = groups[:, None] * PER_GROUP + members[None, :]
-    x = tl.load(logits_ptr + t * stride_t + expert, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(row_ptr + expert, mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
     # Padding lanes (PER_GROUP not a power of two) alias the next group's first expert id: zero them.
     score = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
     choice = score
@@ -83,7 +84,7 @@ def _grouped_topk_kernel(
     # A NaN score (a broken activation upstream) ranks below every number and above the masked
     # lanes, and group sums stay finite: every pick is a real expert of a kept group.
     choice = tl.where(valid, tl.where(choice == choice, choice, -1.0e30), float("-inf"))
-    if LIMIT_GROUPS:
+    if TOPK_GROUPS < NUM_GROUPS:
         best = tl.max(choice, axis=1)
         first = tl.min(tl.where(choice == best[:, None], members[None, :], BLOCK_P), axis=1)
         second = tl.max(tl.where(members[None, :] == first[:, None], float("-inf"), choice), axis=1)
@@ -107,6 +108,21 @@ def _grouped_topk_kernel(
         choice = tl.where(expert == pick, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    return weights, ids, slots
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling,
+    NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    weights, ids, slots = grouped_topk_of_row(
+        logits_ptr + t * stride_t, bias_ptr, HAS_BIAS, NUM_GROUPS, PER_GROUP, TOPK_GROUPS, TOP_K, NORM,
+        BLOCK_G, BLOCK_P, BLOCK_K, "",
+    )  # fmt: skip
     out = t * TOP_K + slots
     tl.store(weights_ptr + out, weights * scaling, mask=slots < TOP_K)
     tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
@@ -124,7 +140,7 @@ def grouped_topk_triton(
     """Triton grouped_topk_ref (same shapes; weights float32, ties to the lower id). router_logits
     rows must be contiguous in the expert dim."""
     num_tokens, num_experts = router_logits.shape
-    per_group = _check(num_experts, top_k, num_groups, topk_groups)
+    per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
@@ -134,7 +150,7 @@ def grouped_topk_triton(
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor),
             NUM_GROUPS=num_groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOP_K=top_k,
-            NORM=norm_topk_prob, HAS_BIAS=correction_bias is not None, LIMIT_GROUPS=topk_groups < num_groups,
+            NORM=norm_topk_prob, HAS_BIAS=correction_bias is not None,
             BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=triton.next_power_of_2(per_group),
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
         )  # fmt: skip

@@ -50,18 +50,13 @@ def moe_route_ref(
 
 
 @triton.jit
-def _moe_route_kernel(
-    x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, hidden, num_experts, stride_x, stride_g,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # kernels/pdl.py
-):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_experts
+def router_rows(x_ptr, gate_ptr, token, rows, row_ok, hidden, stride_x, stride_g, BLOCK_H: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
+    """float32 sums [BLOCK_R] of token's x row against the router rows `rows` (masked by row_ok),
+    multiply-adds in float32 in a fixed order. The first step's router weights load before the PDL
+    wait (no kernel writes them)."""
     hs = tl.arange(0, BLOCK_H)
     gate_rows = gate_ptr + rows[:, None].to(tl.int64) * stride_g
-    # The first step's router weights load before the PDL wait (no kernel writes them).
     w = tl.load(gate_rows + hs[None, :], mask=row_ok[:, None] & (hs < hidden)[None, :], other=0.0)
     pdl.begin(PDL)
     xh = tl.load(x_ptr + token * stride_x + hs, mask=hs < hidden, other=0.0).to(tl.float32)
@@ -71,12 +66,33 @@ def _moe_route_kernel(
         xh = tl.load(x_ptr + token * stride_x + h0 + hs, mask=h_ok, other=0.0).to(tl.float32)
         w = tl.load(gate_rows + h0 + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * xh[None, :]
-    logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(logits_ptr + token * num_experts + rows, logit, mask=row_ok)
-    tl.debug_barrier()  # every thread's logits stored before the release below
-    counter = counter_ptr + token
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def last_to_arrive(counter):
+    """Whether this program is the last of its grid row (axis 1) to pass here: every program's stores
+    before it are visible to the last one, which must reset the counter to 0 for the next launch."""
+    tl.debug_barrier()  # every thread's stores issued before the release below
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) - 1:
+    return arrived == tl.num_programs(1) - 1
+
+
+@triton.jit
+def _moe_route_kernel(
+    x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, hidden, num_experts, stride_x, stride_g,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_experts
+    sums = router_rows(x_ptr, gate_ptr, token, rows, row_ok, hidden, stride_x, stride_g, BLOCK_H, PDL)
+    logit = sums.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + token * num_experts + rows, logit, mask=row_ok)
+    counter = counter_ptr + token
+    if last_to_arrive(counter):
         tl.debug_barrier()
         cols = tl.arange(0, BLOCK_E)
         valid = cols < num_experts

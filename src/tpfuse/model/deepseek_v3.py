@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import grouped_topk_op, moe_finalize_op
+from tpfuse.kernels import grouped_route, grouped_topk_op, moe_finalize_op
+from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
 from tpfuse.model.blocks import FeedForwardBlock, GatedMLP
 from tpfuse.model.config import ModelConfig
@@ -37,7 +38,7 @@ def _replicated(param: nn.Parameter) -> ShardSlot:
 
 
 class DeepseekV3MoE(FeedForwardBlock):
-    """Router "gate" (float32 [E, H] weight and e_score_correction_bias, replicated) -> grouped_topk ->
+    """Router "gate" (float32 [E, H] weight and e_score_correction_bias, replicated) -> grouped top-k ->
     FusedMoE "experts", plus GatedMLP "shared_experts"; the feed-forward block contract of
     model/blocks.py."""
 
@@ -61,14 +62,24 @@ class DeepseekV3MoE(FeedForwardBlock):
             with module_prefix("shared_experts."):
                 self.shared_experts = GatedMLP(h, shared, parallel, config.dtype)
 
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return self.gate_weight
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32); logits in float32."""
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32), logits in float32, through
+        the route model/moe_choice.py measured fastest for T (route_tile)."""
+        return self.route_with(x, moe_choice.route_tile(x, self.gate_weight))
+
+    def route_with(self, x: torch.Tensor, tile: RouteTile | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """route with the float32 router product and the grouped top-k in one launch of shape tile
+        (kernels/moe_grouped_router.py), or with None the router linear then the grouped top-k."""
         r = self.routing
-        logits = F.linear(x.float(), self.gate_weight)
-        return grouped_topk_op(
-            logits, self.e_score_correction_bias, self.top_k, r.n_group, r.topk_group, self.norm_topk_prob,
-            r.routed_scaling_factor,
-        )  # fmt: skip
+        routing = (self.e_score_correction_bias, self.top_k, r.n_group, r.topk_group, self.norm_topk_prob,
+                   r.routed_scaling_factor)  # fmt: skip
+        if tile is not None:
+            return grouped_route(x, self.gate_weight, *routing, tile)
+        return grouped_topk_op(F.linear(x.float(), self.gate_weight), *routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] (normed) -> [T, H], this rank's partial sum of routed + shared experts."""

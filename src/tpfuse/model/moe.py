@@ -26,6 +26,7 @@ from tpfuse.kernels import (
     routed_expert_slots,
 )
 from tpfuse.kernels.fused_moe_tiles import tile_for
+from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
 from tpfuse.model.blocks import FeedForwardBlock
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
@@ -172,10 +173,18 @@ class SparseMoeBlock(FeedForwardBlock):
         self.gate.weight.requires_grad_(False)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, parallel, dtype, names)
 
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return self.gate.weight
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32): router linear and top-k, in
-        one launch where model/moe_choice.py measured that faster (decode-sized steps)."""
-        tile = moe_choice.route_tile(x, self.gate.weight)
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32) through the route
+        model/moe_choice.py measured fastest for T (route_tile)."""
+        return self.route_with(x, moe_choice.route_tile(x, self.gate.weight))
+
+    def route_with(self, x: torch.Tensor, tile: RouteTile | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """route with the router linear + top-k in one launch of shape tile, or with None the router
+        linear then the top-k kernel."""
         if tile is not None:
             return moe_route(x, self.gate.weight, self.top_k, self.renormalize, tile)
         return moe_topk(self.gate(x), self.top_k, self.renormalize)

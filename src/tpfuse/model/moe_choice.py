@@ -11,8 +11,9 @@ fused_moe_tiles.set_tile; where that is a per-slot GEMV tile, the down product a
 SLOT_DOWN_SHAPES too and takes its own fastest shape. At TP = 1 it also times, per hidden size and
 bucket, the MoE finalize (combine + residual + RMSNorm in one kernel) against the plain combine kernel
 followed by fused_add_rmsnorm, and SparseMoeBlock takes the faster (fuse_finalize). Per router shape and
-token bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py,
-each of its ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
+token bucket up to moe_router.MAX_TOKENS it times the one-launch router + top-k (kernels/moe_router.py
+for softmax routers, kernels/moe_grouped_router.py for DeepSeek-V3's grouped ones; each of
+ROUTE_TILES) against the router linear followed by the top-k kernel (route_tile). For
 quantized experts it times each slot route their method offers at every slot bucket (per slot W8A16, per
 slot W8A8 for FP8 formats that quantize activations, grouped GEMM tiles) and records the fastest
 (model/quant/experts.set_slot_route). At TP = 1, once those are recorded, it times each SparseMoeBlock's
@@ -45,7 +46,6 @@ from tpfuse.kernels.fused_moe_tiles import MoeTile
 from tpfuse.kernels.moe_finalize import moe_finalize_triton
 from tpfuse.kernels.moe_norm_router import NormRouterTile
 from tpfuse.kernels.moe_router import RouteTile
-from tpfuse.kernels.moe_routing import moe_topk_triton
 from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_triton
 from tpfuse.model.linear_choice import AGREEMENT
 from tpfuse.model.quant.experts import set_slot_route
@@ -69,16 +69,14 @@ def route_tile(x: torch.Tensor, gate: torch.Tensor) -> RouteTile | None:
     return _ROUTE_TILES.get(key, moe_router.ROUTE_TILES[0])
 
 
-def _time_route(gate: torch.Tensor, num_tokens: int, top_k: int, renormalize: bool) -> dict:
-    """us of the router at num_tokens tokens per route: each RouteTile, and None (linear + top-k)."""
-    from tpfuse.model.layers import linear
-
-    x = torch.randn(num_tokens, gate.shape[1], device=gate.device).to(gate.dtype)
-    times = {None: graph_us([lambda: moe_topk_triton(linear(x, gate, None), top_k, renormalize)], 16, 5, 3)}
-    for tile in moe_router.ROUTE_TILES:
-        times[tile] = graph_us([lambda t=tile: moe_router.moe_route_triton(x, gate, top_k, renormalize, t)],
-                               16, 5, 3)  # fmt: skip
-    return times
+def _time_route(block, num_tokens: int) -> dict:
+    """us of block's routing at num_tokens tokens per route: each RouteTile, and None (linear + top-k)."""
+    gate = block.router_weight
+    x = torch.randn(num_tokens, gate.shape[1], device=gate.device).to(block.experts.dtype)
+    return {
+        tile: graph_us([lambda t=tile: block.route_with(x, t)], 16, 5, 3)
+        for tile in (None, *moe_router.ROUTE_TILES)
+    }
 
 
 def norm_route_tile(x: torch.Tensor, block) -> NormRouterTile | None:
@@ -389,8 +387,9 @@ def _softmax_router(block) -> torch.Tensor | None:
 
 def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> list[tuple]:
     """("route", key, the fastest RouteTile or None) per token bucket of block's router up to the
-    decode rows."""
-    gate = _softmax_router(block)
+    decode rows. A routed block offers router_weight and route_with(x, tile) (SparseMoeBlock's softmax
+    top-k, DeepseekV3MoE's grouped top-k)."""
+    gate = getattr(block, "router_weight", None)
     if gate is None:
         return []
     out, tokens = [], 1
@@ -398,12 +397,12 @@ def _route_decisions(block, max_decode_rows: int, seen: set, tensors: dict) -> l
         key = (tuple(gate.shape), gate.dtype, tiles.slots_bucket(tokens))
         if ("route", key) not in seen:
             seen.add(("route", key))
-            times = _time_route(gate, tokens, block.top_k, block.renormalize)
+            times = _time_route(block, tokens)
             best = min(times, key=lambda t: (times[t], t is not None))  # a tie keeps linear + top-k
             out.append(("route", key, best))
             tensors[("route", key)] = gate
             described = (f"{t.label() if t else 'linear + top-k'} {us:.1f} us" for t, us in times.items())
-            log.info("MoE router <= %d tokens: %s", tokens, ", ".join(described))
+            log.info("MoE router %s <= %d tokens: %s", tuple(gate.shape), tokens, ", ".join(described))
         tokens *= 2
     return out
 
