@@ -27,11 +27,13 @@ from tpfuse.kernels import (
     fused_moe_gemv,
     fused_moe_tiles,
     gemv,
+    grouped_topk,
     kv_store,
     mla_attention,
     mla_decode,
     moe_align,
     moe_finalize,
+    moe_grouped_router,
     moe_norm_router,
     moe_router,
     moe_routing,
@@ -404,6 +406,15 @@ def _moe_variants(p: str):
             moe_router._moe_route_kernel, router, {},
             dict(TOP_K=8, RENORMALIZE=True, BLOCK_R=tile.rows, BLOCK_H=1024, BLOCK_E=128, BLOCK_K=8),
             {"num_warps": tile.num_warps},
+        )  # fmt: skip
+    deepseek = dict(NUM_GROUPS=8, PER_GROUP=32, TOPK_GROUPS=4, TOP_K=8, NORM=True, HAS_BIAS=True, BLOCK_G=8,
+                    BLOCK_P=32, BLOCK_K=8)  # fmt: skip
+    grouped = {"*": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32"}
+    yield grouped_topk._grouped_topk_kernel, grouped, {"scaling": "fp32"}, dict(deepseek)
+    for tile in moe_router.ROUTE_TILES:
+        yield (
+            moe_grouped_router._grouped_route_kernel, grouped | {"x_ptr": p}, {"scaling": "fp32"},
+            dict(deepseek, BLOCK_R=tile.rows, BLOCK_H=1024), {"num_warps": tile.num_warps},
         )  # fmt: skip
     for tile in moe_norm_router.NORM_ROUTER_TILES:
         yield (

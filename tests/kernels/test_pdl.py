@@ -151,3 +151,58 @@ def test_pdl_half2_int4_chain_in_a_cuda_graph_equals_the_plain_chain(tile):
 
     plain = _with_and_without_pdl(run)
     assert torch.isfinite(plain[0].float()).all()
+
+
+def _quant_stack(gen, bits: int, experts: int, n: int, k: int, group: int = 128):
+    """A random expert stack [experts, n, k] on the GPU: 4-bit codes or FP8 e4m3 (bits 0), group scales."""
+    from tpfuse.kernels import quant_fp8, quant_int, quant_moe
+
+    device = gen.device
+    if bits:
+        values = torch.randint(0, 16, (experts, n, k), generator=gen, device=device)
+        codes = torch.stack([quant_int.pack_int(v, 4) for v in values])
+    else:
+        codes = torch.randn(experts, n, k, generator=gen, device=device).to(quant_fp8.FP8_DTYPE)
+    scales = torch.rand(experts, n, k // group, generator=gen, device=device) * 0.01 + 1e-3
+    return quant_moe.QuantExperts(codes, scales, bits, group, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["int4-w8a16", "int4-half2", "fp8-w8a16", "fp8-w8a8"])
+def test_pdl_quantized_moe_chain_in_a_cuda_graph_equals_the_plain_chain(route):
+    """A MoE layer's decode chain per layer (add + RMSNorm + router, the quantized expert slots, the MoE
+    finalize) with PDL and without, bit for bit: the slot kernels wait before reading the routing."""
+    from tpfuse.kernels import quant_fp8_w8a8, quant_moe, quant_moe_w8a8
+    from tpfuse.kernels.moe_finalize import moe_finalize_triton
+    from tpfuse.kernels.moe_norm_router import moe_norm_router_triton
+    from tpfuse.kernels.moe_routing import moe_topk_triton
+
+    device = torch.device("cuda")
+    assert route != "fp8-w8a8" or quant_fp8_w8a8.fp8_dot_supported(device), "the GPU suite runs on Hopper"
+    gen = torch.Generator(device).manual_seed(3)
+    experts, hidden, inter, top_k, tokens = 32, 1024, 384, 4, 2
+    bits = 4 if route.startswith("int4") else 0
+    w13 = _quant_stack(gen, bits, experts, 2 * inter, hidden)
+    w2 = _quant_stack(gen, bits, experts, hidden, inter)
+    gate = (torch.randn(experts, hidden, generator=gen, device=device) * 0.05).bfloat16()
+    norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
+    x0 = torch.randn(tokens, hidden, generator=gen, device=device).bfloat16()
+    res0 = torch.randn(tokens, hidden, generator=gen, device=device).bfloat16()
+
+    def slots(h, logits):
+        if route == "fp8-w8a8":
+            weights, ids = moe_topk_triton(logits, top_k, True)
+            return quant_moe_w8a8.w8a8_slots_triton(h, w13, w2, weights, ids, quant_moe_w8a8.SLOT_TILES[0])
+        tile = quant_moe.HALF2_SLOT_TILES[0] if route == "int4-half2" else None
+        return quant_moe.quant_routed_slots_triton(h, w13, w2, logits, top_k, True, tile=tile)[0]
+
+    def run():
+        partial, res = x0, res0
+        for _ in range(4):
+            h, res, logits = moe_norm_router_triton(partial, res, norm_w, gate, 1e-6)
+            out, res = moe_finalize_triton(slots(h, logits), top_k, res, norm_w, 1e-6)
+            partial = out * 0.5
+        return out, res
+
+    plain = _with_and_without_pdl(run)
+    assert torch.isfinite(plain[0].float()).all()

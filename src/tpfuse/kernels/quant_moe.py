@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import quant_int_half2
+from tpfuse.kernels import pdl, quant_int_half2
 from tpfuse.kernels.moe_routing import MAX_EXPERTS, slot_expert
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8 import dequantize_fp8, fp8_rows_dot_x, gemv_steps
@@ -142,10 +142,12 @@ def _slot_gate_up_kernel(
     EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr,
     INTERPRET: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
     0..I-1 of the stack, up rows I..2I-1. ROUTE: e is picked from token t's router logits
     (moe_routing.slot_expert) and the slot's first program stores it to ids[s], its weight to weights[s]."""
+    pdl.begin(PDL)  # which weights to read depends on ids / logits an earlier kernel wrote
     slot = tl.program_id(0)
     token = (slot // TOP_K).to(tl.int64)
     expert = slot_expert(ids_ptr, logits_ptr, weights_ptr, slot, num_experts, TOP_K, ROUTE, RENORMALIZE,
@@ -171,8 +173,10 @@ def _slot_down_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
     X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
+    pdl.begin(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,7 +298,7 @@ def _slots(x, w13, w2, weights, ids, top_k, logits, renormalize, block_n, block_
     _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13.codes, w13.scales, act, ids, logits, weights, hidden, inter, num_experts, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), act.stride(0),
-        TOP_K=top_k, **up, **routing, **warps,
+        TOP_K=top_k, **up, **routing, **warps, **pdl.launch(x.device),
     )  # fmt: skip
     if half2:
         down = _half2_steps(w2, inter, hidden, tile.down, x_fp16)
@@ -303,6 +307,6 @@ def _slots(x, w13, w2, weights, ids, top_k, logits, renormalize, block_n, block_
     _slot_down_kernel[(num_slots, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, w2.codes, w2.scales, out, weights, ids, hidden, inter, act.stride(0),
         w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
-        **down, **warps,
+        **down, **warps, **pdl.launch(x.device),
     )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels import pdl
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_rounded_rows_ref
 from tpfuse.kernels.quant_moe import QuantExperts
@@ -115,8 +116,10 @@ def _slot_gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOP_K: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """h[s, n] = x[t] . w13_e[n] for all 2I rows (gate then up), e = ids[s], t = s // k."""
+    pdl.begin(PDL)  # which weights to read depends on ids an earlier kernel wrote
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // TOP_K).to(tl.int64)
@@ -135,8 +138,10 @@ def _slot_down_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     GROUP: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """out[s, n] = weight[s] * (silu(h[s, :I]) * h[s, I:]) . down_e[n], e = ids[s]."""
+    pdl.begin(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +196,7 @@ def w8a8_gate_up_triton(x, w13: QuantExperts, topk_ids, tile: W8A8SlotTile) -> t
         x, w13.codes, w13.scales, h, topk_ids.reshape(-1).contiguous(), hidden, rows, x.stride(0),
         w13.codes.stride(0), w13.codes.stride(1), w13.scales.stride(0), w13.scales.stride(1), h.stride(0),
         TOP_K=top_k, GROUP=w13.group, PER_ROW=w13.group >= hidden, BLOCK_N=tile.block_n, BLOCK_K=step,
-        EVEN_K=hidden % step == 0, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        EVEN_K=hidden % step == 0, STAGES=tile.num_stages, num_warps=tile.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     return h
 
@@ -214,7 +219,7 @@ def w8a8_down_triton(
         topk_ids.reshape(-1).contiguous(), hidden, inter, h.stride(0),
         w2.codes.stride(0), w2.codes.stride(1), w2.scales.stride(0), w2.scales.stride(1), out.stride(0),
         GROUP=w2.group, PER_ROW=w2.group >= inter, BLOCK_N=tile.block_n, BLOCK_K=step,
-        EVEN_K=inter % step == 0, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        EVEN_K=inter % step == 0, STAGES=tile.num_stages, num_warps=tile.num_warps, **pdl.launch(h.device),
     )  # fmt: skip
     return out
 
