@@ -3,16 +3,18 @@
 # "Not measured yet (as of 2026-12-07, 13:00 UTC)": the fused MoE entry's GPU tests and its effect on the
 # MoE step (bf16 and INT4 experts), the GPU test of rope inside decode attention after its last edit,
 # the FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
-# and the engine's start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
+# DeepSeek-V3's one-launch grouped router, the quantized expert slots under PDL, and the engine's
+# start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
 set -u
 source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "the fused MoE entry (norm + router, routed slots; unquantized and quantized) and its start-up choice"
-timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
-  tests/kernels/test_gpu_quant_kernels.py -k "entry or routed" -p no:cacheprovider 2>&1 | tail -n 2
+step "the fused MoE entry (norm + router, routed slots; unquantized and quantized) and its start-up choice; the grouped router; quantized MoE under PDL"
+timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
+  tests/kernels/test_gpu_quant_kernels.py tests/kernels/test_mla_gpu.py tests/kernels/test_pdl.py \
+  -k "entry or routed or grouped_route or quantized_moe_chain" -p no:cacheprovider 2>&1 | tail -n 2
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
@@ -26,6 +28,9 @@ step "INT4 llama-3.1-8b model step (batch 1 and 64)"
 timeout 100 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 2>&1 | grep -E "^ +int4"
 step "INT4 experts, qwen3-30b-a3b batch 1"
 timeout 150 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --quantization int4 2>&1 | tail -n 3
+step "deepseek-v3-4l FP8 blocks batch 1, per layer (the one-launch grouped router where start-up took it)"
+timeout 140 python3 benchmarks/deepseek_decode.py --batch-sizes 1 --iters 30 --quantization fp8-block 2>&1 \
+  | grep -E "MoE router \(256|^ +[0-9]+ +(dense|moe)|^ +1 "
 step "MLA decode, 16 heads (the 3-stage tile)"
 timeout 100 python3 benchmarks/mla_decode.py --heads 16 --no-old 2>&1 | tail -n 17
 step "the engine's start-up PDL choice for llama-3.1-8b FP8 (its INFO log line)"
