@@ -3,9 +3,10 @@
 For each batch size: a decode token per sequence at a fixed context over MLA latent caches, captured
 with compute_logits and replayed. Roofline = bytes read / measured copy bandwidth, where the bytes are
 attention, norm, router and shared-expert weights + the routed experts the captured inputs' routing
-touched (the union over tokens, per layer) + dense-layer MLPs + lm_head + the latent cache of the
-context (kv_lora_rank + rope values per token and layer); quantized weights count their codes and
-scales as stored. Prints ms per step and per layer, tok/s and the fraction of the roofline.
+touched (the union over tokens, per layer; a shared expert kept in the routed stack counts there,
+once) + dense-layer MLPs + lm_head + the latent cache of the context (kv_lora_rank + rope values per
+token and layer); quantized weights count their codes and scales as stored. Prints ms per step and
+per layer, tok/s and the fraction of the roofline.
 
 Then, at --layer-batch (default 1), each decoder layer alone (MLA, the post-attention fused add +
 norm, the MLP or MoE block with its finalize) captured in its own graph on static inputs, against that

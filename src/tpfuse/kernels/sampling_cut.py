@@ -86,7 +86,8 @@ def _value(key):
     """The float32 of a key held in an int64 in [0, 2^32): the inverse of the kernels' key
     u(z) = bits(z) ^ (0xFFFFFFFF if z < 0 else 0x80000000), an order-preserving uint32 (-0.0 as 0.0)."""
     u = key.to(tl.uint32)
-    bits = tl.where(u >= 0x80000000, u ^ 0x80000000, ~u)
+    # u ^ 0xFFFFFFFF is ~u, which Triton 3.8's interpreter cannot take of a uint32
+    bits = tl.where(u >= 0x80000000, u ^ 0x80000000, u ^ 0xFFFFFFFF)
     return bits.to(tl.float32, bitcast=True)
 
 
