@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.quant_experts import random_expert_stack
 from tpfuse.kernels import quant_fp8, quant_fp8_w8a8, quant_int
 
 pytestmark = pytest.mark.gpu
@@ -240,21 +241,6 @@ def test_smollm2_gguf_answers_the_capital_of_france_in_bf16_on_the_gpu():
     assert "Paris" in out.text
 
 
-def _expert_stack(gen, bits: int, group: int | None, experts: int, n: int, k: int):
-    """A random quantized expert stack [experts, n, k] on the GPU: 4-bit codes or FP8 e4m3 (bits 0),
-    scales per group (None: per channel)."""
-    from tpfuse.kernels import quant_moe
-
-    group = group or k
-    if bits:
-        values = torch.randint(0, 16, (experts, n, k), generator=gen, device=DEVICE)
-        codes = torch.stack([quant_int.pack_int(v, 4) for v in values])
-    else:
-        codes = torch.randn(experts, n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
-    scales = torch.rand(experts, n, k // group, generator=gen, device=DEVICE) * 0.01 + 1e-3
-    return quant_moe.QuantExperts(codes, scales, bits, group, k)
-
-
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (0, 128), (0, None)])  # 0: FP8; None: per-channel
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, group, tokens):
@@ -262,9 +248,8 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, gr
 
     gen = torch.Generator(DEVICE).manual_seed(bits + tokens)
     experts, hidden, inter, top_k = 16, 2048, 768, 8
-    w13, w2 = (
-        _expert_stack(gen, bits, group, experts, n, k) for n, k in ((2 * inter, hidden), (hidden, inter))
-    )
+    w13 = random_expert_stack(gen, bits, experts, 2 * inter, hidden, group)
+    w2 = random_expert_stack(gen, bits, experts, hidden, inter, group)
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device=DEVICE).int()
     weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE)
@@ -296,9 +281,8 @@ def test_quantized_routed_slots_equal_topk_then_slots_in_and_out_of_cuda_graphs(
 
     gen = torch.Generator(DEVICE).manual_seed(bits + tokens + 7)
     experts, hidden, inter, top_k = 128, 2048, 768, 8
-    w13, w2 = (
-        _expert_stack(gen, bits, group, experts, n, k) for n, k in ((2 * inter, hidden), (hidden, inter))
-    )
+    w13 = random_expert_stack(gen, bits, experts, 2 * inter, hidden, group)
+    w2 = random_expert_stack(gen, bits, experts, hidden, inter, group)
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
     logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
     weights, ids = moe_topk_triton(logits, top_k, True)

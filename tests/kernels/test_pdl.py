@@ -4,6 +4,7 @@ kernels inside a CUDA graph gives the bits of the same chain launched plainly.""
 import pytest
 import torch
 
+from tests.helpers.quant_experts import random_expert_stack
 from tpfuse import knobs
 from tpfuse.kernels import gemv, pdl, rmsnorm
 
@@ -153,20 +154,6 @@ def test_pdl_half2_int4_chain_in_a_cuda_graph_equals_the_plain_chain(tile):
     assert torch.isfinite(plain[0].float()).all()
 
 
-def _quant_stack(gen, bits: int, experts: int, n: int, k: int, group: int = 128):
-    """A random expert stack [experts, n, k] on the GPU: 4-bit codes or FP8 e4m3 (bits 0), group scales."""
-    from tpfuse.kernels import quant_fp8, quant_int, quant_moe
-
-    device = gen.device
-    if bits:
-        values = torch.randint(0, 16, (experts, n, k), generator=gen, device=device)
-        codes = torch.stack([quant_int.pack_int(v, 4) for v in values])
-    else:
-        codes = torch.randn(experts, n, k, generator=gen, device=device).to(quant_fp8.FP8_DTYPE)
-    scales = torch.rand(experts, n, k // group, generator=gen, device=device) * 0.01 + 1e-3
-    return quant_moe.QuantExperts(codes, scales, bits, group, k)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ["int4-w8a16", "int4-half2", "fp8-w8a16", "fp8-w8a8"])
 def test_pdl_quantized_moe_chain_in_a_cuda_graph_equals_the_plain_chain(route):
@@ -182,8 +169,8 @@ def test_pdl_quantized_moe_chain_in_a_cuda_graph_equals_the_plain_chain(route):
     gen = torch.Generator(device).manual_seed(3)
     experts, hidden, inter, top_k, tokens = 32, 1024, 384, 4, 2
     bits = 4 if route.startswith("int4") else 0
-    w13 = _quant_stack(gen, bits, experts, 2 * inter, hidden)
-    w2 = _quant_stack(gen, bits, experts, hidden, inter)
+    w13 = random_expert_stack(gen, bits, experts, 2 * inter, hidden, group=128)
+    w2 = random_expert_stack(gen, bits, experts, hidden, inter, group=128)
     gate = (torch.randn(experts, hidden, generator=gen, device=device) * 0.05).bfloat16()
     norm_w = torch.rand(hidden, generator=gen, device=device).bfloat16() + 0.5
     x0 = torch.randn(tokens, hidden, generator=gen, device=device).bfloat16()

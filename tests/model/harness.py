@@ -99,6 +99,21 @@ def build_hf_checkpoint(directory, kind: str, seed: int = 0, max_shard_size: str
     return model
 
 
+def copy_without_tensor(directory, destination, name: str) -> None:
+    """Writes the safetensors checkpoint at directory to destination (one file, the same config.json)
+    without tensor name: a checkpoint that must fail to load, naming it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    del tensors[name]
+    save_file(tensors, Path(destination, "model.safetensors"), metadata={"format": "pt"})
+    Path(destination, "config.json").write_text(Path(directory, "config.json").read_text())
+
+
 def hf_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
     """transformers' float32 logits [len, vocab] for every position of every sequence, one at a time."""
     with torch.no_grad():

@@ -11,6 +11,7 @@ import torch
 from tests.helpers.dist import run_distributed
 from tests.model.harness import (
     PagedSequences,
+    copy_without_tensor,
     greedy,
     greedy_on_rank,
     hf_greedy_tokens,
@@ -162,8 +163,6 @@ def test_unsupported_routing_and_a_missing_latent_projection_are_named(checkpoin
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
-
     from tpfuse.model.config import ModelConfig
     from tpfuse.model.loader import CheckpointError
 
@@ -173,13 +172,8 @@ def test_unsupported_routing_and_a_missing_latent_projection_are_named(checkpoin
         ModelConfig.from_hf_dict({**hf, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match=r"n_routed_experts \(8\) must split into n_group \(3\)"):
         ModelConfig.from_hf_dict({**hf, "n_group": 3})
-    tensors = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(path))
     missing = "model.layers.1.self_attn.kv_b_proj.weight"
-    tensors.pop(missing)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    copy_without_tensor(directory, tmp_path, missing)
     with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
         load_for_test(tmp_path)
 
@@ -188,9 +182,7 @@ def test_one_shared_expert_runs_in_the_routed_stack_and_its_missing_tensor_is_na
     """One bf16 shared expert becomes expert E of the routed stack (its slot after the routed ones,
     weight 1; the logits above equal transformers'); two stay a gated MLP. A checkpoint without the
     stacked shared expert's tensor fails at load naming it."""
-    from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
 
     from tpfuse.model.loader import CheckpointError
 
@@ -204,13 +196,7 @@ def test_one_shared_expert_runs_in_the_routed_stack_and_its_missing_tensor_is_na
     assert (ids[:, :-1] < experts).all()
     assert not two.layers[1].mlp.shared_in_stack and two.layers[1].mlp.experts.num_experts == experts
 
-    directory = checkpoints["q_lora_yarn_tied_groups"][0]
-    tensors = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(path))
     missing = "model.layers.2.mlp.shared_experts.up_proj.weight"
-    tensors.pop(missing)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(Path(directory, "config.json").read_text())
+    copy_without_tensor(checkpoints["q_lora_yarn_tied_groups"][0], tmp_path, missing)
     with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
         load_for_test(tmp_path)
