@@ -8,6 +8,8 @@ float32 scratch row; the token's last program to arrive routes the whole row wit
 kernel's own grouped_topk_of_row, so ids and weights are that kernel's on the same logits. The
 logits are float32 sums in another order than the cuBLAS GEMM's, so a near-tie may route
 differently from the unfused path, as two GEMMs' results may; every rank runs the same launch.
+With shared_experts, every token's row ends in that many slots of experts E, E + 1, ... at weight 1
+(grouped_topk_ref: shared experts kept in the routed stack).
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ def _grouped_route_kernel(
     scaling,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
     SHARED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     num_experts: tl.constexpr = NUM_GROUPS * PER_GROUP
