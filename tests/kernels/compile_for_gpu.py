@@ -407,8 +407,8 @@ def _moe_variants(p: str):
             dict(TOP_K=8, RENORMALIZE=True, BLOCK_R=tile.rows, BLOCK_H=1024, BLOCK_E=128, BLOCK_K=8),
             {"num_warps": tile.num_warps},
         )  # fmt: skip
-    deepseek = dict(NUM_GROUPS=8, PER_GROUP=32, TOPK_GROUPS=4, TOP_K=8, SHARED=1, NORM=True, HAS_BIAS=True,
-                    BLOCK_G=8, BLOCK_P=32, BLOCK_K=16)  # fmt: skip  (the shared expert's slot: 9 of 16)
+    deepseek = dict(NUM_GROUPS=8, PER_GROUP=32, TOPK_GROUPS=4, TOP_K=8, NORM=True, HAS_BIAS=True, BLOCK_G=8,
+                    BLOCK_P=32, BLOCK_K=8)  # fmt: skip
     grouped = {"*": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32"}
     yield grouped_topk._grouped_topk_kernel, grouped, {"scaling": "fp32"}, dict(deepseek)
     for tile in moe_router.ROUTE_TILES:

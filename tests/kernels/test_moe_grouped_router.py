@@ -74,19 +74,3 @@ def test_bad_inputs_are_refused_by_name():
         grouped_route_triton(x, gate, torch.zeros(15), 2, 4, 2, True, 1.0)
     with pytest.raises(ValueError, match="n_group"):
         grouped_route_triton(x, gate, None, 2, 5, 2, True, 1.0)
-
-
-def test_a_shared_expert_slot_follows_the_routed_ones_with_weight_one():
-    """shared_experts=1: every token's last slot is expert E (the shared expert kept in the routed
-    stack) with weight 1, unscaled; the routed slots are those without it, in both kernels."""
-    g = torch.Generator().manual_seed(9)
-    x, gate, bias = torch.randn(4, 40, generator=g), torch.randn(24, 40, generator=g), torch.zeros(24)
-    plain = grouped_route_triton(x, gate, bias, 5, 6, 3, True, 2.5)
-    for weights, ids in (
-        grouped_route_triton(x, gate, bias, 5, 6, 3, True, 2.5, shared_experts=1),
-        grouped_route_ref(x, gate, bias, 5, 6, 3, True, 2.5, shared_experts=1),
-        grouped_topk_triton(x @ gate.T, bias, 5, 6, 3, True, 2.5, shared_experts=1),
-    ):
-        assert ids.shape == (4, 6) and (ids[:, 5] == 24).all() and (weights[:, 5] == 1.0).all()
-        assert torch.equal(_by_id(weights[:, :5], ids[:, :5])[1], _by_id(*plain)[1])
-        torch.testing.assert_close(_by_id(weights[:, :5], ids[:, :5])[0], _by_id(*plain)[0])

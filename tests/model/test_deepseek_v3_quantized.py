@@ -144,19 +144,17 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints
     assert tokens == want_tokens
     attn, dense, moe = model.layers[1].self_attn, model.layers[0].mlp, model.layers[1].mlp
     assert attn.kv_b_proj.weight.dtype == torch.float32  # the run dtype: read by the absorbed bmm
-    linears = (attn.fused_a_proj, attn.q_b_proj, attn.o_proj, dense.gate_up_proj)
-    routed = model.config.num_experts
-    if fmt == "deepseek-fp8-block":  # the shared expert is FP8 blocks too: expert E of the routed stack
+    shared = moe.shared_experts
+    linears = (attn.fused_a_proj, attn.q_b_proj, attn.o_proj, dense.gate_up_proj, shared.down_proj)
+    if fmt == "deepseek-fp8-block":
         for linear in linears:
             assert isinstance(linear.method, Fp8LinearMethod) and linear.weight.dtype == torch.float8_e4m3fn
         assert isinstance(moe.experts.method, Fp8Experts) and moe.experts.w13.dtype == torch.float8_e4m3fn
-        assert moe.shared_in_stack and moe.shared_experts is None and moe.experts.num_experts == routed + 1
         assert "fp8-block 128x128 dequantized at load (MLA's absorbed W_UK / W_UV) x3" in caplog.text
-    else:  # Kimi K2: INT4 routed experts, a bf16 shared expert of its own
-        for linear in (*linears, moe.shared_experts.down_proj):
+    else:
+        for linear in linears:
             assert linear.method is UNQUANTIZED
         assert isinstance(moe.experts.method, IntGroupExperts) and moe.experts.method.group == 32
-        assert not moe.shared_in_stack and moe.experts.num_experts == routed
         assert "int4 group 32 experts x2" in caplog.text
 
 
@@ -251,12 +249,9 @@ def test_presets_build_quantized_at_their_real_shapes(preset, quantization, tp_r
     check_all_parameters_written(model, slots)
     last = f"model.layers.{config.num_layers - 1}."
     experts = model.layers[-1].mlp.experts
-    stacked = config.num_experts + (quantization == "fp8-block")  # one FP8 shared expert joins the stack
-    expert_weights = 3 * stacked * config.moe_intermediate_size * config.hidden_size // tp_size
+    expert_weights = 3 * config.num_experts * config.moe_intermediate_size * config.hidden_size // tp_size
     if quantization == "fp8-block":
         assert last + "mlp.experts.0.down_proj.weight_scale_inv" in slots
-        assert last + "mlp.shared_experts.down_proj.weight_scale_inv" in slots
-        assert not any(f".experts.{config.num_experts}." in name for name in slots)
         assert last + "self_attn.kv_b_proj.weight_scale_inv" in slots
         codes = sum(p.numel() for p in experts.parameters() if p.dtype == torch.float8_e4m3fn)
     else:

@@ -279,27 +279,22 @@ def mla_rope_norm_store_op(
     )
 
 
-def grouped_topk_op(
-    router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, shared=0
-):
-    """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k + shared] float32, ids [same]
-    int32), shared: slots of experts E, E + 1, ... with weight 1 after the routed ones (shared experts
-    in the routed stack); CUDA-graph safe (kernels/grouped_topk.py)."""
+def grouped_topk_op(router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
+    """Group-limited sigmoid routing (DeepSeek-V3) -> (weights [T, k] float32, ids [T, k] int32),
+    CUDA-graph safe (kernels/grouped_topk.py)."""
     return _pick(grouped_topk, "grouped_topk", router_logits)(
-        router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, shared
+        router_logits, correction_bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling
     )
 
 
-def grouped_route(
-    x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, tile=None, shared=0
-):
+def grouped_route(x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, tile=None):
     """x [T, H], float32 router weight gate [E, H] -> grouped_topk_op(x @ gate.T in float32, ...) in one
     launch (kernels/moe_grouped_router.py) of launch shape `tile` (a RouteTile; None: the default); for
     decode-sized T, model/moe_choice.py measures where it wins."""
     args = (x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling)
     if not use_triton(x):
-        return moe_grouped_router.grouped_route_ref(*args, shared)
-    return moe_grouped_router.grouped_route_triton(*args, tile or moe_router.ROUTE_TILES[0], shared)
+        return moe_grouped_router.grouped_route_ref(*args)
+    return moe_grouped_router.grouped_route_triton(*args, tile or moe_router.ROUTE_TILES[0])
 
 
 def moe_topk(router_logits, top_k: int, renormalize: bool):

@@ -40,12 +40,10 @@ def grouped_topk_ref(
     topk_groups: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float = 1.0,
-    shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (float32 math; float64 stays float64); correction_bias [E] or None.
-    Returns (weights [T, top_k + shared_experts] float32/float64, expert ids [same] int32): the routed
-    slots, then shared_experts slots of experts E, E + 1, ... (shared experts kept in the routed stack)
-    with weight 1. Raises ValueError when E is not num_groups groups of at least 2 or top_k does not fit."""
+    Returns (weights [T, top_k] float32/float64, expert ids [T, top_k] int32).
+    Raises ValueError when E is not num_groups groups of at least 2 or top_k does not fit."""
     num_tokens, num_experts = router_logits.shape
     per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
@@ -61,12 +59,7 @@ def grouped_topk_ref(
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights, ids = weights * routed_scaling_factor, ids.to(torch.int32)
-    if shared_experts:  # experts E.. of the stack, weight 1 (unscaled), after the routed slots
-        shared_ids = torch.arange(num_experts, num_experts + shared_experts, dtype=torch.int32)
-        ids = torch.cat([ids, shared_ids.to(ids.device).expand(num_tokens, -1)], dim=1)
-        weights = torch.cat([weights, weights.new_ones(num_tokens, shared_experts)], dim=1)
-    return weights, ids
+    return weights * routed_scaling_factor, ids.to(torch.int32)
 
 
 @triton.jit
@@ -119,30 +112,20 @@ def grouped_topk_of_row(
 
 
 @triton.jit
-def store_routing(weights_ptr, ids_ptr, token, weights, ids, slots, scaling, TOP_K: tl.constexpr,
-                  SHARED: tl.constexpr, NUM_EXPERTS: tl.constexpr):  # fmt: skip
-    """Stores token's row of TOP_K + SHARED slots: the routed weights times scaling, then SHARED slots
-    of experts NUM_EXPERTS, NUM_EXPERTS + 1, ... with weight 1 (grouped_topk_ref's shared_experts)."""
-    routed = slots < TOP_K
-    out = token * (TOP_K + SHARED) + slots
-    tl.store(weights_ptr + out, tl.where(routed, weights * scaling, 1.0), mask=slots < TOP_K + SHARED)
-    tl.store(ids_ptr + out, tl.where(routed, ids, NUM_EXPERTS + slots - TOP_K), mask=slots < TOP_K + SHARED)
-
-
-@triton.jit
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    SHARED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     weights, ids, slots = grouped_topk_of_row(
         logits_ptr + t * stride_t, bias_ptr, HAS_BIAS, NUM_GROUPS, PER_GROUP, TOPK_GROUPS, TOP_K, NORM,
         BLOCK_G, BLOCK_P, BLOCK_K, "",
     )  # fmt: skip
-    num_experts: tl.constexpr = NUM_GROUPS * PER_GROUP
-    store_routing(weights_ptr, ids_ptr, t, weights, ids, slots, scaling, TOP_K, SHARED, num_experts)
+    out = t * TOP_K + slots
+    tl.store(weights_ptr + out, weights * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
 
 
 def grouped_topk_triton(
@@ -153,7 +136,6 @@ def grouped_topk_triton(
     topk_groups: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float = 1.0,
-    shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton grouped_topk_ref (same shapes; weights float32, ties to the lower id). router_logits
     rows must be contiguous in the expert dim."""
@@ -161,16 +143,15 @@ def grouped_topk_triton(
     per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
-    slots = top_k + shared_experts
-    weights = torch.empty(num_tokens, slots, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, slots, dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens:
         _grouped_topk_kernel[(num_tokens,)](
             router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor),
             NUM_GROUPS=num_groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOP_K=top_k,
-            SHARED=shared_experts, NORM=norm_topk_prob, HAS_BIAS=correction_bias is not None,
+            NORM=norm_topk_prob, HAS_BIAS=correction_bias is not None,
             BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=triton.next_power_of_2(per_group),
-            BLOCK_K=triton.next_power_of_2(slots), num_warps=4,
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
         )  # fmt: skip
     return weights, ids

@@ -8,8 +8,6 @@ float32 scratch row; the token's last program to arrive routes the whole row wit
 kernel's own grouped_topk_of_row, so ids and weights are that kernel's on the same logits. The
 logits are float32 sums in another order than the cuBLAS GEMM's, so a near-tie may route
 differently from the unfused path, as two GEMMs' results may; every rank runs the same launch.
-With shared_experts, every token's row ends in that many slots of experts E, E + 1, ... at weight 1
-(grouped_topk_ref: shared experts kept in the routed stack).
 """
 
 from __future__ import annotations
@@ -20,24 +18,16 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.decode_merge import arrival_counters
-from tpfuse.kernels.grouped_topk import (
-    experts_per_group,
-    grouped_topk_of_row,
-    grouped_topk_ref,
-    store_routing,
-)
+from tpfuse.kernels.grouped_topk import experts_per_group, grouped_topk_of_row, grouped_topk_ref
 from tpfuse.kernels.moe_router import MAX_EXPERTS, ROUTE_TILES, RouteTile, last_to_arrive, router_rows
 
 
-def grouped_route_ref(
-    x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling, shared_experts: int = 0
-):
-    """x [T, H], gate [E, H], bias [E] or None -> (weights [T, k + shared], ids [same] int32):
-    grouped_topk_ref of the logits x @ gate.T in float32 (float64 for float64 inputs)."""
+def grouped_route_ref(x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
+    """x [T, H], gate [E, H], bias [E] or None -> (weights [T, k], ids [T, k] int32): grouped_topk_ref
+    of the logits x @ gate.T in float32 (float64 for float64 inputs)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     logits = x.to(compute) @ gate.to(compute).T
-    routing = (top_k, num_groups, topk_groups, norm_topk_prob, scaling, shared_experts)
-    return grouped_topk_ref(logits, bias, *routing)
+    return grouped_topk_ref(logits, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling)
 
 
 @triton.jit
@@ -45,8 +35,8 @@ def _grouped_route_kernel(
     x_ptr, gate_ptr, bias_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, hidden, stride_x, stride_g,
     scaling,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    SHARED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     num_experts: tl.constexpr = NUM_GROUPS * PER_GROUP
@@ -62,7 +52,8 @@ def _grouped_route_kernel(
             logits_ptr + token * num_experts, bias_ptr, HAS_BIAS, NUM_GROUPS, PER_GROUP, TOPK_GROUPS, TOP_K,
             NORM, BLOCK_G, BLOCK_P, BLOCK_K, ".cg",
         )  # fmt: skip
-        store_routing(weights_ptr, ids_ptr, token, weights, ids, slots, scaling, TOP_K, SHARED, num_experts)
+        tl.store(weights_ptr + token * TOP_K + slots, weights * scaling, mask=slots < TOP_K)
+        tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
         tl.atomic_xchg(counter, 0)
 
 
@@ -76,12 +67,11 @@ def grouped_route_triton(
     norm_topk_prob: bool,
     scaling: float,
     tile: RouteTile = ROUTE_TILES[0],
-    shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton grouped_route_ref: new [T, k + shared_experts] float32 weights and int32 ids. x [T, H]
-    with unit column stride (any float dtype), gate [E, H] float32, bias [E] float32 or None; tile:
-    the launch shape (any gives the same result). Raises ValueError on shapes, on a group split
-    grouped_topk refuses, and for E > MAX_EXPERTS."""
+    """Triton grouped_route_ref: new [T, k] float32 weights and int32 ids. x [T, H] with unit column
+    stride (any float dtype), gate [E, H] float32, bias [E] float32 or None; tile: the launch shape
+    (any gives the same result). Raises ValueError on shapes, on a group split grouped_topk refuses,
+    and for E > MAX_EXPERTS."""
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     if gate.dim() != 2 or gate.shape[1] != hidden or gate.dtype != torch.float32:
@@ -98,9 +88,8 @@ def grouped_route_triton(
     per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate = gate.contiguous()
-    slots = top_k + shared_experts
-    weights = torch.empty(num_tokens, slots, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, slots, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     if num_tokens:
         logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, num_tokens)
@@ -109,9 +98,9 @@ def grouped_route_triton(
             x, gate, bias if bias is not None else gate, logits, counters, weights, ids, hidden, x.stride(0),
             gate.stride(0), float(scaling),
             NUM_GROUPS=num_groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups, TOP_K=top_k,
-            SHARED=shared_experts, NORM=norm_topk_prob, HAS_BIAS=bias is not None, BLOCK_R=tile.rows,
+            NORM=norm_topk_prob, HAS_BIAS=bias is not None, BLOCK_R=tile.rows,
             BLOCK_H=min(triton.next_power_of_2(hidden), 1024), BLOCK_G=triton.next_power_of_2(num_groups),
-            BLOCK_P=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(slots),
+            BLOCK_P=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
             num_warps=tile.num_warps, **pdl.launch(x.device),
         )  # fmt: skip
     return weights, ids

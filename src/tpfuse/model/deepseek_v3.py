@@ -28,7 +28,7 @@ from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
 from tpfuse.model.kv_layout import LatentCacheLayout
 from tpfuse.model.layers import ParallelContext, RMSNorm, ShardSlot
-from tpfuse.model.linear_method import expert_method_for, mlp_runs_as_expert, module_prefix
+from tpfuse.model.linear_method import expert_method_for, module_prefix
 from tpfuse.model.mla import MLAAttention
 from tpfuse.model.moe import ExpertNames, FusedMoE, UnquantizedExperts
 
@@ -39,9 +39,8 @@ def _replicated(param: nn.Parameter) -> ShardSlot:
 
 class DeepseekV3MoE(FeedForwardBlock):
     """Router "gate" (float32 [E, H] weight and e_score_correction_bias, replicated) -> grouped top-k ->
-    FusedMoE "experts", plus the shared experts: expert E of that stack (shared_in_stack: one shared
-    expert in the routed experts' format), else a GatedMLP "shared_experts"; the feed-forward block
-    contract of model/blocks.py."""
+    FusedMoE "experts", plus GatedMLP "shared_experts"; the feed-forward block contract of
+    model/blocks.py."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext):
         super().__init__()
@@ -53,19 +52,12 @@ class DeepseekV3MoE(FeedForwardBlock):
         self.gate_weight = nn.Parameter(torch.empty(e, h, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
         names = ExpertNames()
-        expert_names = [f"experts.0.{n}" for n in (names.gate, names.up, names.down)]
-        shared_names = [f"shared_experts.{n}" for n in (names.gate, names.up, names.down)]
-        method = expert_method_for(expert_names)
-        # One shared expert stored as the routed ones are runs as expert E of their stack: one more slot
-        # of every token in the routed launches, not a gated MLP of its own (docs/ARCHITECTURE.md).
-        one_shared = routing.n_shared_experts == 1
-        self.shared_in_stack = one_shared and mlp_runs_as_expert(expert_names, shared_names)
+        method = expert_method_for([f"experts.0.{n}" for n in (names.gate, names.up, names.down)])
         self.experts = FusedMoE(
-            e + self.shared_in_stack, h, config.moe_intermediate_size, parallel, config.dtype, names,
-            method or UnquantizedExperts(),
-        )  # fmt: skip
+            e, h, config.moe_intermediate_size, parallel, config.dtype, names, method or UnquantizedExperts()
+        )
         self.shared_experts = None
-        if routing.n_shared_experts and not self.shared_in_stack:
+        if routing.n_shared_experts:
             shared = config.moe_intermediate_size * routing.n_shared_experts
             with module_prefix("shared_experts."):
                 self.shared_experts = GatedMLP(h, shared, parallel, config.dtype)
@@ -75,20 +67,19 @@ class DeepseekV3MoE(FeedForwardBlock):
         return self.gate_weight
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, s] float32, topk_ids [T, s] int32), logits in float32, through
-        the route model/moe_choice.py measured fastest for T (route_tile); s = k, plus the shared
-        expert's slot (expert E, weight 1) where it runs in the stack."""
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int32), logits in float32, through
+        the route model/moe_choice.py measured fastest for T (route_tile)."""
         return self.route_with(x, moe_choice.route_tile(x, self.gate_weight))
 
     def route_with(self, x: torch.Tensor, tile: RouteTile | None) -> tuple[torch.Tensor, torch.Tensor]:
         """route with the float32 router product and the grouped top-k in one launch of shape tile
         (kernels/moe_grouped_router.py), or with None the router linear then the grouped top-k."""
-        r, shared = self.routing, int(self.shared_in_stack)
+        r = self.routing
         routing = (self.e_score_correction_bias, self.top_k, r.n_group, r.topk_group, self.norm_topk_prob,
                    r.routed_scaling_factor)  # fmt: skip
         if tile is not None:
-            return grouped_route(x, self.gate_weight, *routing, tile, shared)
-        return grouped_topk_op(F.linear(x.float(), self.gate_weight), *routing, shared)
+            return grouped_route(x, self.gate_weight, *routing, tile)
+        return grouped_topk_op(F.linear(x.float(), self.gate_weight), *routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] (normed) -> [T, H], this rank's partial sum of routed + shared experts."""
@@ -105,8 +96,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         experts' output as one more slot of each token, so routed and shared outputs are summed in
         float32 and rounded once, then all-reduced with the residual add and the next norm."""
         topk_weights, topk_ids = self.route(x)
-        routed_slots = topk_ids.shape[1]
-        slots_per_token = routed_slots + (self.shared_experts is not None)
+        slots_per_token = self.top_k + (self.shared_experts is not None)
         fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
         if not fused:
             return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
@@ -114,7 +104,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         if self.shared_experts is not None:
             num_tokens, hidden = x.shape
             shared = self.shared_experts(x).view(num_tokens, 1, hidden)
-            slots = torch.cat([slots.view(num_tokens, routed_slots, hidden), shared], dim=1).view(-1, hidden)
+            slots = torch.cat([slots.view(num_tokens, self.top_k, hidden), shared], dim=1).view(-1, hidden)
         if comm.world_size > 1:
             return comm.moe_finalize_all_reduce(slots, slots_per_token, residual, weight, eps)
         return moe_finalize_op(slots, slots_per_token, residual, weight, eps)
@@ -124,14 +114,7 @@ class DeepseekV3MoE(FeedForwardBlock):
             prefix + "gate.weight": _replicated(self.gate_weight),
             prefix + "gate.e_score_correction_bias": _replicated(self.e_score_correction_bias),
         }
-        experts = self.experts.checkpoint_slots(prefix + "experts.")
-        if self.shared_in_stack:  # expert E's tensors are the checkpoint's shared_experts.*
-            stacked = f"{prefix}experts.{self.experts.num_experts - 1}."
-            experts = {
-                prefix + "shared_experts." + name[len(stacked) :] if name.startswith(stacked) else name: slot
-                for name, slot in experts.items()
-            }
-        slots.update(experts)
+        slots.update(self.experts.checkpoint_slots(prefix + "experts."))
         if self.shared_experts is not None:
             slots.update(self.shared_experts.checkpoint_slots(prefix + "shared_experts."))
         return slots

@@ -198,24 +198,6 @@ def expert_method_for(names: Sequence[str] = ()):
     return config.expert_method()
 
 
-def mlp_runs_as_expert(expert_names: Sequence[str], mlp_names: Sequence[str]) -> bool:
-    """Whether a gated MLP holding checkpoint modules mlp_names (gate, up, down) is stored in the format
-    of the experts holding expert_names (one expert's gate, up, down), so it can run as one more expert
-    of their stack: both unquantized, or both of one quantization method (names relative to the
-    module_prefix)."""
-    experts = expert_method_for(expert_names)
-    linears = [method_for("column", mlp_names[:2]), method_for("row", mlp_names[2:])]
-    if any(m is not linears[0] for m in linears):
-        return False
-    if experts is None or linears[0] is UNQUANTIZED:
-        return experts is None and linears[0] is UNQUANTIZED
-    as_experts = getattr(linears[0], "experts", None)
-    if as_experts is None:
-        return False
-    mine = as_experts()
-    return type(mine) is type(experts) and vars(mine) == vars(experts)
-
-
 def process_all(model: nn.Module) -> None:
     """Runs every method's process_weights (linears', experts') once, after the checkpoint is loaded."""
     for module in model.modules():
