@@ -3,9 +3,9 @@
 For each batch size: a decode token per sequence at a fixed context over MLA latent caches, captured
 with compute_logits and replayed. Roofline = bytes read / measured copy bandwidth, where the bytes are
 attention, norm, router and shared-expert weights + the routed experts the captured inputs' routing
-touched (the union over tokens, per layer; a shared expert kept in the routed stack counts there,
-once) + dense-layer MLPs + lm_head + the latent cache of the context (kv_lora_rank + rope values per
-token and layer); quantized weights count their codes and scales as stored. Prints ms per step and
+touched (the union over tokens, per layer) + dense-layer MLPs + lm_head + the latent cache of the
+context (kv_lora_rank + rope values per token and layer); quantized weights count their codes and
+scales as stored. Prints ms per step and
 per layer, tok/s and the fraction of the roofline.
 
 Then, at --layer-batch (default 1), each decoder layer alone (MLA, the post-attention fused add +
@@ -105,17 +105,17 @@ def layer_rows(model, batch_size: int, args, bandwidth: float) -> list[dict]:
             return layer.mlp.forward_add_rmsnorm(mid, res, next_norm.weight, eps, comm)
 
         with torch.no_grad():
-            touched = routed_experts(model, step, DeepseekV3MoE)
+            touched = sum(routed_experts(model, step, DeepseekV3MoE))  # this layer's: the others run none
             seconds = timed(capture_graph(step).replay, "cuda", args.iters)
         moe = isinstance(layer.mlp, DeepseekV3MoE)
         parts = {
             "weights": non_expert_bytes(layer),
-            "experts": touched[0] * expert_bytes(layer.mlp) if moe else 0,
+            "experts": touched * expert_bytes(layer.mlp) if moe else 0,
             "latent_cache": layout.bytes_per_block(1) // len(model.layers) * batch_size * args.context,
         }
         rows.append({
             "layer": i, "kind": "moe" if moe else "dense", "batch_size": batch_size, "ms": seconds * 1e3,
-            "experts_touched": touched[0] if moe else 0, **roofline_fields(parts, seconds, bandwidth),
+            "experts_touched": touched if moe else 0, **roofline_fields(parts, seconds, bandwidth),
         })  # fmt: skip
         torch.cuda.empty_cache()
     return rows

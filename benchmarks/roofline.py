@@ -208,7 +208,7 @@ def routed_experts(model, step, block_type) -> list[int]:
     step()
     for experts, name in wrapped:
         delattr(experts, name)  # the class's method again
-    return [counts[experts] for experts, name in wrapped if name == "forward"]
+    return [counts.get(experts, 0) for experts, name in wrapped if name == "forward"]  # 0: not called
 
 
 def routed_graph_seconds(model, step, block_type, iters: int, profile_batch: int | None):

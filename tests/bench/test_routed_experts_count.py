@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.model.harness import PagedSequences, build_hf_checkpoint, load_for_test
 from tpfuse import knobs
@@ -38,3 +39,14 @@ def test_every_moe_layer_reports_the_experts_its_step_touched(fused_entry, tmp_p
     assert len(counts) == len(blocks)
     assert all(top_k <= c <= min(num_experts, 3 * top_k) for c in counts), counts
     assert "forward" not in vars(blocks[0].experts)  # the wrappers are gone
+
+
+def test_a_layer_whose_experts_did_not_run_counts_none(tmp_path):
+    """A step of one layer (benchmarks/deepseek_decode.py's per-layer table): the other MoE layers
+    report 0 experts, not an error."""
+    build_hf_checkpoint(tmp_path, "mixtral")
+    model, _ = load_for_test(tmp_path)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    x = torch.randn(2, blocks[0].experts.hidden_size)
+    counts = roofline.routed_experts(model, lambda: blocks[-1](x), SparseMoeBlock)
+    assert counts[:-1] == [0] * (len(blocks) - 1) and blocks[-1].top_k <= counts[-1]
