@@ -210,8 +210,10 @@ def test_start_up_choice_times_the_router_routes_per_token_bucket():
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_fused_moe_entry_matches_float64_and_replays_from_a_graph(num_tokens):
     """add + RMSNorm + router in one launch, the top-k inside the per-slot gate/up launch: against
-    float64 on rows whose routing rounding cannot reorder, equal to the unfused kernels everywhere
-    (same routing bits), and replayed from a CUDA graph on fresh inputs."""
+    float64 on rows whose routing rounding cannot reorder; against the unfused kernels the new
+    residual bit for bit, the normed row within one bf16 ulp and the routing weights within float32
+    rounding (each launch shape sums in its own order: an H100 run found both off by ulps), the ids
+    equal; replayed from a CUDA graph on fresh inputs."""
     from tpfuse.kernels.fused_moe import expert_slot_outputs, routed_slot_outputs_triton
     from tpfuse.kernels.moe_finalize import moe_finalize_ref
     from tpfuse.kernels.moe_norm_router import NORM_ROUTER_TILES, moe_norm_router_ref, moe_norm_router_triton
@@ -229,13 +231,16 @@ def test_fused_moe_entry_matches_float64_and_replays_from_a_graph(num_tokens):
     plain = fused_add_rmsnorm_triton(x, residual, norm_weight, 1e-6)
     for tile in NORM_ROUTER_TILES:
         normed, new_res, logits = moe_norm_router_triton(x, residual, norm_weight, gate, 1e-6, tile)
-        assert torch.equal(normed, plain[0]) and torch.equal(new_res, plain[1]), tile
+        assert torch.equal(new_res, plain[1]), tile
+        ulp = plain[0].float().abs() * 2.0**-7  # one bf16 ulp (or less) of the unfused normed row
+        assert ((normed.float() - plain[0].float()).abs() <= ulp).all(), tile
         assert relative_error(logits, want_logits) <= TOLERANCE, tile
     tile = MoeTile(1, 32, 256, 2, 4)
     slots, weights, ids = routed_slot_outputs_triton(normed, w13, w2, logits, K, True, tile)
     want_w, want_ids = moe_topk_triton(logits, K, True)
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
-    assert torch.equal(slots, expert_slot_outputs(normed, w13, w2, want_w, want_ids, tile))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=0)
+    assert torch.equal(slots, expert_slot_outputs(normed, w13, w2, weights, ids, tile))
     f64_slots = fused_experts_ref(
         normed.double(), w13.double(), w2.double(), want_w.double(), want_ids, combine=False
     )

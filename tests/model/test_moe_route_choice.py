@@ -97,6 +97,10 @@ def test_each_token_bucket_takes_the_measured_entry(monkeypatch):
         moe_choice, "_time_norm_route", lambda *a: dict.fromkeys((None, *NORM_ROUTER_TILES), 1.0)
     )
     assert moe_choice._norm_route_decisions(block, 1, set())[0][1] is None  # a tie keeps the plain entry
+    near = 1.0 - moe_choice.ENTRY_MARGIN / 2  # faster, but within the margin: noise, plain stays
+    within = {None: 1.0, **dict.fromkeys(NORM_ROUTER_TILES, near)}
+    monkeypatch.setattr(moe_choice, "_time_norm_route", lambda *a: within)
+    assert moe_choice._norm_route_decisions(block, 1, set())[0][1] is None
 
 
 def test_a_fused_entry_whose_output_is_off_the_plain_one_is_left_out(monkeypatch, caplog):

@@ -2,12 +2,14 @@
 
 At TP = 1 a MoE layer's feed-forward half starts with three small launches: add + RMSNorm, the router
 GEMV (E x H, a few hundred kilobytes) and the top-k. Here program (t, b) forms token t's new residual
-and its normed row itself (the same float32 sums and roundings as kernels/rmsnorm.py), writes both from
-its first expert block, and multiplies the normed row by router rows b * BLOCK_R ..; the logits are
-rounded to the activation dtype, as the router linear's output is. Every program recomputes the norm
-(two H-long rows from L2), which costs less than the launch it removes. The top-k then runs inside
-the experts' first kernel (kernels/fused_moe_gemv.py, routed slots), so the layer's three launches
-become one. The whole row is held in registers: H <= MAX_HIDDEN.
+and its normed row itself (kernels/rmsnorm.py's float32 formula and roundings; the sum of squares in
+the order of this launch's warps, so on a GPU the normed row may differ from fused_add_rmsnorm's by a
+bf16 ulp, the new residual not at all), writes both from its first expert block, and multiplies the
+normed row by router rows b * BLOCK_R ..; the logits are rounded to the activation dtype, as the
+router linear's output is. Every program recomputes the norm (two H-long rows from L2), which costs
+less than the launch it removes. The top-k then runs inside the experts' first kernel
+(kernels/fused_moe_gemv.py, routed slots), so the layer's three launches become one. The whole row
+is held in registers: H <= MAX_HIDDEN.
 """
 
 from __future__ import annotations

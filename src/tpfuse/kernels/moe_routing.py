@@ -60,7 +60,8 @@ def routed_slot(logits_ptr, token, j, num_experts, TOP_K: tl.constexpr, RENORMAL
                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """(expert int32, weight float32) of slot j of token's routing, from its float32 logits row at
     logits_ptr + token * num_experts (BLOCK_K = next_power_of_2(TOP_K)): topk_of_row's entry j, so a
-    kernel that needs one slot's expert computes it as the top-k kernel would (same bits)."""
+    kernel that needs one slot's expert computes it as the top-k kernel would: the same expert, the
+    weight to float32 rounding (the softmax sums in the order of the caller's warps)."""
     cols = tl.arange(0, BLOCK_E)
     valid = cols < num_experts
     x = tl.load(logits_ptr + token * num_experts + cols, mask=valid, other=-float("inf"))
