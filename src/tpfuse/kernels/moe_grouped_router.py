@@ -17,9 +17,15 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
-from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.grouped_topk import experts_per_group, grouped_topk_of_row, grouped_topk_ref
-from tpfuse.kernels.moe_router import MAX_EXPERTS, ROUTE_TILES, RouteTile, last_to_arrive, router_rows
+from tpfuse.kernels.moe_router import (
+    MAX_EXPERTS,
+    ROUTE_TILES,
+    RouteTile,
+    last_to_arrive,
+    route_buffers,
+    router_rows,
+)
 
 
 def grouped_route_ref(x, gate, bias, top_k, num_groups, topk_groups, norm_topk_prob, scaling):
@@ -88,11 +94,8 @@ def grouped_route_triton(
     per_group = experts_per_group(num_experts, top_k, num_groups, topk_groups)
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate = gate.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    weights, ids, logits, counters = route_buffers(x, num_experts, top_k)
     if num_tokens:
-        logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, num_tokens)
         grid = (num_tokens, triton.cdiv(num_experts, tile.rows))
         _grouped_route_kernel[grid](
             x, gate, bias if bias is not None else gate, logits, counters, weights, ids, hidden, x.stride(0),

@@ -104,6 +104,16 @@ def _moe_route_kernel(
         tl.atomic_xchg(counter, 0)
 
 
+def route_buffers(x: torch.Tensor, num_experts: int, top_k: int):
+    """The outputs and scratch of a one-launch router for x [T, H]: new (weights [T, k] float32, ids
+    [T, k] int32, logits scratch [T, E] float32, the arrival counters of decode_merge)."""
+    num_tokens = x.shape[0]
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    return weights, ids, logits, arrival_counters(x.device, max(num_tokens, 1))
+
+
 def moe_route_triton(
     x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, tile: RouteTile = ROUTE_TILES[0]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,11 +130,8 @@ def moe_route_triton(
         raise ValueError(f"moe_route needs 1 <= top_k ({top_k}) <= E ({num_experts}) <= {MAX_EXPERTS}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate = gate.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    weights, ids, logits, counters = route_buffers(x, num_experts, top_k)
     if num_tokens:
-        logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, num_tokens)
         block_e = max(triton.next_power_of_2(num_experts), 16)
         grid = (num_tokens, triton.cdiv(num_experts, tile.rows))
         _moe_route_kernel[grid](
