@@ -105,13 +105,35 @@ def _restrict_fp8_tiles(model, which: str) -> None:
             method.tile_candidates = restricted
 
 
+def prefill_by_route(model, args) -> dict[str, float]:
+    """Prefill tok/s with every prefill-routed layer forced onto each route its method offers them all
+    (kernels/fp8_scaled_mm.py), side by side; {} where there is no choice. Restores the chosen routes."""
+    layers = [m for m in model.modules() if hasattr(getattr(m, "method", None), "prefill_candidates")]
+    offered = [set(layer.method.prefill_candidates(layer)) for layer in layers]
+    common = set.intersection(*offered) if offered else set()
+    if len(common) < 2:
+        return {}
+    chosen = {layer: linear_choice.quant_tile(layer, args.prefill_tokens) for layer in layers}
+    result = {}
+    for route in sorted(common, key=lambda r: r.label()):
+        for layer in layers:
+            linear_choice.set_quant_tile(layer, args.prefill_tokens, route)
+        result[route.label()] = prefill_tok_s(model, args.prefill_tokens, max(3, args.iters // 20))
+    for layer, route in chosen.items():
+        linear_choice.set_quant_tile(layer, args.prefill_tokens, route)
+    return result
+
+
 def bench_method(name: str, args, bandwidth: float) -> dict:
     config = EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy", quantization=METHODS[name])
     model, _ = load_model(config, ParallelContext(0, 1, SingleRankCommunicator()), "cuda")
     start = time.perf_counter()
     linear_choice.choose(projections(model), max_rows=64)  # as the engine does at start-up
     _restrict_fp8_tiles(model, args.fp8_tiles)
-    decided = linear_choice.choose_quantized([model], max_rows=64, buckets=(1, 64))  # the batch sizes timed
+    # the batch sizes timed, and the prefill route at the prefill measured
+    decided = linear_choice.choose_quantized(
+        [model], max_rows=64, buckets=(1, 64), prefill_rows=args.prefill_tokens
+    )
     row = {"method": name, "route_choice_s": time.perf_counter() - start}
     row["tiles"] = [
         f"{key[0]} {list(key[1])} at {rows} rows: {tile.label()}" + (f" ({us:.1f} us)" if us else "")
@@ -128,6 +150,7 @@ def bench_method(name: str, args, bandwidth: float) -> dict:
         row["b1_tok_s"] = 1e3 / row["b1_ms"]
         row["b64_over_b1"] = row["b64_ms"] / row["b1_ms"]
         row["prefill_tok_s"] = prefill_tok_s(model, args.prefill_tokens, max(3, args.iters // 20))
+        row["prefill_by_route"] = prefill_by_route(model, args)
     row["weight_gb"] = step_bytes(model, 0, 0) / 1e9
     del model
     gc.collect()
@@ -191,6 +214,8 @@ def main() -> None:
         )
         for tile in row["tiles"]:
             print(f"    {tile}")
+        for route, tok_s in row["prefill_by_route"].items():
+            print(f"    prefill with every layer on {route}: {tok_s:.0f} tok/s")
         result = {"model": args.model, "device": device, "copy_bandwidth": bandwidth, "fp8_dot": fp8_dot}
         write_json(args.json, result, rows)  # after every method, so a cut-short run keeps what it measured
 

@@ -173,6 +173,49 @@ def test_fp8_tensor_core_product_matches_float64_of_the_quantized_activations(n,
 
 
 @pytest.mark.parametrize(
+    "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (2048, 1024, (128, 128))]
+)
+@pytest.mark.parametrize("rows,bias", [(300, False), (2049, False), (301, True)])
+def test_scaled_mm_prefill_matches_float64_of_the_activations_or_is_not_offered(n, k, block, rows, bias):
+    """torch._scaled_mm's FP8 prefill route (kernels/fp8_scaled_mm.py) where its probe passes, eagerly
+    and in a graph, at row counts off its 4-row padding; where it fails, start-up is not offered it."""
+    from types import SimpleNamespace
+
+    from tpfuse.kernels import fp8_scaled_mm
+    from tpfuse.model.quant.fp8 import Fp8LinearMethod
+
+    device = torch.device(DEVICE, torch.cuda.current_device())
+    gen = torch.Generator(DEVICE).manual_seed(n + rows)
+    weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+    per_block = block[1] < k
+    layer = SimpleNamespace(weight=weight, fp8_block=block)
+    method = Fp8LinearMethod("block", (128, 128)) if per_block else Fp8LinearMethod("channel")
+    offered = method.prefill_candidates(layer)
+    if not fp8_scaled_mm.scaled_mm_supported(device, per_block):
+        assert fp8_scaled_mm.SCALED_MM not in offered
+        return
+    assert fp8_scaled_mm.SCALED_MM in offered
+    x = torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16()
+    b = torch.randn(n, generator=gen, device=DEVICE).bfloat16() if bias else None
+    group = quant_fp8_w8a8.activation_group(block, k)
+    xq, xs = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
+    expected = (xq.double() * xs.double().repeat_interleave(group, 1)[:, :k]) @ quant_fp8.dequantize_fp8(
+        weight, scale, block
+    ).double().T
+    if bias:
+        expected += b.double()
+
+    def run(inp):
+        return fp8_scaled_mm.fp8_scaled_mm(inp, weight, scale, block, b)
+
+    out = run(x)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    _close(out, expected)
+    _close(_in_graph(run, x), expected)
+
+
+@pytest.mark.parametrize(
     "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128))]
 )
 def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_graphs(n, k, block):

@@ -233,3 +233,31 @@ def test_a_quantized_tile_whose_product_disagrees_with_the_reference_is_left_out
     assert linear_choice.fastest(tiles, time_us, "w at 16 rows") == (tiles[0], 20.0)
     with pytest.raises(linear_choice.DisagreesWithReference, match="off by"):
         linear_choice.check_agrees(torch.full((4, 64), float("nan")), reference, "nan")
+
+
+def test_a_prefill_route_is_kept_per_method_and_shape_and_only_past_the_decode_buckets():
+    from types import SimpleNamespace
+
+    from tpfuse.kernels.fp8_scaled_mm import SCALED_MM
+
+    method = SimpleNamespace(tile_key=lambda layer: ("fp8-block", tuple(layer.shape)))
+    qkv, other_qkv, down = (SimpleNamespace(method=method, shape=s) for s in ((6, 4), (6, 4), (4, 12)))
+    linear_choice.set_quant_tile(qkv, 2048, SCALED_MM)
+    assert linear_choice.quant_tile(other_qkv, 65) is SCALED_MM  # every layer of that shape, any prefill size
+    assert linear_choice.quant_tile(qkv, 64) is None  # decode buckets are their own decisions
+    assert linear_choice.quant_tile(down, 2048) is None
+    linear_choice.set_quant_tile(qkv, 100, None)
+    assert linear_choice.quant_tile(qkv, 2048) is None
+
+
+def test_fp8_weights_offer_no_prefill_route_to_race_without_fp8_tensor_cores():
+    """On the CPU (and any GPU failing the FP8-dot probe) more than 64 rows run W8A16: nothing to time."""
+    from types import SimpleNamespace
+
+    from tpfuse.kernels.fp8_scaled_mm import scaled_mm_supported
+    from tpfuse.kernels.quant_fp8 import FP8_DTYPE
+    from tpfuse.model.quant.fp8 import Fp8LinearMethod
+
+    layer = SimpleNamespace(weight=torch.zeros(256, 256, dtype=FP8_DTYPE), fp8_block=(1, 128))
+    assert Fp8LinearMethod("block", (128, 128)).prefill_candidates(layer) == ()
+    assert not scaled_mm_supported(torch.device("cpu"), True)

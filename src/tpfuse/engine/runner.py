@@ -104,7 +104,12 @@ class ModelRunner:
                 max_rows=max_step_rows(config),
                 agree=agree_routes,
             )
-            linear_choice.choose_quantized(models, max_rows=max_step_rows(config), agree=agree_routes)
+            linear_choice.choose_quantized(
+                models,
+                max_rows=max_step_rows(config),
+                agree=agree_routes,
+                prefill_rows=min(config.max_prefill_tokens_per_step, config.max_num_batched_tokens),
+            )
             moe_choice.choose(
                 self.model, max_step_rows(config), config.max_num_batched_tokens, config.tp_size, agree_routes
             )

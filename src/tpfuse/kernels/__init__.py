@@ -15,6 +15,7 @@ from tpfuse.kernels import (
     activation,
     counter_random,
     decode_attention,
+    fp8_scaled_mm,
     fused_moe,
     gemv,
     grouped_topk,
@@ -230,7 +231,14 @@ def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=
 def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):
     """x [M, K] @ (weight [N, K] e4m3 * scale [N/block[0], K/block[1]] fp32).T (+ bias) -> [M, N]
     (kernels/quant_fp8.py). w8a8: x quantized to FP8 too, FP8 tensor cores (kernels/quant_fp8_w8a8.py:
-    prefill on GPUs where fp8_dot_supported); a W8A8Tile: its decode form at that tile."""
+    prefill on GPUs where fp8_dot_supported); a W8A8Tile: its decode form at that tile; a PrefillRoute:
+    W8A8 on the Triton prefill kernel or torch._scaled_mm (kernels/fp8_scaled_mm.py)."""
+    if isinstance(tile, fp8_scaled_mm.PrefillRoute):
+        if not use_triton(x):
+            return quant_fp8_w8a8.fp8_w8a8_ref(x, weight, scale, block, bias)
+        if tile.scaled_mm:
+            return fp8_scaled_mm.fp8_scaled_mm(x, weight, scale, block, bias)
+        return quant_fp8_w8a8.fp8_w8a8_triton(x, weight, scale, block, bias)
     if isinstance(tile, quant_fp8_w8a8.W8A8Tile):
         if use_triton(x):
             return quant_fp8_w8a8.fp8_w8a8_decode_triton(x, weight, scale, block, bias, tile=tile)

@@ -57,8 +57,9 @@ def fp8_rounded_rows_ref(x: torch.Tensor, group: int) -> torch.Tensor:
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, stride_xm, stride_sm, HIDDEN: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, q_ptr, s_ptr, stride_xm, stride_sm, stride_sg,
+    HIDDEN: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     group = tl.program_id(1)
     ks = group * GROUP + tl.arange(0, BLOCK)
@@ -68,16 +69,25 @@ def _quantize_rows_kernel(
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row * HIDDEN + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 def quantize_fp8_rows_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantize_fp8_rows_ref (one program per row and group)."""
     m, k = x.shape
     group = min(group, k)
-    groups = -(-k // group)
     xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    scales = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
+    return quantize_fp8_rows_into(x, group, xq, scales)
+
+
+def quantize_fp8_rows_into(x, group: int, xq, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_rows_triton into given outputs: xq [>= M, K] e4m3 contiguous and scales
+    [>= M, ceil(K / group)] float32 of any strides (torch._scaled_mm takes them column-major); rows
+    past x's are left as they were. Returns (xq, scales)."""
+    m, k = x.shape
+    group = min(group, k)
+    groups = -(-k // group)
     if m:
         _quantize_rows_kernel[(m, groups)](
             x,
@@ -85,6 +95,7 @@ def quantize_fp8_rows_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
             scales,
             x.stride(0),
             scales.stride(0),
+            scales.stride(1),
             HIDDEN=k,
             GROUP=group,
             BLOCK=triton.next_power_of_2(group),

@@ -260,6 +260,10 @@ QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
          IntTile(64, 128, 128, 3, 8, swap=True, split_k=4)),
 }  # fmt: skip
 _QUANT_TILES: dict[tuple, IntTile] = {}
+# The bucket of products past MAX_ROWS (prefill): methods with more than one way to run them
+# (prefill_candidates) have it timed at the engine's prefill chunk, over PREFILL_LAYERS layers a shape.
+PREFILL = "prefill"
+PREFILL_LAYERS = 2
 # Off from the reference by more than this share of its largest value, a candidate is wrong, not
 # rounded: W8A8 tiles quantize x to e4m3 (a few % per output), a wrong scale or layout is off by ~100 %.
 AGREEMENT = 0.1
@@ -288,12 +292,53 @@ def check_agrees(out: torch.Tensor, reference: torch.Tensor, label: str) -> None
         raise DisagreesWithReference(f"{label}: off by {error:.3g} against a largest value of {scale:.3g}")
 
 
-def quant_tile(layer, rows: int) -> IntTile | None:
-    """The chosen tile for a quantized layer at `rows` rows (None: the kernel's default)."""
+def _quant_bucket(rows: int):
+    return bucket(rows) if rows <= MAX_ROWS else PREFILL
+
+
+def quant_tile(layer, rows: int):
+    """The chosen tile for a quantized layer at `rows` rows (past MAX_ROWS: its PREFILL route), None
+    where nothing was chosen (the kernel's default)."""
     if not _QUANT_TILES:
         return None
-    rows_bucket = bucket(rows)
+    rows_bucket = _quant_bucket(rows)
     return None if rows_bucket is None else _QUANT_TILES.get((layer.method.tile_key(layer), rows_bucket))
+
+
+def _quant_candidates(layer, rows_bucket) -> tuple:
+    method = layer.method
+    if rows_bucket == PREFILL:
+        return tuple(method.prefill_candidates(layer)) if hasattr(method, "prefill_candidates") else ()
+    if hasattr(method, "tile_candidates"):
+        return method.tile_candidates(rows_bucket, layer)
+    return QUANT_TILES[rows_bucket]
+
+
+def _quant_timer(layers, rows: int):
+    """time_us(tile) for fastest: the tile's product at `rows` rows over the layers (one product a
+    layer, CUDA-graph replayed), checked once against the first layer's dequantized weight."""
+    first = layers[0]
+    x = torch.randn(rows, first.shards.k_local, device=next(first.parameters()).device).to(torch.bfloat16)
+    dequantize = getattr(first.method, "dequantize", None)
+    reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
+
+    def time_us(tile):
+        if reference is not None:
+            check_agrees(first.method.product(first, x, None, tile), reference, tile.label())
+        calls = [lambda layer=layer: layer.method.product(layer, x, None, tile) for layer in layers]
+        return graph_us(calls, min_launches=16 if rows <= MAX_ROWS else 4, replays=5, samples=3)
+
+    return time_us
+
+
+def set_quant_tile(layer, rows: int, tile) -> None:
+    """Makes `tile` the layer's choice at `rows` rows for every layer of its (method, shape); None
+    forgets it (benchmarks racing the routes side by side, tests)."""
+    key = (layer.method.tile_key(layer), _quant_bucket(rows))
+    if tile is None:
+        _QUANT_TILES.pop(key, None)
+    else:
+        _QUANT_TILES[key] = tile
 
 
 def fastest(candidates, time_us, what: str) -> tuple:
@@ -313,14 +358,18 @@ def fastest(candidates, time_us, what: str) -> tuple:
 
 
 @torch.inference_mode()
-def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[int] = BUCKETS) -> list[tuple]:
+def choose_quantized(
+    models, max_rows: int = 1, agree=None, buckets: Iterable[int] = BUCKETS, prefill_rows: int | None = None
+) -> list[tuple]:
     """Times the candidate tiles for every quantized (method, shape) among the models' layers at each
     row bucket up to max_rows (among `buckets`; unchosen buckets run the kernel's default tile) and
-    keeps the fastest (TPFUSE_LINEAR=triton: the first, untimed). CUDA only, before any graph capture.
-    agree: as in choose (rank 0's decisions for every rank). Returns [(tile_key, bucket, tile, us)]."""
+    keeps the fastest (TPFUSE_LINEAR=triton: the first, untimed); with prefill_rows, also the PREFILL
+    route of methods that offer prefill_candidates, timed at that many rows. CUDA only, before any
+    graph capture. agree: as in choose (rank 0's decisions for every rank). Returns
+    [(tile_key, bucket, tile, us)]."""
     how = mode()
     top = bucket(min(max(max_rows, 1), MAX_ROWS))
-    buckets = tuple(buckets)
+    cases = [(b, b) for b in buckets if b <= top] + ([(PREFILL, prefill_rows)] if prefill_rows else [])
     groups: dict[tuple, list] = {}
     for model in models:
         for layer in model.modules():
@@ -330,29 +379,19 @@ def choose_quantized(models, max_rows: int = 1, agree=None, buckets: Iterable[in
                 groups.setdefault(key, []).append(layer)
     decided = []
     for key, layers in groups.items():
-        method = layers[0].method
-        for rows_bucket in (b for b in buckets if b <= top and (key, b) not in _QUANT_TILES):
-            if hasattr(method, "tile_candidates"):
-                candidates = method.tile_candidates(rows_bucket, layers[0])
-            else:
-                candidates = QUANT_TILES[rows_bucket]
+        for rows_bucket, rows in cases:
+            if (key, rows_bucket) in _QUANT_TILES:
+                continue
+            candidates = _quant_candidates(layers[0], rows_bucket)
+            if len(candidates) < (2 if rows_bucket == PREFILL else 1):
+                continue  # nothing to choose: the method's default runs
             if how != "auto":
                 decided.append((key, rows_bucket, candidates[0], None))
                 continue
-            x = torch.randn(rows_bucket, layers[0].shards.k_local, device=next(layers[0].parameters()).device)
-            x = x.to(torch.bfloat16)
-
-            first = layers[0]
-            dequantize = getattr(first.method, "dequantize", None)
-            reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
-
-            def time_us(tile, layers=layers, x=x, reference=reference):
-                if reference is not None:
-                    check_agrees(layers[0].method.product(layers[0], x, None, tile), reference, tile.label())
-                calls = [lambda layer=layer: layer.method.product(layer, x, None, tile) for layer in layers]
-                return graph_us(calls, min_launches=16, replays=5, samples=3)
-
-            decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows_bucket} rows")))
+            # Past MAX_ROWS a product is compute-bound and its outputs large: a few layers suffice.
+            timed = layers[:PREFILL_LAYERS] if rows_bucket == PREFILL else layers
+            time_us = _quant_timer(timed, rows)
+            decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows} rows")))
     if agree is not None:
         decided = agree(decided)
     for key, rows_bucket, tile, _ in decided:

@@ -8,14 +8,16 @@ so merged parts (q, k, v) and tensor-parallel shards need not fall on 128-row bo
 shards must start on a K block.
 
 Compute, where the checkpoint quantizes activations to FP8 (W8A8: `quant_method: fp8`, compressed-tensors
-with FP8 input_activations, the dummy fp8 formats) and the GPU passes the FP8-dot probe: more than 64
-rows run FP8 x FP8 on the tensor cores with activations quantized per row (per-channel) or per
-128-column group (block); 1-64 rows run whichever start-up timing picks per weight shape and row
-bucket, the W8A16 tiles (the weight dequantized in registers against bf16 activations) or the W8A8
-decode form (kernels/quant_fp8_w8a8.py: activations quantized per row and 128-column step). Weight-only
-checkpoints (no input_activations) and GPUs without FP8 tensor cores run W8A16 throughout. Static
-input scales, where a checkpoint has them, are read and not used: activations are quantized
-dynamically.
+with FP8 input_activations, the dummy fp8 formats) and the GPU passes the FP8-dot probe:
+  - more than 64 rows: FP8 x FP8 on the tensor cores, activations quantized per row (per-channel) or
+    per 128-column group (block), on the Triton kernel or torch._scaled_mm (kernels/fp8_scaled_mm.py),
+    whichever start-up timing finds faster for the weight's shape at the engine's prefill chunk;
+  - 1-64 rows: whichever start-up timing picks per weight shape and row bucket, the W8A16 tiles (the
+    weight dequantized in registers against bf16 activations) or the W8A8 decode form
+    (kernels/quant_fp8_w8a8.py: activations quantized per row and 128-column step).
+Weight-only checkpoints (no input_activations) and GPUs without FP8 tensor cores run W8A16
+throughout. Static input scales, where a checkpoint has them, are read and not used: activations are
+quantized dynamically.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
+from tpfuse.kernels.fp8_scaled_mm import SCALED_MM, TRITON_PREFILL, PrefillRoute, scaled_mm_supported
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
-from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, decode_group, fp8_dot_supported
+from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, activation_group, decode_group, fp8_dot_supported
 from tpfuse.model import linear_choice
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale
@@ -150,9 +153,20 @@ class Fp8LinearMethod:
                 pass
         return FP8_TILES[rows_bucket] + w8a8
 
+    def prefill_candidates(self, layer: nn.Module) -> tuple[PrefillRoute, ...]:
+        """The W8A8 routes start-up timing races past 64 rows: the Triton tensor-core kernel, and
+        torch._scaled_mm where it runs this form here (kernels/fp8_scaled_mm.py); none for W8A16."""
+        if not self._w8a8(layer):
+            return ()
+        per_block = activation_group(layer.fp8_block, layer.weight.shape[1]) < layer.weight.shape[1]
+        fits = all(size % 16 == 0 for size in layer.weight.shape)  # cuBLASLt's FP8 leading dimensions
+        if fits and scaled_mm_supported(layer.weight.device, per_block):
+            return (TRITON_PREFILL, SCALED_MM)
+        return (TRITON_PREFILL,)
+
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
-        """The decode-size product at a given tile (W8A16, or W8A8 for a W8A8Tile): what linear_choice
-        times."""
+        """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a PrefillRoute):
+        what linear_choice times."""
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,8 +174,9 @@ class Fp8LinearMethod:
             return reference_product(layer, x, bias, lambda: self.dequantize(layer))
         if x.shape[0] <= MAX_DECODE_ROWS:
             return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]))
-        w8a8 = self._w8a8(layer)
-        return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, w8a8=w8a8)
+        if not self._w8a8(layer):
+            return self.product(layer, x, bias, None)
+        return self.product(layer, x, bias, linear_choice.quant_tile(layer, x.shape[0]) or TRITON_PREFILL)
 
 
 def parse_fp8(qc: dict, source: str):
