@@ -317,8 +317,10 @@ def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, gr
 @pytest.mark.parametrize("bits,group", [(4, 128), (0, 128), (0, None)])  # 0: FP8; None: per-channel
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_quantized_routed_slots_equal_topk_then_slots_in_and_out_of_cuda_graphs(bits, group, tokens):
-    """The per-slot routes with the top-k inside the gate/up launch: the top-k kernel's routing bit for
-    bit, and quant_slots_triton's products at it, eagerly and replayed from a CUDA graph."""
+    """The per-slot routes with the top-k inside the gate/up launch: the top-k kernel's ids, its weights
+    within float32 rounding (each launch shape sums in its own order: an H100 run found them off by
+    ulps), and quant_slots_triton's products bit for bit at the routing it made, eagerly and replayed
+    from a CUDA graph."""
     from tpfuse.kernels import quant_moe
     from tpfuse.kernels.moe_routing import moe_topk_triton
 
@@ -330,13 +332,15 @@ def test_quantized_routed_slots_equal_topk_then_slots_in_and_out_of_cuda_graphs(
     logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
     weights, ids = moe_topk_triton(logits, top_k, True)
     for tile in (None, *(quant_moe.HALF2_SLOT_TILES if bits == 4 else ())):
-        want = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, tile=tile)
 
         def routed(inp, tile=tile):
             return quant_moe.quant_routed_slots_triton(inp, w13, w2, logits, top_k, True, tile=tile)
 
         out, got_w, got_ids = routed(x)
-        assert torch.equal(got_ids, ids) and torch.equal(got_w, weights) and torch.equal(out, want), tile
+        assert torch.equal(got_ids, ids), tile
+        torch.testing.assert_close(got_w, weights, rtol=2e-6, atol=0)
+        want = quant_moe.quant_slots_triton(x, w13, w2, got_w, got_ids, tile=tile)
+        assert torch.equal(out, want), tile
         assert torch.equal(_in_graph(lambda inp: routed(inp)[0], x), want), tile
 
 
