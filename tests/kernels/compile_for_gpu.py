@@ -452,7 +452,9 @@ def _moe_variants(p: str):
         yield fused_moe._gate_up_kernel, grouped, {}, dict(blocks, TOP_K=8), options
         yield fused_moe._down_kernel, {**grouped, "weights_ptr": "*fp32"}, {}, blocks, options
     yield fused_moe._combine_kernel, {"*": p}, {}, dict(TOP_K=8, BLOCK=1024)
-    yield moe_finalize._moe_finalize_kernel, {"*": p}, {"eps": "fp32"}, dict(TOP_K=8, BLOCK_H=2048)
+    for shared in (False, True):
+        constexprs = dict(TOP_K=8, HAS_SHARED=shared, BLOCK_H=2048)
+        yield moe_finalize._moe_finalize_kernel, {"*": p}, {"eps": "fp32"}, constexprs
 
 
 def main() -> int:

@@ -127,3 +127,22 @@ def test_moe_finalize_combines_adds_residual_and_norms_like_float64(num_tokens, 
     assert relative_error(new_residual, want[1]) <= 1e-6
     assert relative_error(normed, want[0]) <= 1e-5
     assert torch.equal(slots, before[0]) and torch.equal(residual, before[1])  # not written in place
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 40), (7, 3, 72)])
+def test_moe_finalize_with_a_shared_row_equals_the_shared_row_as_one_more_slot(num_tokens, top_k, hidden):
+    """DeepSeek-V3's shared experts: read where they lie, summed after the k slots, the same bits as
+    concatenated as slot k + 1; and float64 of the sum."""
+    g = torch.Generator().manual_seed(num_tokens + hidden)
+    slots = torch.randn(num_tokens * top_k, hidden, generator=g).bfloat16()
+    shared = torch.randn(num_tokens, hidden, generator=g).bfloat16()
+    residual = torch.randn(num_tokens, hidden, generator=g).bfloat16()
+    weight = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    joined = torch.cat([slots.view(num_tokens, top_k, hidden), shared.view(num_tokens, 1, hidden)], 1)
+    got = moe_finalize_triton(slots, top_k, residual, weight, 1e-6, shared)
+    as_slot = moe_finalize_triton(joined.view(-1, hidden), top_k + 1, residual, weight, 1e-6)
+    assert torch.equal(got[0], as_slot[0]) and torch.equal(got[1], as_slot[1])
+    want = moe_finalize_ref(slots.double(), top_k, residual.double(), weight.double(), 1e-6, shared.double())
+    assert relative_error(got[1], want[1]) <= 1e-2 and relative_error(got[0], want[0]) <= 2e-2
+    with pytest.raises(ValueError, match=rf"and shared \[{num_tokens}, {hidden - 1}\] disagree"):
+        moe_finalize_triton(slots, top_k, residual, weight, 1e-6, shared[:, 1:])

@@ -137,6 +137,12 @@ def test_moe_finalize_matches_float64_in_and_out_of_a_cuda_graph(num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed[0], normed) and torch.equal(graphed[1], new_residual)
+    # DeepSeek-V3's shared row, read where it lies: the same bits as one more slot per token
+    shared = torch.randn(num_tokens, H, device=CUDA, generator=g).bfloat16()
+    joined = torch.cat([slots.view(num_tokens, K, H), shared.view(num_tokens, 1, H)], 1).view(-1, H)
+    got = moe_finalize_op(slots, K, residual, weight, 1e-6, shared)
+    as_slot = moe_finalize_op(joined, K + 1, residual, weight, 1e-6)
+    assert torch.equal(got[0], as_slot[0]) and torch.equal(got[1], as_slot[1])
 
 
 def test_start_up_choice_keeps_the_fastest_measured_tile_and_records_it():

@@ -352,10 +352,10 @@ def fused_experts_slots(x, w13, w2, topk_weights, topk_ids):
     return fused_moe.fused_experts_ref(x, w13, w2, topk_weights, topk_ids, combine=False).flatten(0, 1)
 
 
-def moe_finalize_op(slot_out, top_k, residual, weight, eps):
-    """TP = 1 MoE finalize: (rmsnorm(s) * weight, s) with s = round(sum of each token's k slot rows +
-    residual) (kernels/moe_finalize.py)."""
-    return _pick(moe_finalize, "moe_finalize", residual)(slot_out, top_k, residual, weight, eps)
+def moe_finalize_op(slot_out, top_k, residual, weight, eps, shared=None):
+    """TP = 1 MoE finalize: (rmsnorm(s) * weight, s) with s = round(sum of each token's k slot rows
+    (+ its shared row) + residual) (kernels/moe_finalize.py)."""
+    return _pick(moe_finalize, "moe_finalize", residual)(slot_out, top_k, residual, weight, eps, shared)
 
 
 def moe_combine(slot_out, top_k: int):

@@ -94,20 +94,22 @@ class DeepseekV3MoE(FeedForwardBlock):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
         experts' output as one more slot of each token, so routed and shared outputs are summed in
-        float32 and rounded once, then all-reduced with the residual add and the next norm."""
+        float32 and rounded once, then all-reduced with the residual add and the next norm (at TP = 1
+        the finalize reads the shared output where it lies; across ranks it joins the slots)."""
         topk_weights, topk_ids = self.route(x)
         slots_per_token = self.top_k + (self.shared_experts is not None)
         fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
         if not fused:
             return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
         slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
-        if self.shared_experts is not None:
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if comm.world_size == 1:
+            return moe_finalize_op(slots, self.top_k, residual, weight, eps, shared)
+        if shared is not None:
             num_tokens, hidden = x.shape
-            shared = self.shared_experts(x).view(num_tokens, 1, hidden)
-            slots = torch.cat([slots.view(num_tokens, self.top_k, hidden), shared], dim=1).view(-1, hidden)
-        if comm.world_size > 1:
-            return comm.moe_finalize_all_reduce(slots, slots_per_token, residual, weight, eps)
-        return moe_finalize_op(slots, slots_per_token, residual, weight, eps)
+            routed = slots.view(num_tokens, self.top_k, hidden)
+            slots = torch.cat([routed, shared.view(num_tokens, 1, hidden)], dim=1).view(-1, hidden)
+        return comm.moe_finalize_all_reduce(slots, slots_per_token, residual, weight, eps)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         slots = {
