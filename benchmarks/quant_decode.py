@@ -36,6 +36,7 @@ from roofline import (  # noqa: E402
 )
 from tpfuse.comm.communicator import SingleRankCommunicator  # noqa: E402
 from tpfuse.config import EngineConfig  # noqa: E402
+from tpfuse.kernels.fp8_scaled_mm import GemmRoute  # noqa: E402
 from tpfuse.kernels.quant_fp8_w8a8 import W8A8Tile, fp8_dot_supported  # noqa: E402
 from tpfuse.model import linear_choice  # noqa: E402
 from tpfuse.model.attention import AttentionMetadata  # noqa: E402
@@ -97,7 +98,7 @@ def _restrict_fp8_tiles(model, which: str) -> None:
 
             def restricted(bucket, layer, method=method):
                 tiles = method._all_tiles(bucket, layer)
-                kept = tuple(t for t in tiles if isinstance(t, W8A8Tile) == (which == "w8a8"))
+                kept = tuple(t for t in tiles if isinstance(t, (W8A8Tile, GemmRoute)) == (which == "w8a8"))
                 if not kept:
                     raise SystemExit(f"--fp8-tiles {which}: no such tile for {method.name} here")
                 return kept

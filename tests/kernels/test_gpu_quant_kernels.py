@@ -175,10 +175,11 @@ def test_fp8_tensor_core_product_matches_float64_of_the_quantized_activations(n,
 @pytest.mark.parametrize(
     "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (2048, 1024, (128, 128))]
 )
-@pytest.mark.parametrize("rows,bias", [(300, False), (2049, False), (301, True)])
+@pytest.mark.parametrize("rows,bias", [(17, False), (64, True), (300, False), (2049, False), (301, True)])
 def test_scaled_mm_prefill_matches_float64_of_the_activations_or_is_not_offered(n, k, block, rows, bias):
-    """torch._scaled_mm's FP8 prefill route (kernels/fp8_scaled_mm.py) where its probe passes, eagerly
-    and in a graph, at row counts off its 4-row padding; where it fails, start-up is not offered it."""
+    """torch._scaled_mm's FP8 route (kernels/fp8_scaled_mm.py) where its probe passes, eagerly and in a
+    graph, at decode buckets and prefill sizes, off its 4-row padding; where it fails, start-up is
+    not offered it."""
     from types import SimpleNamespace
 
     from tpfuse.kernels import fp8_scaled_mm
@@ -195,7 +196,7 @@ def test_scaled_mm_prefill_matches_float64_of_the_activations_or_is_not_offered(
     if not fp8_scaled_mm.scaled_mm_supported(device, per_block):
         assert fp8_scaled_mm.SCALED_MM not in offered
         return
-    assert fp8_scaled_mm.SCALED_MM in offered
+    assert fp8_scaled_mm.SCALED_MM in offered and fp8_scaled_mm.SCALED_MM in method.tile_candidates(64, layer)
     x = torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16()
     b = torch.randn(n, generator=gen, device=DEVICE).bfloat16() if bias else None
     group = quant_fp8_w8a8.activation_group(block, k)

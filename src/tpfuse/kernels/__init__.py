@@ -231,9 +231,9 @@ def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=
 def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):
     """x [M, K] @ (weight [N, K] e4m3 * scale [N/block[0], K/block[1]] fp32).T (+ bias) -> [M, N]
     (kernels/quant_fp8.py). w8a8: x quantized to FP8 too, FP8 tensor cores (kernels/quant_fp8_w8a8.py:
-    prefill on GPUs where fp8_dot_supported); a W8A8Tile: its decode form at that tile; a PrefillRoute:
+    prefill on GPUs where fp8_dot_supported); a W8A8Tile: its decode form at that tile; a GemmRoute:
     W8A8 on the Triton prefill kernel or torch._scaled_mm (kernels/fp8_scaled_mm.py)."""
-    if isinstance(tile, fp8_scaled_mm.PrefillRoute):
+    if isinstance(tile, fp8_scaled_mm.GemmRoute):
         if not use_triton(x):
             return quant_fp8_w8a8.fp8_w8a8_ref(x, weight, scale, block, bias)
         if tile.scaled_mm:

@@ -6,8 +6,9 @@ block). x is quantized as the Triton prefill form quantizes it (kernels/quant_fp
   - 128-column K blocks: cuBLASLt's 1x128 x 1x128 block scaling (CUDA >= 12.9), scale_a
     [M, K / 128] and scale_b [N, K / 128], both column-major, M padded to a multiple of 4.
 scaled_mm_supported probes each form once per device by running it against the reference, never by
-architecture or version; start-up timing (model/linear_choice.py) races it against the Triton form
-per weight shape, so it runs only where it is faster.
+architecture or version; start-up timing (model/linear_choice.py) races it per weight shape against
+the Triton prefill kernel past 64 rows and against the W8A8 decode tiles at 16-64 rows, so it runs
+only where it is faster.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ ROW_ALIGN = 4  # scale_a's column stride is the row count: 16-byte aligned
 
 
 @dataclass(frozen=True)
-class PrefillRoute:
-    """How an FP8 W8A8 product of more than 64 rows runs: the Triton tensor-core kernel, or
-    torch._scaled_mm (what start-up timing chooses between, per weight shape)."""
+class GemmRoute:
+    """An FP8 W8A8 product as one GEMM: the Triton tensor-core prefill kernel, or torch._scaled_mm;
+    start-up timing races them past 64 rows, and torch._scaled_mm against the decode tiles at 16-64."""
 
     scaled_mm: bool
 
@@ -38,8 +39,8 @@ class PrefillRoute:
         return "torch._scaled_mm" if self.scaled_mm else "triton w8a8 prefill"
 
 
-TRITON_PREFILL = PrefillRoute(scaled_mm=False)
-SCALED_MM = PrefillRoute(scaled_mm=True)
+TRITON_PREFILL = GemmRoute(scaled_mm=False)
+SCALED_MM = GemmRoute(scaled_mm=True)
 
 
 def row_scales(scale: torch.Tensor, block: tuple[int, int], num_cols: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
-from tpfuse.kernels.fp8_scaled_mm import SCALED_MM, TRITON_PREFILL, PrefillRoute, scaled_mm_supported
+from tpfuse.kernels.fp8_scaled_mm import SCALED_MM, TRITON_PREFILL, GemmRoute, scaled_mm_supported
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
 from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, activation_group, decode_group, fp8_dot_supported
 from tpfuse.model import linear_choice
@@ -142,8 +142,9 @@ class Fp8LinearMethod:
         return self.activations and fp8_dot_supported(layer.weight.device)
 
     def tile_candidates(self, rows_bucket: int, layer: nn.Module):
-        """The tiles start-up timing tries for layer: the W8A16 ones (kernels/quant_fp8.py), and the W8A8
-        decode form's (kernels/quant_fp8_w8a8.py) where the format and the GPU allow it."""
+        """The tiles start-up timing tries for layer: the W8A16 ones (kernels/quant_fp8.py), and where
+        the format and the GPU allow W8A8, the decode form's (kernels/quant_fp8_w8a8.py) and from 16
+        rows torch._scaled_mm."""
         w8a8 = ()
         if self._w8a8(layer):
             try:
@@ -151,21 +152,24 @@ class Fp8LinearMethod:
                 w8a8 = W8A8_TILES[rows_bucket]
             except ValueError:  # K blocks without a power-of-two step of 16: W8A16 only
                 pass
+            if rows_bucket >= 16 and self._scaled_mm_fits(layer):
+                w8a8 += (SCALED_MM,)
         return FP8_TILES[rows_bucket] + w8a8
 
-    def prefill_candidates(self, layer: nn.Module) -> tuple[PrefillRoute, ...]:
+    def _scaled_mm_fits(self, layer: nn.Module) -> bool:
+        per_block = activation_group(layer.fp8_block, layer.weight.shape[1]) < layer.weight.shape[1]
+        fits = all(size % 16 == 0 for size in layer.weight.shape)  # cuBLASLt's FP8 leading dimensions
+        return fits and scaled_mm_supported(layer.weight.device, per_block)
+
+    def prefill_candidates(self, layer: nn.Module) -> tuple[GemmRoute, ...]:
         """The W8A8 routes start-up timing races past 64 rows: the Triton tensor-core kernel, and
         torch._scaled_mm where it runs this form here (kernels/fp8_scaled_mm.py); none for W8A16."""
         if not self._w8a8(layer):
             return ()
-        per_block = activation_group(layer.fp8_block, layer.weight.shape[1]) < layer.weight.shape[1]
-        fits = all(size % 16 == 0 for size in layer.weight.shape)  # cuBLASLt's FP8 leading dimensions
-        if fits and scaled_mm_supported(layer.weight.device, per_block):
-            return (TRITON_PREFILL, SCALED_MM)
-        return (TRITON_PREFILL,)
+        return (TRITON_PREFILL, SCALED_MM) if self._scaled_mm_fits(layer) else (TRITON_PREFILL,)
 
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
-        """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a PrefillRoute):
+        """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a GemmRoute):
         what linear_choice times."""
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
