@@ -4,7 +4,8 @@ The weights stay in kernels/quant_fp8.py's layout (e4m3 [N, K], one float32 scal
 block). x is quantized as the Triton prefill form quantizes it (kernels/quant_fp8_w8a8.py), then:
   - per-channel weights (one K block): row-wise scaling, scale_a [M, 1] x scale_b [1, N];
   - 128-column K blocks: cuBLASLt's 1x128 x 1x128 block scaling (CUDA >= 12.9), scale_a
-    [M, K / 128] and scale_b [N, K / 128], both column-major, M padded to a multiple of 4.
+    [M, K / 128] column-major (M padded to a multiple of 4) and scale_b [K / 128, N] row-major, each
+    "outer-dim-major" for its operand (x [M, K] and weight.t() [K, N]).
 scaled_mm_supported probes each form once per device by running it against the reference, never by
 architecture or version; start-up timing (model/linear_choice.py) races it per weight shape against
 the Triton prefill kernel past 64 rows and against the W8A8 decode tiles at 16-64 rows, so it runs
@@ -65,8 +66,9 @@ def fp8_scaled_mm(x, weight, scale, block, bias=None) -> torch.Tensor:
         xq[num_rows:].zero_()
     x_scales = torch.ones((groups, padded), dtype=torch.float32, device=x.device).t()
     quantize_fp8_rows_into(x, group, xq, x_scales)
+    # scale_b for mat_b = weight.t() [K, N]: one scale per (K block, column), [K blocks, N] row-major
     w_scales = row_scales(scale, block, num_cols).float()
-    w_scales = w_scales.t().contiguous().t() if group < hidden else w_scales.reshape(1, num_cols)
+    w_scales = w_scales.t().contiguous() if group < hidden else w_scales.reshape(1, num_cols)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype)[:num_rows]
     return out if bias is None else out.add_(bias)
 
