@@ -308,3 +308,47 @@ def test_nan_in_fp8_codes_or_scales_is_named(tmp_path_factory, tmp_path, what):
     bad = _copy_with(source, tmp_path / "bad", tensors=poison)
     with pytest.raises(CheckpointError, match=r"holds NaN or infinite values"):
         load_for_test(bad)
+
+
+@pytest.mark.parametrize("k_rows,whole", [(128, True), (64, False)])
+def test_block_fp8_keeps_the_checkpoint_blocks_only_where_every_part_is_whole_blocks(k_rows, whole):
+    """The Triton prefill kernel's one-scale-a-tile form (TILE_SCALE) reads the checkpoint's 128 x 128
+    scales as they are; merged parts off the 128-row grid (a 64-row k_proj) keep only per-row scales."""
+    from types import SimpleNamespace
+
+    from tpfuse.model.quant import fp8
+
+    gen = torch.Generator().manual_seed(k_rows)
+    parts = [(256, 0, 256), (k_rows, 0, k_rows)]  # (full, start, local) of q and k, merged
+    raw = [torch.rand(-(-local // 128), 2, generator=gen) for _, _, local in parts]
+    layer = torch.nn.Module()
+    layer.shards = SimpleNamespace(parts=parts)
+    layer.weight = torch.nn.Parameter(torch.zeros(256 + k_rows, 256), requires_grad=False)
+    layer.block_scale_parts = torch.nn.ParameterList(torch.nn.Parameter(r, requires_grad=False) for r in raw)
+    fp8.Fp8LinearMethod("block", (128, 128)).process_weights(layer)
+    per_row = torch.cat([r.repeat_interleave(128, 0)[:p[2]] for r, p in zip(raw, parts, strict=True)])
+    assert torch.equal(layer.weight_scale, per_row)
+    assert torch.equal(layer.tile_scale, torch.cat(raw)) if whole else layer.tile_scale is None
+
+
+def test_block_fp8_prefill_on_the_checkpoint_blocks_equals_float64(tmp_path, monkeypatch):
+    """More than 64 rows through the Triton prefill route (interpreter) with the kept block scales."""
+    from tests.kernels.float64_linear import e4m3_exact_activations
+    from tpfuse import knobs
+    from tpfuse.kernels.fp8_scaled_mm import TRITON_PREFILL
+    from tpfuse.model.quant import fp8
+
+    kind, quantizer, config, shape = FORMATS["fp8-block"]
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path)
+    layer = model.layers[0].mlp.down_proj
+    assert layer.tile_scale is not None
+    monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)  # as on a GPU with FP8 tensor cores
+    monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+    knobs.reload()
+    x = e4m3_exact_activations(67, layer.shards.k_local, 128, torch.Generator().manual_seed(1))
+    out = layer.method.product(layer, x, None, TRITON_PREFILL)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
+    expected = x.double() @ layer.method.dequantize(layer).double().T  # x quantizes exactly
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -121,6 +121,11 @@ class Fp8LinearMethod:
         for (_, start, local), raw in zip(layer.shards.parts, layer.block_scale_parts, strict=True):
             rows = torch.arange(start, start + local, device=raw.device) // block_n - start // block_n
             expanded.append(raw.data[rows])
+        parts = layer.shards.parts
+        whole_blocks = all(start % block_n == 0 and local % block_n == 0 for _, start, local in parts)
+        # Every part in whole 128-row blocks: the checkpoint's scales as they are, for the Triton
+        # prefill kernel's one-scale-a-tile form (kernels/quant_fp8_w8a8.py, TILE_SCALE).
+        layer.tile_scale = torch.cat([raw.data for raw in layer.block_scale_parts]) if whole_blocks else None
         del layer.block_scale_parts
         layer.weight_scale = empty_parameter(0, dtype=torch.float32)
         layer.weight_scale.data = torch.cat(expanded).contiguous()
@@ -170,7 +175,12 @@ class Fp8LinearMethod:
 
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
         """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a GemmRoute):
-        what linear_choice times."""
+        what linear_choice times. The Triton prefill kernel reads the checkpoint's block scales where
+        they are kept (tile_scale), the rest the per-row ones."""
+        tile_scale = getattr(layer, "tile_scale", None)
+        if tile == TRITON_PREFILL and tile_scale is not None:
+            block = (self.checkpoint_block[0], layer.fp8_block[1])
+            return fp8_linear_op(x, layer.weight, tile_scale, block, bias, tile=tile)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
