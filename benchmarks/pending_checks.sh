@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (about 8 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
-# "Not measured yet (as of 2026-12-07, 13:00 UTC)": the fused MoE entry's GPU tests and its effect on the
-# MoE step (bf16 and INT4 experts), the GPU test of rope inside decode attention after its last edit,
-# the FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
+# One device call (about 9 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
+# "Not measured yet" (as of 2026-12-07, 17:45 UTC, and the lists before it): torch._scaled_mm's FP8
+# forms and the block-FP8 prefill routes, the fused MoE entry's GPU tests and its effect on the MoE
+# step (bf16 and INT4 experts), the GPU test of rope inside decode attention after its last edit, the
+# FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
 # DeepSeek-V3's one-launch grouped router, the quantized expert slots under PDL, and the engine's
 # start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
@@ -11,6 +12,15 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
+step "torch._scaled_mm's FP8 forms: the probe (1x128 blocks after the scale_b layout fix, row-wise) and the GPU test"
+timeout 30 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
+from tpfuse.kernels.fp8_scaled_mm import scaled_mm_supported as s; d = torch.device('cuda', 0); \
+print('scaled_mm probe: 1x128 blocks', s(d, True), '; row-wise', s(d, False))" 2>&1 | tail -n 3
+timeout 60 python3 -m pytest -q -m gpu --timeout=50 tests/kernels/test_gpu_quant_kernels.py -k "scaled_mm" \
+  -p no:cacheprovider 2>&1 | tail -n 2
+step "FP8 prefill per route beside bf16 (block scales: torch._scaled_mm, and Triton on the checkpoint's 128x128 scales)"
+timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
+  2>&1 | grep -E "^ +(bf16|fp8)|prefill|Error" | head -n 40
 step "the fused MoE entry (norm + router, routed slots; unquantized and quantized) and its start-up choice; the grouped router; quantized MoE under PDL"
 timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
   tests/kernels/test_gpu_quant_kernels.py tests/kernels/test_mla_gpu.py tests/kernels/test_pdl.py \
