@@ -261,3 +261,15 @@ def test_fp8_weights_offer_no_prefill_route_to_race_without_fp8_tensor_cores():
     layer = SimpleNamespace(weight=torch.zeros(256, 256, dtype=FP8_DTYPE), fp8_block=(1, 128))
     assert Fp8LinearMethod("block", (128, 128)).prefill_candidates(layer) == ()
     assert not scaled_mm_supported(torch.device("cpu"), True)
+
+
+def test_a_cublas_route_torch_refuses_is_left_out_of_the_timing_not_fatal():
+    from tpfuse.kernels.fp8_scaled_mm import SCALED_MM, TRITON_PREFILL, ScaledMmUnavailable
+
+    def time_us(route):
+        if route is SCALED_MM:
+            raise ScaledMmUnavailable("torch._scaled_mm refused a 2048 x 4096 x 4096 product: not supported")
+        return 90.0
+
+    chosen = linear_choice.fastest((TRITON_PREFILL, SCALED_MM), time_us, "w at 2048 rows")
+    assert chosen == (TRITON_PREFILL, 90.0)

@@ -40,6 +40,10 @@ class GemmRoute:
         return "torch._scaled_mm" if self.scaled_mm else "triton w8a8 prefill"
 
 
+class ScaledMmUnavailable(RuntimeError):
+    """torch._scaled_mm (cuBLASLt) cannot run this product here: start-up timing leaves the route out."""
+
+
 TRITON_PREFILL = GemmRoute(scaled_mm=False)
 SCALED_MM = GemmRoute(scaled_mm=True)
 
@@ -52,7 +56,7 @@ def row_scales(scale: torch.Tensor, block: tuple[int, int], num_cols: int) -> to
 def fp8_scaled_mm(x, weight, scale, block, bias=None) -> torch.Tensor:
     """x [M, K] bf16/fp16 @ (weight [N, K] e4m3 * scale).T (+ bias) -> new [M, N] in x.dtype, x quantized
     per row (per-channel) or per row and 128 columns (block). Raises ValueError for K blocks other
-    than 128, RuntimeError / NotImplementedError where torch._scaled_mm cannot run the form."""
+    than 128, ScaledMmUnavailable where torch._scaled_mm cannot run the product."""
     num_rows, hidden = x.shape
     check_fp8_weights(weight, scale, block, hidden)
     group = activation_group(block, hidden)
@@ -69,7 +73,12 @@ def fp8_scaled_mm(x, weight, scale, block, bias=None) -> torch.Tensor:
     # scale_b for mat_b = weight.t() [K, N]: one scale per (K block, column), [K blocks, N] row-major
     w_scales = row_scales(scale, block, num_cols).float()
     w_scales = w_scales.t().contiguous() if group < hidden else w_scales.reshape(1, num_cols)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype)[:num_rows]
+    try:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError) as error:
+        shape = f"{num_rows} x {hidden} x {num_cols}"
+        raise ScaledMmUnavailable(f"torch._scaled_mm refused a {shape} product: {error}") from error
+    out = out[:num_rows]
     return out if bias is None else out.add_(bias)
 
 

@@ -32,6 +32,7 @@ import triton
 from tpfuse import knobs
 from tpfuse.gpu_timing import graph_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
+from tpfuse.kernels.fp8_scaled_mm import ScaledMmUnavailable
 from tpfuse.kernels.quant_int import GemvTile, Half2Tile, IntTile, MagicTile
 from tpfuse.kernels.skinny_linear import MAX_ROWS, Tile, row_bucket
 
@@ -276,6 +277,7 @@ class DisagreesWithReference(RuntimeError):
 # A candidate that fails to compile, to fit the GPU or to agree with the reference is left out of the
 # timing, not fatal: it is one of several, and the tests on the GPU check every candidate's results.
 _UNFIT = (
+    ScaledMmUnavailable,
     triton.runtime.errors.OutOfResources,
     triton.compiler.errors.CompilationError,
     DisagreesWithReference,
