@@ -53,16 +53,26 @@ def row_scales(scale: torch.Tensor, block: tuple[int, int], num_cols: int) -> to
     return scale if block[0] == 1 else scale.repeat_interleave(block[0], 0)[:num_cols]
 
 
-def fp8_scaled_mm(x, weight, scale, block, bias=None) -> torch.Tensor:
+def weight_scales_b(scale: torch.Tensor, block: tuple[int, int], num_cols: int) -> torch.Tensor:
+    """scale_b for mat_b = weight.t() [K, N], a new tensor: [1, N] per-channel, else one scale per
+    (K block, column), [K blocks, N] row-major. A layer makes it once (model/quant/fp8.py)."""
+    scales = row_scales(scale, block, num_cols).float()
+    return scales.reshape(1, num_cols).clone() if scales.shape[1] == 1 else scales.t().contiguous()
+
+
+def fp8_scaled_mm(x, weight, scale, block, bias=None, scale_b=None) -> torch.Tensor:
     """x [M, K] bf16/fp16 @ (weight [N, K] e4m3 * scale).T (+ bias) -> new [M, N] in x.dtype, x quantized
-    per row (per-channel) or per row and 128 columns (block). Raises ValueError for K blocks other
-    than 128, ScaledMmUnavailable where torch._scaled_mm cannot run the product."""
+    per row (per-channel) or per row and 128 columns (block); scale_b: weight_scales_b(scale, ...)
+    made beforehand (else made here, a copy a call). Raises ValueError for K blocks other than 128,
+    ScaledMmUnavailable where torch._scaled_mm cannot run the product."""
     num_rows, hidden = x.shape
     check_fp8_weights(weight, scale, block, hidden)
     group = activation_group(block, hidden)
     if group < hidden and group != BLOCK_K:
         raise ValueError(f"torch._scaled_mm takes {BLOCK_K}-column K blocks; this weight has {group}")
     num_cols = weight.shape[0]
+    if scale_b is None:
+        scale_b = weight_scales_b(scale, block, num_cols)
     padded = -(-max(num_rows, 1) // ROW_ALIGN) * ROW_ALIGN
     groups = -(-hidden // group)
     xq = torch.empty((padded, hidden), dtype=FP8_DTYPE, device=x.device)
@@ -70,11 +80,8 @@ def fp8_scaled_mm(x, weight, scale, block, bias=None) -> torch.Tensor:
         xq[num_rows:].zero_()
     x_scales = torch.ones((groups, padded), dtype=torch.float32, device=x.device).t()
     quantize_fp8_rows_into(x, group, xq, x_scales)
-    # scale_b for mat_b = weight.t() [K, N]: one scale per (K block, column), [K blocks, N] row-major
-    w_scales = row_scales(scale, block, num_cols).float()
-    w_scales = w_scales.t().contiguous() if group < hidden else w_scales.reshape(1, num_cols)
     try:
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=scale_b, out_dtype=x.dtype)
     except (RuntimeError, NotImplementedError) as error:
         shape = f"{num_rows} x {hidden} x {num_cols}"
         raise ScaledMmUnavailable(f"torch._scaled_mm refused a {shape} product: {error}") from error

@@ -26,7 +26,14 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, use_triton
-from tpfuse.kernels.fp8_scaled_mm import SCALED_MM, TRITON_PREFILL, GemmRoute, scaled_mm_supported
+from tpfuse.kernels.fp8_scaled_mm import (
+    SCALED_MM,
+    TRITON_PREFILL,
+    GemmRoute,
+    fp8_scaled_mm,
+    scaled_mm_supported,
+    weight_scales_b,
+)
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
 from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, activation_group, decode_group, fp8_dot_supported
 from tpfuse.model import linear_choice
@@ -112,10 +119,18 @@ class Fp8LinearMethod:
         return slots
 
     def process_weights(self, layer: nn.Module) -> None:
+        if self.strategy == "block":
+            self._expand_block_scales(layer)
         if layer.weight.is_cuda:  # probe now: apply may first see > 64 rows inside a graph capture
             fp8_dot_supported(layer.weight.device)
-        if self.strategy != "block":
-            return
+        # torch._scaled_mm's weight scales, laid out once (not a copy a product) where it may run
+        layer.scaled_mm_scales = None
+        if layer.weight.is_cuda and self._w8a8(layer) and self._scaled_mm_fits(layer):
+            num_cols = layer.weight.shape[0]
+            layer.scaled_mm_scales = weight_scales_b(layer.weight_scale, layer.fp8_block, num_cols)
+
+    def _expand_block_scales(self, layer: nn.Module) -> None:
+        """The checkpoint's [rows / 128, K / 128] scale parts -> weight_scale, one row per weight row."""
         block_n = self.checkpoint_block[0]
         expanded = []
         for (_, start, local), raw in zip(layer.shards.parts, layer.block_scale_parts, strict=True):
@@ -181,6 +196,9 @@ class Fp8LinearMethod:
         if tile == TRITON_PREFILL and tile_scale is not None:
             block = (self.checkpoint_block[0], layer.fp8_block[1])
             return fp8_linear_op(x, layer.weight, tile_scale, block, bias, tile=tile)
+        if tile == SCALED_MM and use_triton(x):
+            scale_b = layer.scaled_mm_scales
+            return fp8_scaled_mm(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, scale_b=scale_b)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
