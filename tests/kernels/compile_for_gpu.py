@@ -288,13 +288,14 @@ def _quant_variants(p: str):
                 {"num_warps": tile.num_warps, "num_stages": 1}
                 | ({"maxnreg": tile.max_registers} if tile.max_registers else {}),
             )  # fmt: skip
-    for scale_k in (128, 4096):
+    for scale_n, scale_k in ((1, 128), (1, 4096), (128, 128)):  # per-row blocks, per-channel, X_SCALE
         tile = quant_fp8.FP8_TILES[1][0]
-        per_row, sub_k, subs = quant_fp8.gemv_steps(tile.block_k, scale_k, 4096)
+        x_scale = scale_n % tile.block_n == 0 and scale_k < 4096
+        per_row, sub_k, subs = quant_fp8.gemv_steps(tile.block_k, scale_k, 4096, x_scale)
         yield (
             quant_fp8._fp8_gemv_kernel, {"*": p, "w_ptr": fp8, "s_ptr": "*fp32"}, ints,
-            dict(SCALE_N=1, SCALE_K=scale_k, PER_ROW=per_row, HAS_BIAS=False, BLOCK_N=tile.block_n,
-                 SUB_K=sub_k, SUBS=subs, EVEN=True),
+            dict(SCALE_N=scale_n, SCALE_K=scale_k, PER_ROW=per_row, HAS_BIAS=False, BLOCK_N=tile.block_n,
+                 SUB_K=sub_k, SUBS=subs, EVEN=True, X_SCALE=x_scale),
             {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
         )  # fmt: skip
     fp8_tiles = quant_fp8.FP8_TILES
@@ -331,11 +332,12 @@ def _quant_variants(p: str):
             {"num_warps": warps, "num_stages": 3},
         )  # fmt: skip
     gate_up, down = quant_moe._slot_gate_up_kernel, quant_moe._slot_down_kernel
-    experts = ((gate_up, 4, 128, 2048, 768), (down, 4, 128, 768, 2048),
-               (gate_up, 0, 128, 2048, 768), (down, 0, 768, 768, 2048))  # fmt: skip
-    for kernel, bits, group, cols_k, n in experts:
+    experts = ((gate_up, 4, 128, 2048, 768, 1), (down, 4, 128, 768, 2048, 1),
+               (gate_up, 0, 128, 2048, 768, 1), (down, 0, 768, 768, 2048, 1),
+               (gate_up, 0, 128, 7168, 2048, 128), (down, 0, 128, 2048, 7168, 128))  # fmt: skip
+    for kernel, bits, group, cols_k, n, row_block in experts:  # row_block 128: DeepSeek-V3's FP8 blocks
         codes = {"w_ptr": i32 if bits else fp8, "s_ptr": p if bits else "*fp32"}
-        stack = quant_moe.QuantExperts(None, None, bits, group, cols_k)
+        stack = quant_moe.QuantExperts(None, None, bits, group, cols_k, row_block)
         steps = quant_moe._steps(stack, cols_k, 16, n, 1024 if bits else 512, True)
         routes = (dict(TOP_K=8, ROUTE=r, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8) for r in (False, True))
         for extra in routes if kernel is gate_up else ({},):  # gate/up: expert ids read, or routed in it

@@ -62,12 +62,14 @@ def test_int_linear_matches_float64_in_and_out_of_cuda_graphs(rows, n, k, bits, 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(
-    "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128))]
-)
+    "n,k,block",
+    [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128)), (6144, 4096, (128, 128)),
+     (1000, 1500, (128, 128))],
+)  # fmt: skip
 def test_fp8_linear_matches_float64_in_and_out_of_cuda_graphs(rows, n, k, block):
     gen = torch.Generator(DEVICE).manual_seed(rows + n)
     weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
-    scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
     x = torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16()
     expected = x.double() @ quant_fp8.dequantize_fp8(weight, scale, block).double().T
 
@@ -78,16 +80,19 @@ def test_fp8_linear_matches_float64_in_and_out_of_cuda_graphs(rows, n, k, block)
     _close(_in_graph(run, x), expected)
 
 
-@pytest.mark.parametrize("kind", ["int4 g128", "int4 g32 offsets", "fp8 channel", "fp8 block"])
+@pytest.mark.parametrize(
+    "kind", ["int4 g128", "int4 g32 offsets", "fp8 channel", "fp8 block", "fp8 128x128 blocks"]
+)
 def test_every_timed_candidate_tile_matches_float64_in_and_out_of_cuda_graphs(kind, n=6144, k=4096):
-    """Each tile start-up timing may choose (model/linear_choice.py) at each row bucket's extremes."""
+    """Each tile start-up timing may choose (model/linear_choice.py) at each row bucket's extremes
+    (FP8 blocks given per row, and as the checkpoint's 128 x 128 blocks a layer keeps)."""
     from tpfuse.model.linear_choice import QUANT_TILES
 
     gen = torch.Generator(DEVICE).manual_seed(n + k)
     if kind.startswith("fp8"):
-        block = (1, k) if kind == "fp8 channel" else (1, 128)
+        block = {"fp8 channel": (1, k), "fp8 block": (1, 128), "fp8 128x128 blocks": (128, 128)}[kind]
         weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
-        scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+        scale = torch.rand(n // block[0], -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
         dequantized = quant_fp8.dequantize_fp8(weight, scale, block).double()
         tiles = quant_fp8.FP8_TILES
 
@@ -285,15 +290,17 @@ def test_smollm2_gguf_answers_the_capital_of_france_in_bf16_on_the_gpu():
     assert "Paris" in out.text
 
 
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (0, 128), (0, None)])  # 0: FP8; None: per-channel
+# 0: FP8; None: per-channel; a third value: rows sharing scales in runs of it (FP8 128 x 128 blocks)
+@pytest.mark.parametrize("bits,group,row_block", [(4, 128, 1), (4, 32, 1), (0, 128, 1), (0, None, 1),
+                                                  (0, 128, 128)])  # fmt: skip
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, group, tokens):
+def test_quantized_expert_slots_match_float64_in_and_out_of_cuda_graphs(bits, group, row_block, tokens):
     from tpfuse.kernels import quant_moe
 
     gen = torch.Generator(DEVICE).manual_seed(bits + tokens)
     experts, hidden, inter, top_k = 16, 2048, 768, 8
-    w13 = random_expert_stack(gen, bits, experts, 2 * inter, hidden, group)
-    w2 = random_expert_stack(gen, bits, experts, hidden, inter, group)
+    w13 = random_expert_stack(gen, bits, experts, 2 * inter, hidden, group, row_block)
+    w2 = random_expert_stack(gen, bits, experts, hidden, inter, group, row_block)
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).bfloat16()
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device=DEVICE).int()
     weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE)

@@ -276,6 +276,9 @@ def test_int_linear_refuses_a_group_that_splits_a_packed_word():
     [
         (1, 40, 384, (1, 128), IntTile(1, 8, 512, 1, 4)),  # GEMV: 4 sub-tiles of a 128 block per step
         (1, 20, 100, (3, 24), IntTile(1, 4, 64, 1, 4)),  # odd blocks: 8-column sub-tiles
+        (1, 150, 300, (128, 128), IntTile(1, 16, 512, 1, 4)),  # rows share scales: on x, masked
+        (1, 256, 384, (128, 128), IntTile(1, 32, 128, 1, 4)),  # on x, no masks
+        (1, 70, 200, (64, 96), IntTile(1, 8, 256, 1, 4)),  # on x, K blocks across a step's sub-tile
         (6, 48, 160, (1, 160), IntTile(16, 32, 64, 1, 4, swap=True)),  # tl.dot, row scale after the loop
         (5, 20, 100, (3, 24), IntTile(16, 16, 32, 1, 4)),  # scale per element
         (17, 40, 256, (1, 128), IntTile(32, 32, 128, 1, 4, swap=True)),  # scale per K step
@@ -327,6 +330,37 @@ def test_fp8_per_channel_expert_slots_match_float64():
     gate_up, down = w13.dequantize().double(), w2.dequantize().double()
     expected = quant_moe.slots_ref(x.double(), gate_up, down, weights.double(), ids)
     out = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, block_n=16)
+    _close(out, expected.double(), torch.float32)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_fp8_block_expert_slots_with_rows_sharing_scales_match_float64(routed):
+    """128 x 128-style blocks expanded per row (runs of 64 equal rows here): the slot programs read one
+    row's scales and put them on x (X_SCALE), over 3 scale groups of 32 columns and a masked K step."""
+    from tpfuse.kernels import quant_moe
+
+    gen = torch.Generator().manual_seed(11)
+    experts, hidden, inter, tokens, top_k, group, run = 5, 96, 64, 3, 2, 32, 64
+
+    def stack(n, k):
+        codes = (torch.randn(experts, n, k, generator=gen) * 2).to(quant_fp8.FP8_DTYPE)
+        blocks = torch.rand(experts, -(-n // run), k // group, generator=gen) * 0.05 + 1e-3
+        scales = blocks.repeat_interleave(run, 1)[:, :n].contiguous()
+        return quant_moe.QuantExperts(codes, scales, 0, group, k, row_block=run)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    assert quant_moe._steps(w13, hidden, 16, inter, 512, False)["X_SCALE"]
+    assert quant_moe._steps(w2, inter, 16, hidden, 512, False)["X_SCALE"]
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = w13.dequantize().double(), w2.dequantize().double()
+    if routed:
+        logits = torch.randn(tokens, experts, generator=gen)
+        out, weights, ids = quant_moe.quant_routed_slots_triton(x, w13, w2, logits, top_k, True)
+    else:
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen).int()
+        weights = torch.rand(tokens, top_k, generator=gen)
+        out = quant_moe.quant_slots_triton(x, w13, w2, weights, ids, block_n=16)
+    expected = quant_moe.slots_ref(x.double(), gate_up, down, weights.double(), ids)
     _close(out, expected.double(), torch.float32)
 
 

@@ -352,3 +352,26 @@ def test_block_fp8_prefill_on_the_checkpoint_blocks_equals_float64(tmp_path, mon
     knobs.reload()
     expected = x.double() @ layer.method.dequantize(layer).double().T  # x quantizes exactly
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_block_fp8_decode_tiles_on_the_checkpoint_blocks_equal_float64(tmp_path, monkeypatch, rows):
+    """Every W8A16 tile start-up may time at 1 and 16 rows reads the kept 128 x 128 scales (the
+    GEMV puts them on x: X_SCALE) and gives the float64 product of the dequantized weight."""
+    from tpfuse import knobs
+    from tpfuse.kernels.quant_fp8 import FP8_TILES
+
+    kind, quantizer, config, shape = FORMATS["fp8-block"]
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path)
+    for layer in (model.layers[0].mlp.down_proj, model.layers[0].self_attn.qkv_proj):
+        assert layer.tile_scale is not None
+        x = torch.randn(rows, layer.shards.k_local, generator=torch.Generator().manual_seed(rows))
+        expected = x.double() @ layer.method.dequantize(layer).double().T
+        monkeypatch.setenv("TPFUSE_KERNELS", "triton")
+        knobs.reload()
+        for tile in FP8_TILES[rows]:
+            out = layer.method.product(layer, x, None, tile)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+        knobs.reload()

@@ -31,13 +31,16 @@ from tpfuse.kernels.quant_int import dequantize_int, gemv_block_k, int_words_tim
 @dataclass(frozen=True)
 class QuantExperts:
     """codes [E, N, K*bits/32] int32 (bits 4/8) or [E, N, K] float8_e4m3fn (bits 0: FP8); scales
-    [E, N, ceil(K / group)] (int: any float dtype; FP8: float32)."""
+    [E, N, ceil(K / group)] (int: any float dtype; FP8: float32). row_block: runs of that many rows,
+    from row 0, have the same scales (FP8 128 x 128 blocks expanded per row), so a program whose rows
+    lie in one run reads them once (X_SCALE of kernels/quant_fp8.py); 1 where nothing is known."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bits: int
     group: int
     cols: int  # K
+    row_block: int = 1
 
     def dequantize(self) -> torch.Tensor:
         """[E, N, K] float32 (exact)."""
@@ -104,11 +107,13 @@ def _rows_dot_x(
     HALF2: tl.constexpr,
     X_FP16: tl.constexpr,
     INTERPRET: tl.constexpr,
+    X_SCALE: tl.constexpr,
 ):
     """[BLOCK_N] float32: the expert rows at w_rows ([BLOCK_N, 1] pointers; scales at s_rows, [BLOCK_N]
     pointers to each row's first) dotted with x_row over K, through the dense GEMV steps
     (kernels/quant_fp8.py for BITS 0, kernels/quant_int.py for 4 / 8, kernels/quant_int_half2.py's
-    rows_dot_x with HALF2, where EVEN covers both the rows and K)."""
+    rows_dot_x with HALF2, where EVEN covers both the rows and K). X_SCALE (FP8, rows sharing their
+    scales): s_rows is one pointer, to the scales of the program's rows, and they multiply x."""
     if HALF2:
         out = quant_int_half2.rows_dot_x(
             w_rows[:, :, None], s_rows[:, None], s_rows[:, None], x_row, hidden, col_mask, GROUP, False,
@@ -116,7 +121,7 @@ def _rows_dot_x(
         )  # fmt: skip
     elif BITS == 0:
         out = fp8_rows_dot_x(
-            w_rows, s_rows, x_row, hidden, col_mask, GROUP, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN
+            w_rows, s_rows, x_row, hidden, col_mask, GROUP, PER_ROW, BLOCK_N, SUB_K, SUBS, EVEN, None, X_SCALE
         )
     else:
         WORDS: tl.constexpr = BLOCK_K // (32 // BITS)
@@ -134,6 +139,17 @@ def _rows_dot_x(
 
 
 @triton.jit
+def _scale_rows(expert_scales, cols, stride_sn, X_SCALE: tl.constexpr):
+    """The scale pointers of rows cols ([BLOCK_N]) of an expert's stack: one each, or with X_SCALE one
+    for all (the first row's: the rows share their scales)."""
+    if X_SCALE:
+        rows = tl.min(cols, axis=0)
+    else:
+        rows = cols
+    return expert_scales + rows.to(tl.int64) * stride_sn
+
+
+@triton.jit
 def _slot_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, logits_ptr, weights_ptr, hidden, inter, num_experts,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
@@ -141,7 +157,7 @@ def _slot_gate_up_kernel(
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr,
     EVEN: tl.constexpr, X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr,
     INTERPRET: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, X_SCALE: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """act[s, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]), e = ids[s], t = s // k; gate rows
@@ -155,13 +171,13 @@ def _slot_gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    g_scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
+    g_scales = _scale_rows(s_ptr + expert * stride_se, cols, stride_sn, X_SCALE)
     x_row = x_ptr + token * stride_x
     g = _rows_dot_x(g_rows, g_scales, x_row, hidden, col_ok, BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS,
-                    PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET)  # fmt: skip
+                    PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET, X_SCALE)  # fmt: skip
     u = _rows_dot_x(g_rows + inter * stride_wn, g_scales + inter * stride_sn, x_row, hidden, col_ok,
                     BITS, GROUP, BLOCK_N, BLOCK_K, SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16,
-                    INTERPRET)  # fmt: skip
+                    INTERPRET, X_SCALE)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + slot.to(tl.int64) * stride_act + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
@@ -173,6 +189,7 @@ def _slot_down_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, SUBS: tl.constexpr, PER_ROW: tl.constexpr, EVEN: tl.constexpr,
     X_PAIRS: tl.constexpr, HALF2: tl.constexpr, X_FP16: tl.constexpr, INTERPRET: tl.constexpr,
+    X_SCALE: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
     """out[s, n] = weight[s] * (act[s] . down_e[n]), e = ids[s]."""
@@ -182,9 +199,9 @@ def _slot_down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    scales = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
+    scales = _scale_rows(s_ptr + expert * stride_se, cols, stride_sn, X_SCALE)
     y = _rows_dot_x(rows, scales, act_ptr + slot * stride_act, inter, col_ok, BITS, GROUP, BLOCK_N, BLOCK_K,
-                    SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET)  # fmt: skip
+                    SUB_K, SUBS, PER_ROW, EVEN, X_PAIRS, HALF2, X_FP16, INTERPRET, X_SCALE)  # fmt: skip
     y = y * tl.load(weights_ptr + slot)
     tl.store(out_ptr + slot * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -222,10 +239,13 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
     # a short K step (the down projection's K is the intermediate size) takes more rows per program,
     # so each thread still has about as many weights per step to amortise the x loads over
     block_n = min(64, max(block_n, block_n * max_block_k // block_k))
+    x_scale = stack.bits == 0 and stack.group < cols_k and stack.row_block % block_n == 0
+    if x_scale:
+        per_row, sub_k, subs = gemv_steps(block_k, stack.group, cols_k, x_scale=True)
     even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
     return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                 SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0, HALF2=False,
-                X_FP16=False, INTERPRET=False)  # fmt: skip
+                X_FP16=False, INTERPRET=False, X_SCALE=x_scale)  # fmt: skip
 
 
 def _half2_steps(stack: QuantExperts, cols_k: int, num_cols: int, shape: tuple[int, int], x_fp16: bool):
@@ -235,7 +255,7 @@ def _half2_steps(stack: QuantExperts, cols_k: int, num_cols: int, shape: tuple[i
     even = cols_k % block_k == 0 and num_cols % block_n == 0
     return dict(BITS=4, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=block_k, SUBS=1,
                 PER_ROW=False, EVEN=even, X_PAIRS=False, HALF2=True, X_FP16=x_fp16,
-                INTERPRET=quant_int_half2.interpreting())  # fmt: skip
+                INTERPRET=quant_int_half2.interpreting(), X_SCALE=False)  # fmt: skip
 
 
 def quant_slots_triton(

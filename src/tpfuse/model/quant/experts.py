@@ -312,9 +312,16 @@ class Fp8Experts(_QuantizedExperts):
 
     def stacks(self, experts):
         h, i = experts.hidden_size, experts.intermediate_local
-        k13 = h if self.strategy == "channel" else self.block[1]
-        k2 = i if self.strategy == "channel" else self.block[1]
+        if self.strategy == "channel":
+            return (
+                QuantExperts(experts.w13, experts.w13_scale, 0, h, h),
+                QuantExperts(experts.w2, experts.w2_scale, 0, i, i),
+            )
+        bn, bk = self.block
+        # the expanded scales repeat in runs of bn rows where the shard's gate and up rows start on
+        # blocks (process_weights); the down rows always do
+        whole = experts.intermediate_start % bn == 0 and i % bn == 0
         return (
-            QuantExperts(experts.w13, experts.w13_scale, 0, k13, h),
-            QuantExperts(experts.w2, experts.w2_scale, 0, k2, i),
+            QuantExperts(experts.w13, experts.w13_scale, 0, bk, h, row_block=bn if whole else 1),
+            QuantExperts(experts.w2, experts.w2_scale, 0, bk, i, row_block=bn),
         )

@@ -4,8 +4,10 @@
 Whatever the checkpoint's granularity, the rank keeps weight [N_local, K_local] e4m3 and one float32
 scale per (row, K block) (kernels/quant_fp8.py): per-channel and per-tensor scales become [N_local, 1]
 (block (1, K)), block scales [N_local, ceil(K_local / 128)] (block (1, 128)), expanded exactly at load,
-so merged parts (q, k, v) and tensor-parallel shards need not fall on 128-row boundaries. Row-parallel
-shards must start on a K block.
+so merged parts (q, k, v) and tensor-parallel shards need not fall on 128-row boundaries. Where every
+part does, the checkpoint's [N_local / 128, K_local / 128] scales are kept too (tile_scale), and the
+Triton kernels read those: one scale a tile or a K step instead of one a row. Row-parallel shards must
+start on a K block.
 
 Compute, where the checkpoint quantizes activations to FP8 (W8A8: `quant_method: fp8`, compressed-tensors
 with FP8 input_activations, the dummy fp8 formats) and the GPU passes the FP8-dot probe:
@@ -139,7 +141,8 @@ class Fp8LinearMethod:
         parts = layer.shards.parts
         whole_blocks = all(start % block_n == 0 and local % block_n == 0 for _, start, local in parts)
         # Every part in whole 128-row blocks: the checkpoint's scales as they are, for the Triton
-        # prefill kernel's one-scale-a-tile form (kernels/quant_fp8_w8a8.py, TILE_SCALE).
+        # kernels' one-scale-a-tile forms (TILE_SCALE of kernels/quant_fp8_w8a8.py and quant_dot.py,
+        # X_SCALE of the GEMV in kernels/quant_fp8.py).
         layer.tile_scale = torch.cat([raw.data for raw in layer.block_scale_parts]) if whole_blocks else None
         del layer.block_scale_parts
         layer.weight_scale = empty_parameter(0, dtype=torch.float32)
@@ -156,7 +159,8 @@ class Fp8LinearMethod:
         return Fp8Experts(self.strategy, self.checkpoint_block, self.activations)
 
     def tile_key(self, layer: nn.Module) -> tuple:
-        return (self.name, tuple(layer.weight.shape), layer.fp8_block)
+        kept = getattr(layer, "tile_scale", None) is not None
+        return (self.name, tuple(layer.weight.shape), layer.fp8_block, kept)
 
     def _w8a8(self, layer: nn.Module) -> bool:
         return self.activations and fp8_dot_supported(layer.weight.device)
@@ -190,15 +194,15 @@ class Fp8LinearMethod:
 
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
         """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a GemmRoute):
-        what linear_choice times. The Triton prefill kernel reads the checkpoint's block scales where
-        they are kept (tile_scale), the rest the per-row ones."""
-        tile_scale = getattr(layer, "tile_scale", None)
-        if tile == TRITON_PREFILL and tile_scale is not None:
-            block = (self.checkpoint_block[0], layer.fp8_block[1])
-            return fp8_linear_op(x, layer.weight, tile_scale, block, bias, tile=tile)
+        what linear_choice times. The Triton kernels read the checkpoint's block scales where they are
+        kept (tile_scale: one scale a tile or a K step, not one a row), torch._scaled_mm its own."""
         if tile == SCALED_MM and use_triton(x):
             scale_b = layer.scaled_mm_scales
             return fp8_scaled_mm(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, scale_b=scale_b)
+        tile_scale = getattr(layer, "tile_scale", None)
+        if tile_scale is not None:
+            block = (self.checkpoint_block[0], layer.fp8_block[1])
+            return fp8_linear_op(x, layer.weight, tile_scale, block, bias, tile=tile)
         return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
