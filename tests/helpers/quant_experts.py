@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def random_expert_stack(gen: torch.Generator, bits: int, experts: int, n: int, k: int, group=None, row_block=1):
+def random_expert_stack(gen: torch.Generator, bits: int, experts: int, n: int, k: int, group=None,
+                        row_block=1):
     """A QuantExperts [experts, n, k] on gen's device: 4-bit codes, or FP8 e4m3 with bits 0; float32
     scales per group of k columns (None: one per row), equal in runs of row_block rows."""
     from tpfuse.kernels import quant_fp8, quant_int, quant_moe

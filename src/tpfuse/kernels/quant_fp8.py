@@ -30,9 +30,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 # Tiles start-up timing tries per row bucket (model/linear_choice.py); the first is the default.
 # Bucket 1: the GEMV with 8-16 KB of weight per program step (instructions per weight in the sm_90
 # K loop at 8 x 1024 / 16 x 512 / 32 x 512: per-channel 3.3 / 3.3 / 3.0; 128 x 128 blocks with the
-# scales on x 3.5 / 3.4 / 3.1; block scales per row 5.7 / 5.0 / 4.5); 16-64 rows: tl.dot, the weight as the MMA's M side (swap, 64 weight
-# rows), 32 weight rows a program (twice the programs on 4096 rows), or split-K (as the integer
-# tiles, model/linear_choice.py).
+# scales on x 3.5 / 3.4 / 3.1; block scales per row 5.7 / 5.0 / 4.5); 16-64 rows: tl.dot, the weight
+# as the MMA's M side (swap, 64 weight rows), 32 weight rows a program (twice the programs on 4096
+# rows), or split-K (as the integer tiles, model/linear_choice.py).
 FP8_TILES = {
     1: (Fp8Tile(1, 8, 1024, 1, 4), Fp8Tile(1, 16, 512, 1, 4), Fp8Tile(1, 32, 512, 1, 4)),
     **{
