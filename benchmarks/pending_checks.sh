@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call (about 9 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
-# "Not measured yet" (as of 2026-12-07, 17:45 UTC, and the lists before it): torch._scaled_mm's FP8
-# forms and the block-FP8 prefill routes, the fused MoE entry's GPU tests and its effect on the MoE
-# step (bf16 and INT4 experts), the GPU test of rope inside decode attention after its last edit, the
-# FP8 and MoE steps with it, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
+# "Not measured yet" (as of 2026-12-07, 19:50 UTC, and the lists before it): the H200 figures of the
+# targets table with PDL (block-FP8 llama and DeepSeek-V3 with the block scales on x, qwen3-30b-a3b bf16
+# batch 1), the W8A8 decode tiles on 128x128 blocks against float64, the fused MoE entry's GPU tests,
+# rope inside decode attention, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
 # DeepSeek-V3's one-launch grouped router, the quantized expert slots under PDL, and the engine's
 # start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
@@ -12,15 +12,18 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "torch._scaled_mm's FP8 forms: the probe (1x128 blocks after the scale_b layout fix, row-wise) and the GPU test"
-timeout 30 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
-from tpfuse.kernels.fp8_scaled_mm import scaled_mm_supported as s; d = torch.device('cuda', 0); \
-print('scaled_mm probe: 1x128 blocks', s(d, True), '; row-wise', s(d, False))" 2>&1 | tail -n 3
-timeout 60 python3 -m pytest -q -m gpu --timeout=50 tests/kernels/test_gpu_quant_kernels.py -k "scaled_mm" \
+step "FP8 128x128 blocks given as such: the W8A8 decode tiles, the GEMV and the expert slots against float64"
+timeout 120 python3 -m pytest -q -m gpu --timeout=100 tests/kernels/test_gpu_quant_kernels.py \
+  -k "(w8a8_decode and block3) or (fp8_linear_matches and block3) or (quantized_expert_slots and 0-128-128)" \
   -p no:cacheprovider 2>&1 | tail -n 2
-step "FP8 prefill per route beside bf16 (block scales: torch._scaled_mm, and Triton on the checkpoint's 128x128 scales)"
+step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route"
 timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
   2>&1 | grep -E "^ +(bf16|fp8)|prefill|Error" | head -n 40
+step "deepseek-v3-4l FP8 blocks batch 1, per layer"
+timeout 140 python3 benchmarks/deepseek_decode.py --batch-sizes 1 --iters 30 --quantization fp8-block 2>&1 \
+  | grep -E "MoE router \(256|^ +[0-9]+ +(dense|moe)|^ +1 "
+step "qwen3-30b-a3b bf16 batch 1-64 with PDL (issue 22's H200 figure; the fused MoE entry where start-up took it)"
+timeout 120 python3 benchmarks/moe_decode.py --batch-sizes 1,8,32,64 --iters 30 --pdl 2>&1 | grep -E "MoE entry|^ +[0-9]+ "
 step "the fused MoE entry (norm + router, routed slots; unquantized and quantized) and its start-up choice; the grouped router; quantized MoE under PDL"
 timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
   tests/kernels/test_gpu_quant_kernels.py tests/kernels/test_mla_gpu.py tests/kernels/test_pdl.py \
@@ -28,19 +31,12 @@ timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_m
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
-step "FP8 llama-3.1-8b batch 1 and 64 with PDL (rope fused into decode attention)"
-timeout 100 python3 benchmarks/quant_decode.py --methods fp8 --iters 20 --prefill-tokens 64 --pdl 2>&1 | grep -E "^ +fp8 "
-step "qwen3-30b-a3b bf16 batch 1 with PDL (the fused MoE entry where start-up timing took it)"
-timeout 120 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --pdl 2>&1 | grep -E "MoE entry|^ +1 "
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step (batch 1 and 64)"
 timeout 100 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 2>&1 | grep -E "^ +int4"
 step "INT4 experts, qwen3-30b-a3b batch 1"
 timeout 150 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --quantization int4 2>&1 | tail -n 3
-step "deepseek-v3-4l FP8 blocks batch 1, per layer (the one-launch grouped router where start-up took it)"
-timeout 140 python3 benchmarks/deepseek_decode.py --batch-sizes 1 --iters 30 --quantization fp8-block 2>&1 \
-  | grep -E "MoE router \(256|^ +[0-9]+ +(dense|moe)|^ +1 "
 step "MLA decode, 16 heads (the 3-stage tile)"
 timeout 100 python3 benchmarks/mla_decode.py --heads 16 --no-old 2>&1 | tail -n 17
 step "the engine's start-up PDL choice for llama-3.1-8b FP8 (its INFO log line)"

@@ -222,7 +222,8 @@ def test_scaled_mm_prefill_matches_float64_of_the_activations_or_is_not_offered(
 
 
 @pytest.mark.parametrize(
-    "n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128))]
+    "n,k,block",
+    [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128)), (1000, 1500, (1, 128)), (6144, 4096, (128, 128))],
 )
 def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_graphs(n, k, block):
     """The W8A8 decode candidates (kernels/quant_fp8_w8a8.py) at each row bucket's extremes, against
@@ -234,7 +235,7 @@ def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_grap
 
     gen = torch.Generator(DEVICE).manual_seed(n + k)
     weight = torch.randn(n, k, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
-    scale = torch.rand(n, -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
     dequantized = quant_fp8.dequantize_fp8(weight, scale, block).double()
     if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
         # no FP8 tensor cores: start-up timing must not offer the W8A8 tiles here (W8A16 runs instead)
