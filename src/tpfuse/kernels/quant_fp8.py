@@ -6,11 +6,11 @@ DeepSeek-V3 / Qwen3-FP8's 128x128 blocks are block (128, 128) (their weight_scal
 
 fp8_linear: one row runs the GEMV kernel here (kernels/gemv.py's layout: BLOCK_N weight rows over the
 whole of K per program, 16-byte loads, an fp32 accumulator reduced once), with the scale applied
-once per row after the K loop (per-channel), as one scale per sub-tile on x where the program's rows
-lie in one scale block (128x128 blocks given as such), or else as one [BLOCK_N] vector per sub-tile
-(block scales given per row); two or more rows run kernels/quant_dot.py (the weight cast to x's dtype on
-tl.dot, scales after the loop or per K step). The weight bytes streamed are half of bf16's, which
-is what decode is bound by. The W8A8 form (x quantized too, FP8 tensor cores) is
+once per row after the K loop (per-channel), on x (each value times its column's scale) where the
+program's rows lie in one scale block (128x128 blocks given as such), or else as one [BLOCK_N] vector
+per sub-tile (block scales given per row); two or more rows run kernels/quant_dot.py (the weight cast
+to x's dtype on tl.dot, scales after the loop or per K step). The weight bytes streamed are half of
+bf16's, which is what decode is bound by. The W8A8 form (x quantized too, FP8 tensor cores) is
 kernels/quant_fp8_w8a8.py.
 """
 
@@ -87,7 +87,7 @@ def fp8_rows_times_x(
     scales at s_rows, [BLOCK_N] pointers) with x over k0 .. k0 + SUBS * SUB_K: SUBS sub-tiles, each
     inside one scale block, so a scale is one [BLOCK_N] vector per sub-tile (PER_ROW: no scale here,
     the caller applies the row's scale after the K loop; X_SCALE: every row shares its scales, s_rows
-    is one pointer and each sub-tile's scale multiplies x's SUB_K values, not the tile). first:
+    is one pointer, to their scale row, and each x value takes its column's scale, not the tile). first:
     sub-tile 0's codes when the caller loaded them already (fp8_codes), else None."""
     lanes = tl.arange(0, SUB_K)
     for j in tl.static_range(SUBS):
@@ -173,7 +173,7 @@ def _fp8_gemv_kernel(
     """One row: BLOCK_N weight rows x the whole of K per program (the layout of kernels/gemv.py),
     a [BLOCK_N, SUB_K] fp32 accumulator reduced once after the loop. Scale blocks that hold the
     program's rows whole (X_SCALE: 128 x 128 blocks given as such, BLOCK_N dividing 128): the
-    program's scales multiply x, one step a sub-tile, as per-channel scales do not touch the tile.
+    program's scales multiply x's values, one sub-tile a step, and the tile is used as read.
     Per-channel or X_SCALE: the first step's codes are loaded before the PDL wait (weights: no kernel
     writes them), as kernels/gemv.py does, so they stream while the previous kernel drains. K >= 1."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
