@@ -12,9 +12,10 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "FP8 128x128 blocks given as such: the W8A8 decode tiles, the GEMV and the expert slots against float64"
-timeout 120 python3 -m pytest -q -m gpu --timeout=100 tests/kernels/test_gpu_quant_kernels.py \
-  -k "(w8a8_decode and block3) or (fp8_linear_matches and block3) or (quantized_expert_slots and 0-128-128)" \
+step "128x128 FP8 blocks as such: W8A8 decode tiles vs float64; block-FP8 dummy models, DeepSeek-V3 checkpoints"
+timeout 150 python3 -m pytest -q -m gpu --timeout=120 tests/kernels/test_gpu_quant_kernels.py \
+  tests/model/test_deepseek_v3_quantized_gpu.py \
+  -k "(w8a8_decode and block3) or (quantized_dummy and fp8-block) or quantized_greedy" \
   -p no:cacheprovider 2>&1 | tail -n 2
 step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route"
 timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
