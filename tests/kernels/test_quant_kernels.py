@@ -413,6 +413,21 @@ def test_fp8_w8a8_decode_form_matches_float64_of_its_activation_groups(
     _close(quant_fp8_w8a8.fp8_w8a8_decode_ref(x, weight, scale, block, tile=tile), expected, dtype)
 
 
+def test_every_w8a8_decode_candidate_on_128x128_blocks_given_as_such_matches_float64():
+    """A block-FP8 layer hands its kept 128 x 128 scales to every Triton route (model/quant/fp8.py):
+    the W8A8 candidates of each row bucket, with weight tiles of 64 rows (one scale a K step) and of
+    128-256 rows (a scale per column), over masked rows and a partial last block."""
+    gen = torch.Generator().manual_seed(12)
+    n, k, block = 300, 256, (128, 128)
+    weight, scale = _fp8_weights(n, k, block, gen)
+    dequantized = quant_fp8.dequantize_fp8(weight, scale, block).double()
+    for bucket, tiles in quant_fp8_w8a8.W8A8_TILES.items():
+        for tile in tiles:
+            x = e4m3_exact_activations(bucket, k, quant_fp8_w8a8.decode_group(block, k, tile), gen)
+            out = quant_fp8_w8a8.fp8_w8a8_decode_triton(x, weight, scale, block, tile=tile)
+            _close(out, x.double() @ dequantized.T, torch.float32)
+
+
 def test_fp8_w8a8_decode_form_refuses_k_blocks_without_a_step():
     gen = torch.Generator().manual_seed(3)
     weight, scale = _fp8_weights(8, 96, (1, 24), gen)  # 24 = 8 x 3: no power-of-two step >= 16
