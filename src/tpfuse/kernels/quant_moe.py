@@ -231,17 +231,16 @@ def _steps(stack: QuantExperts, cols_k: int, block_n: int, num_cols: int, max_bl
     block_k = min(max_block_k, pow2_part(cols_k))
     if block_k < 64:
         block_k = min(max_block_k, triton.next_power_of_2(cols_k))
-    if stack.bits == 0:
-        per_row, sub_k, subs = gemv_steps(block_k, stack.group, cols_k)
-    else:
+    if stack.bits:
         block_k = gemv_block_k(block_k, cols_k, stack.bits)
-        per_row, sub_k, subs = False, block_k, 1
     # a short K step (the down projection's K is the intermediate size) takes more rows per program,
     # so each thread still has about as many weights per step to amortise the x loads over
     block_n = min(64, max(block_n, block_n * max_block_k // block_k))
     x_scale = stack.bits == 0 and stack.group < cols_k and stack.row_block % block_n == 0
-    if x_scale:
-        per_row, sub_k, subs = gemv_steps(block_k, stack.group, cols_k, x_scale=True)
+    if stack.bits == 0:
+        per_row, sub_k, subs = gemv_steps(block_k, stack.group, cols_k, x_scale)
+    else:
+        per_row, sub_k, subs = False, block_k, 1
     even = cols_k % (sub_k * subs if stack.bits == 0 else block_k) == 0 and num_cols % block_n == 0
     return dict(BITS=stack.bits, GROUP=stack.group, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                 SUBS=subs, PER_ROW=per_row, EVEN=even, X_PAIRS=pairs and stack.bits > 0, HALF2=False,
