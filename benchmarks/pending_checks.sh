@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call (about 9 minutes, best on one H200: the issues' GPU) for what docs/PERF.md lists under
-# "Not measured yet" (as of 2026-12-07, 19:50 UTC, and the lists before it): the H200 figures of the
+# One device call (about 9 minutes, best on one H200: the issues' GPU) for docs/PERF.md's "Not measured
+# yet" list: the GPU tests of code that ran on the GPU only inside benchmarks (W8A8 decode tiles on 128x128
+# blocks, the block-FP8 models end to end, rope inside decode attention under CUDA graphs), then the
 # targets table with PDL (block-FP8 llama and DeepSeek-V3 with the block scales on x, qwen3-30b-a3b bf16
-# batch 1), the W8A8 decode tiles on 128x128 blocks against float64, the fused MoE entry's GPU tests,
-# rope inside decode attention, the f16x2 INT4 kernels and the 3-stage 16-head MLA tile on an H200,
-# DeepSeek-V3's one-launch grouped router, the quantized expert slots under PDL, and the engine's
-# start-up PDL choice for FP8 llama. Carry the server wheels (.whl).
+# batch 1-64, the f16x2 INT4 kernels, the 3-stage 16-head MLA tile), the fused MoE entry, the grouped
+# router, the quantized expert slots under PDL and the engine's start-up PDL choice for FP8 llama.
+# Carry the server wheels (.whl).
 # Usage (device machine, repo root): bash benchmarks/pending_checks.sh
 set -u
 source benchmarks/device_env.sh
@@ -17,6 +17,9 @@ timeout 150 python3 -m pytest -q -m gpu --timeout=120 tests/kernels/test_gpu_qua
   tests/model/test_deepseek_v3_quantized_gpu.py \
   -k "(w8a8_decode and block3) or (quantized_dummy and fp8-block) or quantized_greedy" \
   -p no:cacheprovider 2>&1 | tail -n 2
+step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
+timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
+  tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
 step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route"
 timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
   2>&1 | grep -E "^ +(bf16|fp8)|prefill|Error" | head -n 40
@@ -29,15 +32,13 @@ step "the fused MoE entry (norm + router, routed slots; unquantized and quantize
 timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
   tests/kernels/test_gpu_quant_kernels.py tests/kernels/test_mla_gpu.py tests/kernels/test_pdl.py \
   -k "entry or routed or grouped_route or quantized_moe_chain" -p no:cacheprovider 2>&1 | tail -n 2
-step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
-timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
-  tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
-step "INT4 llama-3.1-8b model step (batch 1 and 64)"
-timeout 100 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 2>&1 | grep -E "^ +int4"
-step "INT4 experts, qwen3-30b-a3b batch 1"
-timeout 150 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --quantization int4 2>&1 | tail -n 3
+step "INT4 llama-3.1-8b model step with PDL (batch 1 and 64; batch 1's kernels)"
+timeout 130 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 --pdl --profile 2>&1 \
+  | grep -E "^ +int4|kernel" | head -n 24
+step "INT4 experts, qwen3-30b-a3b batch 1 with PDL"
+timeout 150 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --quantization int4 --pdl 2>&1 | tail -n 3
 step "MLA decode, 16 heads (the 3-stage tile)"
 timeout 100 python3 benchmarks/mla_decode.py --heads 16 --no-old 2>&1 | tail -n 17
 step "the engine's start-up PDL choice for llama-3.1-8b FP8 (its INFO log line)"
