@@ -108,20 +108,32 @@ def _restrict_fp8_tiles(model, which: str) -> None:
 
 def prefill_by_route(model, args) -> dict[str, float]:
     """Prefill tok/s with every prefill-routed layer forced onto each route its method offers them all
-    (kernels/fp8_scaled_mm.py), side by side; {} where there is no choice. Restores the chosen routes."""
+    (kernels/fp8_scaled_mm.py), FP8 rows off; then, where layers can take FP8 rows from the norms
+    (kernels/fp8_rows.py), the chosen routes with them off and on, side by side. {} where there is
+    neither choice. Restores every choice."""
+    tokens, iters = args.prefill_tokens, max(3, args.iters // 20)
     layers = [m for m in model.modules() if hasattr(getattr(m, "method", None), "prefill_candidates")]
+    rows_layers = [m for m in layers if getattr(m.method, "fp8_rows_candidates", lambda layer: ())(m)]
     offered = [set(layer.method.prefill_candidates(layer)) for layer in layers]
     common = set.intersection(*offered) if offered else set()
-    if len(common) < 2:
-        return {}
-    chosen = {layer: linear_choice.quant_tile(layer, args.prefill_tokens) for layer in layers}
+    chosen = {layer: linear_choice.quant_tile(layer, tokens) for layer in layers}
+    chosen_rows = {layer: linear_choice.fp8_rows_route(layer, tokens) for layer in rows_layers}
+    for layer in rows_layers:
+        linear_choice.set_fp8_rows_route(layer, None)
     result = {}
-    for route in sorted(common, key=lambda r: r.label()):
+    for route in sorted(common, key=lambda r: r.label()) if len(common) >= 2 else ():
         for layer in layers:
-            linear_choice.set_quant_tile(layer, args.prefill_tokens, route)
-        result[route.label()] = prefill_tok_s(model, args.prefill_tokens, max(3, args.iters // 20))
+            linear_choice.set_quant_tile(layer, tokens, route)
+        result[route.label()] = prefill_tok_s(model, tokens, iters)
     for layer, route in chosen.items():
-        linear_choice.set_quant_tile(layer, args.prefill_tokens, route)
+        linear_choice.set_quant_tile(layer, tokens, route)
+    if rows_layers:
+        result["the chosen routes, plain tensors from the norms"] = prefill_tok_s(model, tokens, iters)
+        for layer in rows_layers:
+            linear_choice.set_fp8_rows_route(layer, layer.method.fp8_rows_candidates(layer)[0])
+        result["the chosen routes, FP8 rows from the norms"] = prefill_tok_s(model, tokens, iters)
+    for layer, route in chosen_rows.items():
+        linear_choice.set_fp8_rows_route(layer, route)
     return result
 
 

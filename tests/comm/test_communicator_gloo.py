@@ -34,6 +34,8 @@ def _run_collectives(rank, world_size):
         out[f"unchanged_{dtype}"] = torch.equal(x, xs[rank])
     xs, residual, weight = _inputs(world_size, torch.bfloat16)
     out["fp8"] = comm.fused_add_rmsnorm_all_reduce_fp8(xs[rank], residual, weight, EPS, torch.tensor([0.05]))
+    rows, rows_residual = comm.fused_add_rmsnorm_all_reduce_fp8_rows(xs[rank], residual, weight, EPS)
+    out["fp8_rows"] = (rows.data, rows.scales, rows.dtype, rows_residual)
     out["gather_last"] = comm.all_gather(xs[rank], dim=-1)
     out["gather_first"] = comm.all_gather(xs[rank], dim=0)
     out["cpu_copy_all_reduce"] = GlooCpuCopyCommunicator().all_reduce(xs[rank])
@@ -105,6 +107,21 @@ def test_fp8_fused_output_is_the_scaled_norm_of_the_new_residual_in_e4m3(gloo_ru
         expected = (normed64 / 0.05).clamp(-FP8_MAX, FP8_MAX)
         assert q.dtype == torch.float8_e4m3fn
         assert ((q.double() - expected).abs() <= 0.07 * expected.abs() + 2.0**-9).all()
+
+
+def test_fp8_rows_are_the_fused_output_quantized_per_row(gloo_run):
+    """The normed rows as FP8 rows (kernels/fp8_rows.py): the bits of the plain fused output quantized
+    one scale a row, as the W8A8 product would quantize it, with the same new residual."""
+    from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
+
+    _, results = gloo_run
+    for r in results:
+        data, scales, dtype, new_residual = r["fp8_rows"]
+        normed, plain_residual = r[f"fused_{torch.bfloat16}"]
+        expected_data, expected_scales = quantize_fp8_rows_ref(normed, HIDDEN)
+        assert dtype == torch.bfloat16 and torch.equal(new_residual, plain_residual)
+        assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
+        assert torch.equal(scales, expected_scales)
 
 
 def test_all_gather_concatenates_in_rank_order_along_dim(gloo_run):

@@ -99,6 +99,25 @@ def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
         assert ((q.double() - expected).abs() <= 0.07 * expected.abs() + 2.0**-9).all()
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_fp8_rows_are_the_plain_output_quantized_one_scale_a_row(algorithm):
+    """The FP8-rows epilogue with concurrent ranks: on every rank, the bits of the plain fused output
+    quantized per row by quantize_fp8_rows_triton (what the W8A8 product would do with it)."""
+    from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_triton
+
+    wss = _workspaces(2, 64, 4096)
+    xs = [cuda_randn(64, 4096, dtype=torch.bfloat16) for _ in range(2)]
+    residual, weight = cuda_randn(64, 4096, dtype=torch.bfloat16), cuda_randn(4096, dtype=torch.bfloat16)
+    plain = _fused(wss, xs, residual, weight, algorithm)
+    rows = on_streams(
+        2, lambda r: launch.fused_add_rmsnorm(wss[r], xs[r], residual, weight, EPS, algorithm, fp8_rows=True)
+    )
+    for (fp8, new_residual), (normed, plain_residual) in zip(rows, plain, strict=True):
+        data, scales = quantize_fp8_rows_triton(normed, 4096)
+        assert torch.equal(new_residual, plain_residual) and torch.equal(fp8.scales, scales)
+        assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
+
+
 def test_all_gather_through_the_communicator_concatenates_in_rank_order():
     comms = create_virtual_communicators(4, DEVICE, 8, 1000, torch.float32)
     xs = [torch.randn(3, 250, device=DEVICE) for _ in range(4)]

@@ -35,8 +35,10 @@ def ptx_by_kernel():
 
 
 @pytest.mark.parametrize(
-    "name", ["one_shot", "two_shot", "one_shot_fp8", "staged", "ordered_push", "hierarchical", "pull"]
-)
+    "name",
+    ["one_shot", "two_shot", "one_shot_fp8", "two_shot_fp8_rows", "staged", "ordered_push", "hierarchical",
+     "pull"],
+)  # fmt: skip
 def test_flags_are_release_stores_and_acquire_loads_at_system_scope(ptx_by_kernel, name):
     ptx = ptx_by_kernel[name]
     assert "st.release.sys.global.u32" in ptx

@@ -161,6 +161,40 @@ def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
         assert torch.equal(xq.float(), xq_ref.float())
 
 
+@pytest.mark.parametrize("hidden", [4096, 1000])
+def test_fp8_rows_from_the_fused_norm_feed_the_w8a8_product_the_bits_of_its_own_quantization(hidden):
+    """The fused add + RMSNorm writing FP8 rows (kernels/fp8_rows.py) gives the bits of the plain kernel
+    followed by quantize_fp8_rows, and the product on those rows the bits of fp8_w8a8_triton on the
+    plain rows, eagerly and replayed from a CUDA graph."""
+    from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_fp8_rows_triton, fused_add_rmsnorm_triton
+
+    gen = torch.Generator(DEVICE).manual_seed(hidden)
+    x = (torch.randn(300, hidden, generator=gen, device=DEVICE) * 3).bfloat16()
+    residual = torch.randn(300, hidden, generator=gen, device=DEVICE).bfloat16()
+    norm_weight = (torch.rand(hidden, generator=gen, device=DEVICE) + 0.5).bfloat16()
+    x[7] = 0
+    residual[7] = 0
+    rows, new_residual = fused_add_rmsnorm_fp8_rows_triton(x, residual, norm_weight, 1e-5)
+    normed, plain_residual = fused_add_rmsnorm_triton(x, residual, norm_weight, 1e-5)
+    data, scales = quant_fp8_w8a8.quantize_fp8_rows_triton(normed, hidden)
+    assert torch.equal(new_residual, plain_residual) and torch.equal(rows.scales, scales)
+    assert torch.equal(rows.data.view(torch.uint8), data.view(torch.uint8))
+    if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
+        return
+    weight = torch.randn(2048, hidden, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
+    scale = torch.rand(2048, 1, generator=gen, device=DEVICE) * 0.01 + 1e-3
+    block = (1, hidden)
+    own = quant_fp8_w8a8.fp8_w8a8_triton(normed, weight, scale, block)
+    assert torch.equal(quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block), own)
+
+    def in_graph(inp):
+        return quant_fp8_w8a8.fp8_w8a8_rows_triton(
+            fused_add_rmsnorm_fp8_rows_triton(inp, residual, norm_weight, 1e-5)[0], weight, scale, block
+        )
+
+    assert torch.equal(_in_graph(in_graph, x), own)
+
+
 @pytest.mark.parametrize("n,k,block", [(4096, 4096, (1, 4096)), (6144, 4096, (1, 128))])
 def test_fp8_tensor_core_product_matches_float64_of_the_quantized_activations(n, k, block):
     if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
@@ -257,6 +291,43 @@ def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_grap
 
                 _close(run(x), expected)
                 _close(_in_graph(run, x), expected)
+
+
+def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_quantization():
+    """A per-channel FP8 model (dummy llama-3.2-1b) whose qkv and gate_up take FP8 rows (the route
+    start-up timing may choose, forced here) gives the prefill logits of its own quantization, bit for
+    bit on the GPU, and the engine's start-up choice keeps FP8 rows only where they were faster."""
+    from tests.model.harness import PagedSequences, load_for_test
+    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
+    from tpfuse.model import linear_choice
+
+    model, _ = load_for_test("llama-3.2-1b", dtype="bfloat16", device=DEVICE, load_format="dummy",
+                             quantization="fp8")  # fmt: skip
+    layer0 = model.layers[0]
+    if not layer0.mlp.gate_up_proj.method.fp8_rows_candidates(layer0.mlp.gate_up_proj):
+        pytest.skip("this GPU failed the FP8-dot probe: W8A16 throughout, no FP8 rows")
+    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
+    prompt = list(range(1, 301))
+
+    def prefill_logits(rows_route):
+        for layer in (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj):
+            linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
+        for layer in readers:
+            linear_choice.set_fp8_rows_route(layer, rows_route)
+        try:
+            return PagedSequences(model, 1).step([prompt])[0]
+        finally:
+            for layer in (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj):
+                linear_choice.set_quant_tile(layer, len(prompt), None)
+                linear_choice.set_fp8_rows_route(layer, None)
+
+    assert torch.equal(prefill_logits(FP8_ROWS), prefill_logits(None))
+    decided = linear_choice.choose_quantized([model], max_rows=1, buckets=(1,), prefill_rows=512)
+    prefill = {key: us for key, bucket, _, us in decided if bucket == linear_choice.PREFILL}
+    for key, bucket, route, us in decided:
+        if bucket == linear_choice.PREFILL_FP8_ROWS:
+            assert route == FP8_ROWS and us < prefill[key]
+    linear_choice.reset()
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block", "int4"])

@@ -133,6 +133,32 @@ def test_fp8_w8a8_matches_float64_of_quantized_activations(n, k, block):
         _close(out, _float64_product(x_dequantized, dequantized, None), torch.float32)
 
 
+@pytest.mark.parametrize("n,k,dtype", [(70, 200, torch.bfloat16), (33, 96, torch.float16)])
+def test_fp8_w8a8_on_fp8_rows_matches_float64_of_the_rows(n, k, dtype):
+    """The prefill product on activations a producer already quantized per row (kernels/fp8_rows.py),
+    with bias, into x's dtype; weights with K blocks refuse FP8 rows (one scale a row)."""
+    from tpfuse.kernels.fp8_rows import Fp8Rows
+
+    gen = torch.Generator().manual_seed(n + k)
+    weight, scale = _fp8_weights(n, k, (1, k), gen)
+    data, scales = quant_fp8_w8a8.quantize_fp8_rows_ref(torch.randn(67, k, generator=gen), k)
+    rows = Fp8Rows(data, scales, dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    dequantized = quant_fp8.dequantize_fp8(weight, scale, (1, k))
+    expected = _float64_product(rows.dequantize(torch.float64), dequantized, bias)
+    for out in (
+        quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, (1, k), bias),
+        quant_fp8_w8a8.fp8_w8a8_rows_ref(rows, weight, scale, (1, k), bias),
+    ):
+        assert out.shape == (67, n)
+        _close(out, expected, dtype)
+    block_weight, block_scale = _fp8_weights(n, 256, (128, 128), gen)
+    block_x = torch.randn(5, 256, generator=gen)
+    block_rows = Fp8Rows(*quant_fp8_w8a8.quantize_fp8_rows_ref(block_x, 256), dtype)
+    with pytest.raises(ValueError, match="one scale a row"):
+        quant_fp8_w8a8.fp8_w8a8_rows_triton(block_rows, block_weight, block_scale, (128, 128))
+
+
 def test_fp8_activations_quantize_into_padded_column_major_scales_as_torch_scaled_mm_takes_them():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 300, generator=gen)

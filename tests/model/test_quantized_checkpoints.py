@@ -376,3 +376,62 @@ def test_block_fp8_decode_tiles_on_the_checkpoint_blocks_equal_float64(tmp_path,
             torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=atol)
         monkeypatch.setenv("TPFUSE_KERNELS", "torch")
         knobs.reload()
+
+
+@pytest.mark.parametrize("name,rows_route", [("fp8-channel", True), ("fp8-block", False)])
+def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantization(
+    name, rows_route, tmp_path, monkeypatch
+):
+    """Where start-up timing chose FP8 rows for the projections that read a norm (qkv, gate_up), each
+    fused norm writes FP8 rows (kernels/fp8_rows.py) and the prefill logits are the bits of the same
+    model quantizing its own activations (TRITON_PREFILL); decode-sized steps and K-block weights (one
+    scale a 128-column group, not a row) never take them."""
+    from tests.model.harness import PagedSequences
+    from tpfuse.comm.communicator import SingleRankCommunicator
+    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
+    from tpfuse.model import linear_choice
+    from tpfuse.model.quant import fp8
+
+    class CountingCommunicator(SingleRankCommunicator):
+        fp8_rows_calls = 0
+
+        def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
+            CountingCommunicator.fp8_rows_calls += 1
+            return super().fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps)
+
+    kind, quantizer, config, shape = FORMATS[name]
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path, dtype="bfloat16", comm=CountingCommunicator())
+    monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)  # as on a GPU with FP8 tensor cores
+    monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # the GPU's routes, on the kernels' references
+    layer0 = model.layers[0]
+    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
+    projections = (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj)
+    assert bool(readers[0].method.fp8_rows_candidates(readers[0])) is rows_route
+    prompt = [random.Random(5).randrange(model.config.vocab_size) for _ in range(70)]
+
+    def prefill_logits(rows_route):
+        for layer in projections:
+            linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
+        for layer in readers:
+            linear_choice.set_fp8_rows_route(layer, rows_route)
+        try:
+            return PagedSequences(model, 1).step([prompt])[0]
+        finally:
+            for layer in projections:
+                linear_choice.set_quant_tile(layer, len(prompt), None)
+                linear_choice.set_fp8_rows_route(layer, None)
+
+    own = prefill_logits(None)
+    assert CountingCommunicator.fp8_rows_calls == 0
+    if not rows_route:
+        return
+    rows = prefill_logits(FP8_ROWS)
+    assert CountingCommunicator.fp8_rows_calls == 2 * len(model.layers)  # every norm but the final one
+    assert torch.equal(rows, own)
+    linear_choice.set_fp8_rows_route(readers[0], FP8_ROWS)
+    try:  # decode-sized steps take the plain tensor
+        assert not readers[0].method.takes_fp8_rows(readers[0], 64)
+        assert readers[0].method.takes_fp8_rows(readers[0], 65)
+    finally:
+        linear_choice.set_fp8_rows_route(readers[0], None)

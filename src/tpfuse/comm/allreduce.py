@@ -17,7 +17,8 @@ kernel holds only its own order of pushes, waits and sums.
 
 Epilogue numerics (as tpfuse.kernels.rmsnorm): s = round(sum_fp32 + residual) is the new residual;
 normed = round(s * rsqrt(mean(s^2) + eps) * weight) in float32; FP8: normed_fp32 / scale rounded to the
-nearest-even float8_e4m3fn value and clamped to +-448 (saturating).
+nearest-even float8_e4m3fn value and clamped to +-448 (saturating); FP8 rows: normed, as rounded
+above, quantized one scale a row (kernels/fp8_rows.py), the scales stored beside it.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from tpfuse.comm.sync import (
     signal_peers,
     wait_for_peers,
 )
+from tpfuse.kernels.fp8_rows import E4M3_MAX, quantize_row, round_to_e4m3
 from tpfuse.kernels.rmsnorm import rmsnorm_row
 
 EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
 EPILOGUE_NORM = tl.constexpr(1)  # + residual, RMSNorm
 EPILOGUE_NORM_FP8 = tl.constexpr(2)  # + residual, RMSNorm, FP8 e4m3 with a per-tensor scale
 EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: every rank's rows into the concatenated output (one-shot)
-FP8_E4M3_MAX = tl.constexpr(448.0)
-E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
-E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float32 to a multiple of 2^-9
+EPILOGUE_NORM_FP8_ROWS = tl.constexpr(4)  # + residual, RMSNorm, FP8 rows (kernels/fp8_rows.py): scales out
 
 
 @triton.jit
@@ -75,23 +75,17 @@ def _push_row(peer_table, slot, row, hidden, cols, v, mask, WS: tl.constexpr, DT
 
 
 @triton.jit
-def _round_to_e4m3(y):
-    """Round float32 to the nearest-even float8_e4m3fn value (still float32), so the final conversion is
-    exact. Done by hand because the Triton interpreter's float8 conversion loses the mantissa carry."""
-    bits = y.to(tl.uint32, bitcast=True)
-    keep3 = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    subnormal = (y + E4M3_SUBNORMAL_ROUNDER) - E4M3_SUBNORMAL_ROUNDER  # multiples of 2^-9
-    return tl.where(tl.abs(y) < E4M3_MIN_NORMAL, subnormal, keep3)
-
-
-@triton.jit
 def _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, eps,
                   EPILOGUE: tl.constexpr):  # fmt: skip
-    """s_row: the new residual row (activation dtype); stores it, and its RMSNorm (+FP8) to out_ptr."""
+    """s_row: the new residual row (activation dtype); stores it, and its RMSNorm (+FP8) to out_ptr (FP8
+    rows: the row's scale to scale_ptr + row)."""
     tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
     y = rmsnorm_row(s_row.to(tl.float32), weight_ptr, cols, in_row, hidden, eps)
     if EPILOGUE == EPILOGUE_NORM_FP8:
-        y = tl.clamp(_round_to_e4m3(y / tl.load(scale_ptr)), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        y = tl.clamp(round_to_e4m3(y / tl.load(scale_ptr)), -E4M3_MAX, E4M3_MAX)
+    if EPILOGUE == EPILOGUE_NORM_FP8_ROWS:  # the row as the plain epilogue rounds it, then quantized
+        y, row_scale = quantize_row(y.to(s_row.dtype).to(tl.float32))
+        tl.store(scale_ptr + row, row_scale)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 

@@ -11,7 +11,8 @@ import abc
 
 import torch
 
-from tpfuse.kernels import fused_add_rmsnorm
+from tpfuse.kernels import fused_add_rmsnorm, fused_add_rmsnorm_fp8_rows, quantize_fp8_rows
+from tpfuse.kernels.fp8_rows import Fp8Rows
 
 
 class Communicator(abc.ABC):
@@ -54,6 +55,16 @@ class Communicator(abc.ABC):
         new_residual = (self.all_reduce(x).float() + residual.float()).to(x.dtype)
         return quantize_fp8(rmsnorm_fp32(new_residual, weight, eps), scale), new_residual
 
+    def fused_add_rmsnorm_all_reduce_fp8_rows(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[Fp8Rows, torch.Tensor]:
+        """As fused_add_rmsnorm_all_reduce, but the normed rows come as kernels/fp8_rows.py's Fp8Rows:
+        the bits a per-row W8A8 product's own quantization would give them. A communicator may quantize
+        inside its epilogue; this one quantizes after the fused all-reduce."""
+        normed, new_residual = self.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+        data, scales = quantize_fp8_rows(normed, max(normed.shape[1], 1))
+        return Fp8Rows(data, scales, normed.dtype), new_residual
+
     def check(self) -> None:
         """Raises RuntimeError if a peer never arrived in an earlier call (custom kernels only). Call it at
         a point that synchronises anyway; it waits for the device."""
@@ -90,6 +101,9 @@ class SingleRankCommunicator(Communicator):
     def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
         return fused_add_rmsnorm(x, residual, weight, eps)
 
+    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
+        return fused_add_rmsnorm_fp8_rows(x, residual, weight, eps)
+
     def all_gather(self, x, dim=-1):
         return x
 
@@ -116,6 +130,9 @@ class TorchDistributedCommunicator(Communicator):
 
     def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
         return fused_add_rmsnorm(self.all_reduce(x), residual, weight, eps)
+
+    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
+        return fused_add_rmsnorm_fp8_rows(self.all_reduce(x), residual, weight, eps)
 
     def all_gather(self, x, dim=-1):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]

@@ -20,6 +20,7 @@ from tpfuse.comm import schedules
 from tpfuse.comm.schedules import ALGORITHMS, NO_GATHER  # noqa: F401 - the names callers know
 from tpfuse.comm.sync import ALL_PHASES, interpreting
 from tpfuse.comm.workspace import RankWorkspace
+from tpfuse.kernels.fp8_rows import Fp8Rows
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -90,14 +91,16 @@ def fused_add_rmsnorm(
     eps: float,
     algorithm: str = "one_shot",
     fp8_scale: torch.Tensor | None = None,
-    outputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    outputs: tuple | None = None,
     phases: int = ALL_PHASES,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_rows: bool = False,
+) -> tuple:
     """s = round(all_reduce(x) + residual); returns (normed, s), both new [T, H] tensors unless
     `outputs` gives them. x, residual: [T, H] of one dtype, residual identical on every rank (as in
     tensor parallelism; two-shot adds the owner's copy); weight: [H]. normed has x's dtype, or
-    float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given.
-    Bit-identical on every rank. Raises ValueError on shape or size problems."""
+    float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given,
+    or is kernels/fp8_rows.py's Fp8Rows with fp8_rows (outputs then (Fp8Rows, s)). Bit-identical on
+    every rank. Raises ValueError on shape or size problems."""
     rows = _as_rows(x)
     _check_fits(ws, rows, "fused all-reduce input", algorithm)
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -106,16 +109,27 @@ def fused_add_rmsnorm(
         )
     if weight.shape != (rows.shape[1],):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({rows.shape[1]},)")
+    if fp8_rows and fp8_scale is not None:
+        raise ValueError("fp8_rows quantizes each row with its own scale: give no fp8_scale with it")
     res_rows = _as_rows(residual)
     if outputs is None:
-        out_dtype = torch.float8_e4m3fn if fp8_scale is not None else rows.dtype
-        outputs = (torch.empty(rows.shape, dtype=out_dtype, device=rows.device), torch.empty_like(rows))
+        fp8 = fp8_scale is not None or fp8_rows
+        out_dtype = torch.float8_e4m3fn if fp8 else rows.dtype
+        normed = torch.empty(rows.shape, dtype=out_dtype, device=rows.device)
+        if fp8_rows:
+            scales = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+            normed = Fp8Rows(normed, scales, rows.dtype)
+        outputs = (normed, torch.empty_like(rows))
     normed, res_out = outputs
-    if fp8_scale is None:
-        scale, epilogue = weight, k.EPILOGUE_NORM.value
+    if fp8_rows:
+        out, scale, epilogue = normed.data, normed.scales, k.EPILOGUE_NORM_FP8_ROWS.value
+    elif fp8_scale is None:
+        out, scale, epilogue = normed, weight, k.EPILOGUE_NORM.value
     else:
-        scale, epilogue = fp8_scale.to(torch.float32).reshape(1), k.EPILOGUE_NORM_FP8.value
-    _launch(ws, algorithm, rows, res_rows, weight, normed, res_out, scale, eps, epilogue, phases)
+        out, scale, epilogue = normed, fp8_scale.to(torch.float32).reshape(1), k.EPILOGUE_NORM_FP8.value
+    _launch(ws, algorithm, rows, res_rows, weight, out, res_out, scale, eps, epilogue, phases)
+    if fp8_rows:
+        return normed, res_out.view(x.shape)
     return normed.view(x.shape), res_out.view(x.shape)
 
 

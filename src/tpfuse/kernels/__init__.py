@@ -47,7 +47,10 @@ __all__ = [
     "counter_uniform",
     "decode_attention_op",
     "fp8_linear_op",
+    "fp8_rows_linear_op",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_fp8_rows",
+    "quantize_fp8_rows",
     "fused_experts",
     "fused_experts_slots",
     "int_linear_op",
@@ -105,6 +108,17 @@ def rmsnorm_op(x, weight, eps):
 
 def fused_add_rmsnorm(x, residual, weight, eps):
     return _pick(rmsnorm, "fused_add_rmsnorm", x)(x, residual, weight, eps)
+
+
+def fused_add_rmsnorm_fp8_rows(x, residual, weight, eps):
+    """fused_add_rmsnorm with the normed rows as kernels/fp8_rows.py's Fp8Rows: (rows, new_residual)."""
+    return _pick(rmsnorm, "fused_add_rmsnorm_fp8_rows", x)(x, residual, weight, eps)
+
+
+def quantize_fp8_rows(x, group):
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]) per (row, group columns)
+    (kernels/quant_fp8_w8a8.py)."""
+    return _pick(quant_fp8_w8a8, "quantize_fp8_rows", x)(x, group)
 
 
 def rope_op(positions, q, k, cos_sin_cache):
@@ -226,6 +240,15 @@ def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=
     if use_triton(x):
         return quant_int.int_linear_triton(x, packed, scales, offsets, bits, group_size, bias, tile=tile)
     return quant_int.int_linear_ref(x, packed, scales, offsets, bits, group_size, bias)
+
+
+def fp8_rows_linear_op(rows, weight, scale, block, bias=None):
+    """rows (kernels/fp8_rows.py's Fp8Rows [M, K]) @ (weight [N, K] e4m3 * scale).T (+ bias) -> [M, N] of
+    rows.dtype: the W8A8 prefill product without its own quantization (per-channel / per-tensor
+    weights; kernels/quant_fp8_w8a8.py)."""
+    if use_triton(rows.data):
+        return quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block, bias)
+    return quant_fp8_w8a8.fp8_w8a8_rows_ref(rows, weight, scale, block, bias)
 
 
 def fp8_linear_op(x, weight, scale, block, bias=None, tile=None, w8a8=False):

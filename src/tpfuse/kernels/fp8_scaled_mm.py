@@ -32,11 +32,16 @@ ROW_ALIGN = 4  # scale_a's column stride is the row count: 16-byte aligned
 @dataclass(frozen=True)
 class GemmRoute:
     """An FP8 W8A8 product as one GEMM: the Triton tensor-core prefill kernel, or torch._scaled_mm;
-    start-up timing races them past 64 rows, and torch._scaled_mm against the decode tiles at 16-64."""
+    start-up timing races them past 64 rows, and torch._scaled_mm against the decode tiles at 16-64.
+    fp8_rows: the Triton kernel on input its producer already quantized per row (kernels/fp8_rows.py),
+    so the product launches no quantization of its own."""
 
     scaled_mm: bool
+    fp8_rows: bool = False
 
     def label(self) -> str:
+        if self.fp8_rows:
+            return "triton w8a8 prefill on fp8 rows"
         return "torch._scaled_mm" if self.scaled_mm else "triton w8a8 prefill"
 
 
@@ -46,6 +51,7 @@ class ScaledMmUnavailable(RuntimeError):
 
 TRITON_PREFILL = GemmRoute(scaled_mm=False)
 SCALED_MM = GemmRoute(scaled_mm=True)
+FP8_ROWS = GemmRoute(scaled_mm=False, fp8_rows=True)
 
 
 def row_scales(scale: torch.Tensor, block: tuple[int, int], num_cols: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.fp8_rows import Fp8Rows
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import (
     ELEMENT,
@@ -187,16 +188,38 @@ def fp8_w8a8_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None 
     """FP8 x FP8 tensor-core product (prefill). Block scales need block[1] == tile.block_k (128)."""
     num_rows, hidden = x.shape
     check_fp8_weights(weight, scale, block, hidden)
-    group = activation_group(block, hidden)
-    per_block = group < hidden
+    xq, xs = quantize_fp8_rows_triton(x, activation_group(block, hidden))
+    return _w8a8_product(xq, xs, weight, scale, block, bias, tile, x.dtype)
+
+
+def fp8_w8a8_rows_ref(rows: Fp8Rows, weight, scale, block, bias=None):
+    """What fp8_w8a8_rows_triton computes: the rows' values times the dequantized weight in float32,
+    rounded once to rows.dtype."""
+    return rounded_linear_ref(rows.dequantize(), dequantize_fp8(weight, scale, block), bias, rows.dtype)
+
+
+def fp8_w8a8_rows_triton(rows: Fp8Rows, weight, scale, block, bias=None, *, tile: Fp8Tile | None = None):
+    """fp8_w8a8_triton on activations already quantized per row (kernels/fp8_rows.py: the bits
+    fp8_w8a8_triton's own quantization gives them), for weights whose W8A8 activation group is the whole
+    row (per-channel, per-tensor); out [T, N] of rows.dtype. Raises ValueError for block weights."""
+    hidden = rows.shape[1]
+    check_fp8_weights(weight, scale, block, hidden)
+    if activation_group(block, hidden) != hidden:
+        raise ValueError(f"FP8 rows carry one scale a row; weights with {block} blocks quantize x per block")
+    return _w8a8_product(rows.data, rows.scales, weight, scale, block, bias, tile, rows.dtype)
+
+
+def _w8a8_product(xq, xs, weight, scale, block, bias, tile: Fp8Tile | None, out_dtype):
+    """The tensor-core product of xq [M, K] e4m3 (contiguous) with scales xs [M, groups] float32."""
+    num_rows, hidden = xq.shape
+    per_block = activation_group(block, hidden) < hidden
     # per-block scales: 4 warps keep the loads on cp.async (8 warps fall back to plain loads and
     # 255 registers on sm_90); per-row: 128x128 on 8 warps, 117 registers
     tile = tile or (Fp8Tile(64, 128, 128, 3, 4) if per_block else Fp8Tile(128, 128, 128, 3, 8))
     if per_block and tile.block_k != block[1]:
         raise ValueError(f"block scales {block} need tile.block_k == {block[1]}")
-    xq, xs = quantize_fp8_rows_triton(x, group)
     num_cols = weight.shape[0]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, num_cols), dtype=out_dtype, device=xq.device)
     if num_rows == 0 or num_cols == 0:
         return out
     grid = (triton.cdiv(num_rows, tile.block_m), triton.cdiv(num_cols, tile.block_n))
@@ -205,7 +228,7 @@ def fp8_w8a8_triton(x, weight, scale, block, bias=None, *, tile: Fp8Tile | None 
         xs,
         weight,
         scale,
-        bias if bias is not None else x,
+        bias if bias is not None else out,
         out,
         num_rows,
         num_cols,

@@ -4,7 +4,8 @@ Numerics (shared with the fused all-reduce epilogue in tpfuse.comm, so TP and TP
 the sum x + residual is formed in float32 and rounded once to the activation dtype; that rounded
 value is the new residual, and the norm is computed from it in float32, multiplied by the weight in
 float32, and rounded once. This is what transformers' Llama does in float32 and matches it to
-rounding in bfloat16.
+rounding in bfloat16. The fused form may write the normed rows as FP8 rows instead
+(kernels/fp8_rows.py): the same rounded rows, quantized as the W8A8 product would quantize them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
+from tpfuse.kernels.fp8_rows import Fp8Rows, quantize_row
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,6 +31,18 @@ def fused_add_rmsnorm_ref(
     """x, residual: [T, H]; weight: [H]. Returns (normed, new_residual), both new tensors."""
     new_residual = (x.float() + residual.float()).to(x.dtype)
     return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def fused_add_rmsnorm_fp8_rows_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """fused_add_rmsnorm_ref with the normed rows then quantized per row (kernels/fp8_rows.py):
+    (Fp8Rows [T, H], new_residual [T, H] of x.dtype)."""
+    from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
+
+    normed, new_residual = fused_add_rmsnorm_ref(x, residual, weight, eps)
+    data, scales = quantize_fp8_rows_ref(normed, max(normed.shape[1], 1))
+    return Fp8Rows(data.contiguous(), scales[:, :1].contiguous(), x.dtype), new_residual
 
 
 @triton.jit
@@ -68,12 +82,14 @@ def _fused_add_rmsnorm_kernel(
     w_ptr,
     out_ptr,
     new_res_ptr,
+    scales_ptr,
     stride_x,
     stride_res,
     stride_out,
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    FP8_ROWS: tl.constexpr,  # out is e4m3 and scales_ptr [T] float32: the rows as kernels/fp8_rows.py
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -88,6 +104,9 @@ def _fused_add_rmsnorm_kernel(
     s = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
     y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
+    if FP8_ROWS:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
+        y, scale = quantize_row(y.to(new_res_ptr.dtype.element_ty).to(tl.float32))
+        tl.store(scales_ptr + row, scale)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -130,17 +149,26 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def fused_add_rmsnorm_launch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks); None takes the default."""
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    num_warps: int | None = None,
+    fp8_rows: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks; None takes the default), and
+    with fp8_rows the normed rows as Fp8Rows (fused_add_rmsnorm_fp8_rows_triton)."""
     x = _check_rows(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
     residual = _check_rows(residual, weight)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty_like(out)
+    out_dtype = torch.float8_e4m3fn if fp8_rows else x.dtype
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device) if fp8_rows else None
+    normed = Fp8Rows(out, scales, x.dtype) if fp8_rows else out
     if x.shape[0] == 0:
-        return out, new_residual
+        return normed, new_residual
     block, warps = _launch_config(x.shape[1])
     _fused_add_rmsnorm_kernel[(x.shape[0],)](
         x,
@@ -148,16 +176,18 @@ def fused_add_rmsnorm_launch(
         weight,
         out,
         new_residual,
+        scales if fp8_rows else new_residual,
         x.stride(0),
         residual.stride(0),
         out.stride(0),
         x.shape[1],
         eps,
         BLOCK_H=block,
+        FP8_ROWS=fp8_rows,
         num_warps=num_warps or warps,
         **pdl.launch(x.device),
     )
-    return out, new_residual
+    return normed, new_residual
 
 
 def fused_add_rmsnorm_triton(
@@ -168,3 +198,11 @@ def fused_add_rmsnorm_triton(
     Returns (normed, new_residual), both new [T, H] tensors of x.dtype; inputs are not modified.
     Raises ValueError when the shapes do not match."""
     return fused_add_rmsnorm_launch(x, residual, weight, eps)
+
+
+def fused_add_rmsnorm_fp8_rows_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """Triton fused_add_rmsnorm_fp8_rows_ref, one launch: (Fp8Rows [T, H], new_residual [T, H]), new
+    tensors; the same bits as fused_add_rmsnorm_triton followed by quantize_fp8_rows_triton on a GPU."""
+    return fused_add_rmsnorm_launch(x, residual, weight, eps, fp8_rows=True)

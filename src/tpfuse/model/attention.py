@@ -20,6 +20,7 @@ from tpfuse.kernels import (
 )
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear, ShardSlot
+from tpfuse.model.linear_method import takes_fp8_rows
 
 
 @dataclass
@@ -201,6 +202,11 @@ class Attention(nn.Module):
             slots[prefix + "k_norm.weight"] = self.k_norm.slot()
         return slots
 
+    def takes_fp8_rows(self, num_tokens: int) -> bool:
+        """Whether the input norm should write this layer's input as FP8 rows (its qkv projection's
+        choice: model/linear_method.takes_fp8_rows)."""
+        return takes_fp8_rows(self.qkv_proj, num_tokens)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -209,10 +215,10 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, H] (normed); kv_cache: (k, v) each
-        [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
+        """positions: [T] int64; hidden: [T, H] (normed; FP8 rows where takes_fp8_rows); kv_cache: (k, v)
+        each [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
         Returns [T, H], this rank's partial sum of the attention output."""
-        num_tokens, d = hidden.shape[0], self.head_dim
+        num_tokens, d = positions.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(num_tokens, self.num_heads, d)

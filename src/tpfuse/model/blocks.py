@@ -6,7 +6,9 @@ output summed over ranks into the residual stream and normed by `weight` (the ne
 norm); `forward_after_attention` starts one step earlier, from the attention's partial sum (the
 post-attention all-reduce + add + RMSNorm first); `checkpoint_slots(prefix)` names its checkpoint
 tensors. So a block may fuse its own prologue (the MoE router) and epilogue (the MoE combine) into
-the neighbouring syncs without the decoder loop knowing.
+the neighbouring syncs without the decoder loop knowing. fp8_rows asks a block to write the next norm's
+output as FP8 rows (kernels/fp8_rows.py) because its consumer takes them (takes_fp8_rows); a block
+that cannot gives the plain tensor, which every consumer also takes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from tpfuse.kernels import silu_and_mul
 from tpfuse.model.attention import Attention
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, ShardSlot
-from tpfuse.model.linear_method import method_for
+from tpfuse.model.linear_method import method_for, takes_fp8_rows
+
+
+def fused_norm(comm: Communicator, x, residual, weight, eps, fp8_rows: bool = False):
+    """comm's all-reduce + residual add + RMSNorm of x: (normed, new residual), normed as FP8 rows where
+    fp8_rows (its consumer takes them)."""
+    if fp8_rows:
+        return comm.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps)
+    return comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
 
 
 class FeedForwardBlock(nn.Module, abc.ABC):
@@ -30,9 +40,21 @@ class FeedForwardBlock(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def forward_add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        comm: Communicator,
+        fp8_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] normed -> (the next norm's output, the new residual), both [T, H]."""
+        """x [T, H] normed -> (the next norm's output, the new residual), both [T, H] (the output as
+        FP8 rows where fp8_rows and the block can)."""
+
+    def takes_fp8_rows(self, num_tokens: int) -> bool:
+        """Whether the post-attention norm should write this block's input as FP8 rows; False unless a
+        block's first projection takes them."""
+        return False
 
     def forward_after_attention(
         self,
@@ -42,12 +64,15 @@ class FeedForwardBlock(nn.Module, abc.ABC):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
+        fp8_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """From the attention's partial sum [T, H]: all-reduce + residual add + RMSNorm by post_weight
         (the post-attention norm), then forward_add_rmsnorm. A block overrides it to fuse that norm into
         its own first kernel."""
-        h, residual = comm.fused_add_rmsnorm_all_reduce(partial, residual, post_weight, eps)
-        return self.forward_add_rmsnorm(h, residual, weight, eps, comm)
+        h, residual = fused_norm(
+            comm, partial, residual, post_weight, eps, self.takes_fp8_rows(partial.shape[0])
+        )
+        return self.forward_add_rmsnorm(h, residual, weight, eps, comm, fp8_rows)
 
 
 class GatedMLP(FeedForwardBlock):
@@ -74,13 +99,14 @@ class GatedMLP(FeedForwardBlock):
         self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype, method=method_for("row", [down]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H], this rank's partial sum."""
+        """x: [T, H] (or FP8 rows where takes_fp8_rows) -> [T, H], this rank's partial sum."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
-    def forward_add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_rows=False):
+        return fused_norm(comm, self(x), residual, weight, eps, fp8_rows)
+
+    def takes_fp8_rows(self, num_tokens: int) -> bool:
+        return takes_fp8_rows(self.gate_up_proj, num_tokens)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         gate, up, down = self.names

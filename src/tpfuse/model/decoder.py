@@ -6,7 +6,9 @@ loop, logits, checkpoint names) is here. The residual stream crosses ranks only 
 after o_proj (applying post_attention_layernorm; the feed-forward block's forward_after_attention runs
 it, model/blocks.py) and after the feed-forward block (applying the next layer's input_layernorm, or
 the final norm after the last layer). The embedding's partial sum enters the same way, with a zero
-residual, so a forward pass of N layers makes exactly 2N + 1 such calls.
+residual, so a forward pass of N layers makes exactly 2N + 1 such calls. A norm writes its output as
+FP8 rows (kernels/fp8_rows.py) where the layer that reads it takes them (takes_fp8_rows: FP8 W8A8
+projections where start-up timing chose that route), so the product launches no quantization.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 
 from tpfuse.kernels import rope_cos_sin_cache
 from tpfuse.model.attention import AttentionMetadata
-from tpfuse.model.blocks import DecoderLayer
+from tpfuse.model.blocks import DecoderLayer, fused_norm
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, ParallelLMHead, RMSNorm, ShardSlot, VocabParallelEmbedding
 
@@ -68,9 +70,11 @@ class DecoderForCausalLM(nn.Module):
         aux_hidden_state_layers, plus one with aux_final_hidden).
         """
         comm, eps, layers = self.comm, self.eps, self.layers
+        num_tokens = input_ids.shape[0]
         partial = self.embed_tokens(input_ids)
-        h, residual = comm.fused_add_rmsnorm_all_reduce(
-            partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps
+        fp8_rows = layers[0].self_attn.takes_fp8_rows(num_tokens)
+        h, residual = fused_norm(
+            comm, partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps, fp8_rows
         )
         aux = []
         last = len(layers) - 1
@@ -79,8 +83,10 @@ class DecoderForCausalLM(nn.Module):
                 aux.append(residual)
             partial = layer.self_attn(positions, h, attn, kv_caches[i], self.cos_sin_cache)
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
+            post_norm = layer.post_attention_layernorm
+            fp8_rows = i < last and layers[i + 1].self_attn.takes_fp8_rows(num_tokens)
             h, residual = layer.mlp.forward_after_attention(
-                partial, residual, layer.post_attention_layernorm.weight, next_norm.weight, eps, comm
+                partial, residual, post_norm.weight, next_norm.weight, eps, comm, fp8_rows
             )
         if self.aux_final_hidden:
             aux.append(h)

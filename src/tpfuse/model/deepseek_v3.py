@@ -23,7 +23,7 @@ from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import grouped_route, grouped_topk_op, moe_finalize_op
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
-from tpfuse.model.blocks import FeedForwardBlock, GatedMLP
+from tpfuse.model.blocks import FeedForwardBlock, GatedMLP, fused_norm
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
 from tpfuse.model.kv_layout import LatentCacheLayout
@@ -90,7 +90,13 @@ class DeepseekV3MoE(FeedForwardBlock):
         return out
 
     def forward_add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        comm: Communicator,
+        fp8_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
         experts' output as one more slot of each token, so routed and shared outputs are summed in
@@ -100,7 +106,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         slots_per_token = self.top_k + (self.shared_experts is not None)
         fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
         if not fused:
-            return comm.fused_add_rmsnorm_all_reduce(self(x), residual, weight, eps)
+            return fused_norm(comm, self(x), residual, weight, eps, fp8_rows)
         slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if comm.world_size == 1:

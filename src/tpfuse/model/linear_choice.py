@@ -265,6 +265,10 @@ _QUANT_TILES: dict[tuple, IntTile] = {}
 # (prefill_candidates) have it timed at the engine's prefill chunk, over PREFILL_LAYERS layers a shape.
 PREFILL = "prefill"
 PREFILL_LAYERS = 2
+# A method's route on input its producer already quantized (fp8_rows_candidates: FP8 W8A8 on FP8 rows),
+# timed without that quantization and kept only where it beats PREFILL's route: then the layer takes
+# FP8 rows (takes_fp8_rows) and a producer that cannot write them still gets PREFILL's route.
+PREFILL_FP8_ROWS = "prefill on fp8 rows"
 # Off from the reference by more than this share of its largest value, a candidate is wrong, not
 # rounded: W8A8 tiles quantize x to e4m3 (a few % per output), a wrong scale or layout is off by ~100 %.
 AGREEMENT = 0.1
@@ -318,19 +322,41 @@ def _quant_candidates(layer, rows_bucket) -> tuple:
 
 def _quant_timer(layers, rows: int):
     """time_us(tile) for fastest: the tile's product at `rows` rows over the layers (one product a
-    layer, CUDA-graph replayed), checked once against the first layer's dequantized weight."""
+    layer, CUDA-graph replayed), checked once against the first layer's dequantized weight. A method's
+    route_input(layer, x, tile), where it has one, gives the input a tile takes, made before timing
+    (FP8 rows that the layer's producer would write)."""
     first = layers[0]
     x = torch.randn(rows, first.shards.k_local, device=next(first.parameters()).device).to(torch.bfloat16)
     dequantize = getattr(first.method, "dequantize", None)
     reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
+    route_input = getattr(first.method, "route_input", lambda layer, x, tile: x)
 
     def time_us(tile):
+        x_in = route_input(first, x, tile)
         if reference is not None:
-            check_agrees(first.method.product(first, x, None, tile), reference, tile.label())
-        calls = [lambda layer=layer: layer.method.product(layer, x, None, tile) for layer in layers]
+            check_agrees(first.method.product(first, x_in, None, tile), reference, tile.label())
+        calls = [lambda layer=layer: layer.method.product(layer, x_in, None, tile) for layer in layers]
         return graph_us(calls, min_launches=16 if rows <= MAX_ROWS else 4, replays=5, samples=3)
 
     return time_us
+
+
+def fp8_rows_route(layer, rows: int):
+    """The route chosen for the layer's input as FP8 rows at `rows` rows (past MAX_ROWS), or None: the
+    layer takes the plain tensor."""
+    if rows <= MAX_ROWS or not _QUANT_TILES:
+        return None
+    return _QUANT_TILES.get((layer.method.tile_key(layer), PREFILL_FP8_ROWS))
+
+
+def set_fp8_rows_route(layer, route) -> None:
+    """Makes `route` the layer's FP8-rows choice for every layer of its (method, shape); None forgets it
+    (benchmarks, tests)."""
+    key = (layer.method.tile_key(layer), PREFILL_FP8_ROWS)
+    if route is None:
+        _QUANT_TILES.pop(key, None)
+    else:
+        _QUANT_TILES[key] = route
 
 
 def set_quant_tile(layer, rows: int, tile) -> None:
@@ -394,6 +420,14 @@ def choose_quantized(
             timed = layers[:PREFILL_LAYERS] if rows_bucket == PREFILL else layers
             time_us = _quant_timer(timed, rows)
             decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows} rows")))
+            rows_routes = getattr(layers[0].method, "fp8_rows_candidates", lambda layer: ())(layers[0])
+            if rows_bucket == PREFILL and rows_routes:
+                try:
+                    route, us = fastest(rows_routes, time_us, f"{key} on fp8 rows at {rows} rows")
+                except RuntimeError:  # none builds here: the layer takes the plain tensor
+                    continue
+                if us < decided[-1][3]:
+                    decided.append((key, PREFILL_FP8_ROWS, route, us))
     if agree is not None:
         decided = agree(decided)
     for key, rows_bucket, tile, _ in decided:

@@ -69,7 +69,9 @@ class LinearMethod(Protocol):
     """name: shown in the load log. create_weights registers the parameters on layer;
     checkpoint_slots(layer, part) -> {tensor suffix ("weight", "weight_scale", ...): ShardSlot};
     process_weights(layer) runs once after loading (repacking, expanding scales; raises ValueError
-    naming the tensor whose values do not fit); apply(layer, x [T, K_local], bias) -> [T, N_local]."""
+    naming the tensor whose values do not fit); apply(layer, x [T, K_local], bias) -> [T, N_local].
+    Optional: takes_fp8_rows(layer, rows), where apply also takes x as kernels/fp8_rows.py's Fp8Rows
+    (see takes_fp8_rows below)."""
 
     name: str
 
@@ -169,6 +171,14 @@ def method_for(role: str, names: Sequence[str] = ()) -> LinearMethod:
     if full and hasattr(config, "linear_method_for"):
         return config.linear_method_for(role, full)
     return config.linear_method(role)
+
+
+def takes_fp8_rows(layer: nn.Module, rows: int) -> bool:
+    """Whether the projection `layer` takes its input as FP8 rows (kernels/fp8_rows.py) at `rows` rows:
+    its method says so where it has takes_fp8_rows (FP8 W8A8 where start-up timing chose that route).
+    Its producer then writes them where it can; every method also takes the plain tensor."""
+    method = getattr(layer, "method", None)
+    return hasattr(method, "takes_fp8_rows") and method.takes_fp8_rows(layer, rows)
 
 
 def reference_product(

@@ -89,6 +89,11 @@ class MLAAttention(nn.Module):
         per_head = weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return per_head[:, : s.qk_nope_head_dim], per_head[:, s.qk_nope_head_dim :]
 
+    def takes_fp8_rows(self, num_tokens: int) -> bool:
+        """False: the latent and query projections share the normed input (model/attention.py's
+        Attention.takes_fp8_rows)."""
+        return False
+
     def forward(
         self,
         positions: torch.Tensor,

@@ -28,7 +28,7 @@ from tpfuse.kernels import (
 from tpfuse.kernels.fused_moe_tiles import tile_for
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
-from tpfuse.model.blocks import FeedForwardBlock
+from tpfuse.model.blocks import FeedForwardBlock, fused_norm
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 from tpfuse.model.linear_method import expert_method_for
 
@@ -195,12 +195,19 @@ class SparseMoeBlock(FeedForwardBlock):
         return self.experts(x, topk_weights, topk_ids)
 
     def forward_add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, comm: Communicator
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        comm: Communicator,
+        fp8_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted combine ends inside the layer's last sync: at TP > 1 in the communicator's MoE
         finalize (combine + all-reduce + residual + RMSNorm, one kernel where it can:
         comm/moe_finalize.py); at TP = 1, where model/moe_choice.py measured it faster, in the fused
-        combine + residual + RMSNorm (kernels/moe_finalize.py), else combine then fused add + RMSNorm."""
+        combine + residual + RMSNorm (kernels/moe_finalize.py), else combine then fused add + RMSNorm (the
+        only form that writes FP8 rows for fp8_rows)."""
         topk_weights, topk_ids = self.route(x)
         if comm.world_size > 1:
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
@@ -209,16 +216,17 @@ class SparseMoeBlock(FeedForwardBlock):
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
             return moe_finalize_op(slots, self.top_k, residual, weight, eps)
         partial = self.experts(x, topk_weights, topk_ids)
-        return comm.fused_add_rmsnorm_all_reduce(partial, residual, weight, eps)
+        return fused_norm(comm, partial, residual, weight, eps, fp8_rows)
 
-    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm):
+    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm, fp8_rows=False):
         """At TP = 1 on decode-sized steps, where model/moe_choice.py measured it faster, two launches
         fewer: the post-attention add + RMSNorm runs inside the router product
         (kernels/moe_norm_router.py) and the top-k inside the experts' first kernel; else the plain
         sequence of model/blocks.py."""
         tile = moe_choice.norm_route_tile(partial, self) if comm.world_size == 1 else None
         if tile is None:
-            return super().forward_after_attention(partial, residual, post_weight, weight, eps, comm)
+            args = (partial, residual, post_weight, weight, eps, comm, fp8_rows)
+            return super().forward_after_attention(*args)
         h, residual, logits = moe_norm_route(partial, residual, post_weight, self.gate.weight, eps, tile)
         slots, _, _ = self.experts.routed_slot_outputs(h, logits, self.top_k, self.renormalize)
         return moe_finalize_op(slots, self.top_k, residual, weight, eps)
