@@ -378,15 +378,20 @@ def test_block_fp8_decode_tiles_on_the_checkpoint_blocks_equal_float64(tmp_path,
         knobs.reload()
 
 
-@pytest.mark.parametrize("name,rows_route", [("fp8-channel", True), ("fp8-block", False)])
+@pytest.mark.parametrize(
+    "name,rows_route,kernels", [("fp8-channel", True, "torch"), ("fp8-channel", True, "triton"),
+                                ("fp8-block", False, "torch")]
+)  # fmt: skip
 def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantization(
-    name, rows_route, tmp_path, monkeypatch
+    name, rows_route, kernels, tmp_path, monkeypatch
 ):
     """Where start-up timing chose FP8 rows for the projections that read a norm (qkv, gate_up), each
     fused norm writes FP8 rows (kernels/fp8_rows.py) and the prefill logits are the bits of the same
-    model quantizing its own activations (TRITON_PREFILL); decode-sized steps and K-block weights (one
-    scale a 128-column group, not a row) never take them."""
+    model quantizing its own activations (TRITON_PREFILL), on the kernels' references and on the Triton
+    kernels (interpreter); decode-sized steps and K-block weights (one scale a 128-column group, not a
+    row) never take them."""
     from tests.model.harness import PagedSequences
+    from tpfuse import knobs
     from tpfuse.comm.communicator import SingleRankCommunicator
     from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
     from tpfuse.model import linear_choice
@@ -403,7 +408,9 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
     model, _ = load_for_test(tmp_path, dtype="bfloat16", comm=CountingCommunicator())
     monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)  # as on a GPU with FP8 tensor cores
-    monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # the GPU's routes, on the kernels' references
+    monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # the GPU's routes, on `kernels`
+    monkeypatch.setenv("TPFUSE_KERNELS", kernels)
+    knobs.reload()
     layer0 = model.layers[0]
     readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
     projections = (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj)
@@ -427,6 +434,8 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     if not rows_route:
         return
     rows = prefill_logits(FP8_ROWS)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
     assert CountingCommunicator.fp8_rows_calls == 2 * len(model.layers)  # every norm but the final one
     assert torch.equal(rows, own)
     linear_choice.set_fp8_rows_route(readers[0], FP8_ROWS)

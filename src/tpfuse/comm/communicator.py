@@ -1,7 +1,8 @@
 """The one seam the model calls for tensor-parallel communication.
 
-A Communicator belongs to one tensor-parallel group and one rank. The model uses only these three
-operations; which algorithm runs (tpfuse's Triton kernels over peer memory, NCCL, or gloo on CPU) is
+A Communicator belongs to one tensor-parallel group and one rank. The model uses only the operations
+below (all-reduce, the fused all-reduce + residual add + RMSNorm with its MoE-combine and FP8-rows
+forms, all-gather); which algorithm runs (tpfuse's Triton kernels over peer memory, NCCL, or gloo on CPU) is
 the Communicator's business, decided per message size at start-up, before any CUDA graph capture.
 """
 
