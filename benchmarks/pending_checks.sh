@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (about 9 minutes, best on one H200: the issues' GPU) for docs/PERF.md's "Not measured
-# yet" list: the GPU tests of code that ran on the GPU only inside benchmarks (W8A8 decode tiles on 128x128
-# blocks, the block-FP8 models end to end, rope inside decode attention under CUDA graphs), then the
+# yet" list: the GPU tests of code that ran on the GPU only inside benchmarks or not at all (W8A8 decode
+# tiles on 128x128 blocks, the block-FP8 models end to end, FP8 rows from the norms, rope inside decode
+# attention under CUDA graphs), then FP8 prefill with FP8 rows from the norms off and on, the
 # targets table with PDL (block-FP8 llama and DeepSeek-V3 with the block scales on x, qwen3-30b-a3b bf16
 # batch 1-64, the f16x2 INT4 kernels, the 3-stage 16-head MLA tile), the fused MoE entry, the grouped
 # router, the quantized expert slots under PDL and the engine's start-up PDL choice for FP8 llama.
@@ -12,15 +13,15 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "128x128 FP8 blocks as such: W8A8 decode tiles vs float64; block-FP8 dummy models, DeepSeek-V3 checkpoints"
-timeout 150 python3 -m pytest -q -m gpu --timeout=120 tests/kernels/test_gpu_quant_kernels.py \
-  tests/model/test_deepseek_v3_quantized_gpu.py \
-  -k "(w8a8_decode and block3) or (quantized_dummy and fp8-block) or quantized_greedy" \
-  -p no:cacheprovider 2>&1 | tail -n 2
+step "128x128 FP8 blocks as such: W8A8 decode tiles vs float64; block-FP8 dummy models, DeepSeek-V3 checkpoints; FP8 rows"
+timeout 170 python3 -m pytest -q -m gpu --timeout=120 tests/kernels/test_gpu_quant_kernels.py \
+  tests/model/test_deepseek_v3_quantized_gpu.py tests/comm/test_gpu_virtual_ranks.py \
+  -k "(w8a8_decode and block3) or (quantized_dummy and fp8-block) or quantized_greedy or fp8_rows" \
+  -p no:cacheprovider -rf 2>&1 | grep -E "FAIL|passed|failed" | tail -n 8
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
-step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route"
+step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route and with FP8 rows from the norms off / on"
 timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
   2>&1 | grep -E "^ +(bf16|fp8)|prefill|Error" | head -n 40
 step "deepseek-v3-4l FP8 blocks batch 1, per layer"
