@@ -74,6 +74,9 @@ def main() -> None:
                 "two_shot_fp8_rows": _ptx(
                     allreduce.two_shot_kernel, allreduce.EPILOGUE_NORM_FP8_ROWS.value, "*fp8e4nv"
                 ),
+                "one_shot_fp8_groups": _ptx(
+                    allreduce.one_shot_kernel, allreduce.EPILOGUE_NORM_FP8_GROUPS.value, "*fp8e4nv"
+                ),
                 "staged": _ptx(allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value),
                 "ordered_push": _ptx(
                     allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value, lockstep=False

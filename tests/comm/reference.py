@@ -51,24 +51,27 @@ def run_ranks_in_phases(call, world_size: int, phases=PHASES_IN_ORDER, ranks=Non
 
 
 def fused_in_phases(
-    wss, xs, residual, weight, algorithm, fp8_scale=None, phases=PHASES_IN_ORDER, fp8_rows=False
+    wss, xs, residual, weight, algorithm, fp8_scale=None, phases=PHASES_IN_ORDER, fp8_group=None
 ):
     """launch.fused_add_rmsnorm (eps EPS) of every virtual rank, run phase by phase, into poisoned
-    (normed, new_residual) outputs (normed e4m3 when fp8_scale is given, Fp8Rows with NaN scales with
-    fp8_rows); returns them in rank order."""
+    (normed, new_residual) outputs (normed e4m3 when fp8_scale is given, Fp8Rows of fp8_group columns
+    a scale with NaN scales where fp8_group is); returns them in rank order."""
     from tpfuse.kernels.fp8_rows import Fp8Rows
 
-    dtype = torch.float8_e4m3fn if fp8_scale is not None or fp8_rows else xs[0].dtype
+    rows, hidden = xs[0].shape
+    dtype = torch.float8_e4m3fn if fp8_scale is not None or fp8_group else xs[0].dtype
 
     def normed():
         out = poisoned(xs[0].shape, dtype)
-        return Fp8Rows(out, torch.full((xs[0].shape[0], 1), float("nan")), xs[0].dtype) if fp8_rows else out
+        if fp8_group is None:
+            return out
+        return Fp8Rows(out, torch.full((rows, -(-hidden // fp8_group)), float("nan")), xs[0].dtype, fp8_group)
 
     outs = [(normed(), poisoned(xs[0].shape, xs[0].dtype)) for _ in wss]
     run_ranks_in_phases(
         lambda r, ph: launch.fused_add_rmsnorm(
             wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph,
-            fp8_rows=fp8_rows,
+            fp8_group=fp8_group,
         ),
         len(wss),
         phases=phases,

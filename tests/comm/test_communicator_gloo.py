@@ -34,7 +34,7 @@ def _run_collectives(rank, world_size):
         out[f"unchanged_{dtype}"] = torch.equal(x, xs[rank])
     xs, residual, weight = _inputs(world_size, torch.bfloat16)
     out["fp8"] = comm.fused_add_rmsnorm_all_reduce_fp8(xs[rank], residual, weight, EPS, torch.tensor([0.05]))
-    rows, rows_residual = comm.fused_add_rmsnorm_all_reduce_fp8_rows(xs[rank], residual, weight, EPS)
+    rows, rows_residual = comm.fused_add_rmsnorm_all_reduce_fp8_rows(xs[rank], residual, weight, EPS, HIDDEN)
     out["fp8_rows"] = (rows.data, rows.scales, rows.dtype, rows_residual)
     out["gather_last"] = comm.all_gather(xs[rank], dim=-1)
     out["gather_first"] = comm.all_gather(xs[rank], dim=0)

@@ -100,9 +100,10 @@ def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_fp8_rows_are_the_plain_output_quantized_one_scale_a_row(algorithm):
+@pytest.mark.parametrize("group", [4096, 128])
+def test_fp8_rows_are_the_plain_output_quantized_a_scale_a_row_or_group(algorithm, group):
     """The FP8-rows epilogue with concurrent ranks: on every rank, the bits of the plain fused output
-    quantized per row by quantize_fp8_rows_triton (what the W8A8 product would do with it)."""
+    quantized by quantize_fp8_rows_triton (what the W8A8 product would do with it)."""
     from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_triton
 
     wss = _workspaces(2, 64, 4096)
@@ -110,10 +111,11 @@ def test_fp8_rows_are_the_plain_output_quantized_one_scale_a_row(algorithm):
     residual, weight = cuda_randn(64, 4096, dtype=torch.bfloat16), cuda_randn(4096, dtype=torch.bfloat16)
     plain = _fused(wss, xs, residual, weight, algorithm)
     rows = on_streams(
-        2, lambda r: launch.fused_add_rmsnorm(wss[r], xs[r], residual, weight, EPS, algorithm, fp8_rows=True)
+        2,
+        lambda r: launch.fused_add_rmsnorm(wss[r], xs[r], residual, weight, EPS, algorithm, fp8_group=group),
     )
     for (fp8, new_residual), (normed, plain_residual) in zip(rows, plain, strict=True):
-        data, scales = quantize_fp8_rows_triton(normed, 4096)
+        data, scales = quantize_fp8_rows_triton(normed, group)
         assert torch.equal(new_residual, plain_residual) and torch.equal(fp8.scales, scales)
         assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
 

@@ -108,12 +108,14 @@ def test_fp8_output_is_the_scaled_norm_rounded_to_e4m3(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_fp8_rows_are_the_plain_epilogue_quantized_one_scale_a_row(algorithm):
+@pytest.mark.parametrize("hidden,group", [(40, 40), (200, 128)])
+def test_fp8_rows_are_the_plain_epilogue_quantized_a_scale_a_row_or_group(algorithm, hidden, group):
     """The FP8-rows epilogue (kernels/fp8_rows.py) gives, on every rank, the bits of the plain fused
-    output quantized per row as the W8A8 product would, a scale a row (1 for a row of zeros)."""
+    output quantized as the W8A8 product would: a scale a row, or a 128-column group (scales of 1 for
+    a row of zeros, whose zeros keep their sign)."""
     from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
 
-    rows, hidden = 5, 40  # more rows than the 4 programs
+    rows = 5  # more rows than the 4 programs
     wss = _workspaces(2, rows, hidden, torch.bfloat16)
     xs = [torch.randn(rows, hidden).bfloat16() for _ in range(2)]
     residual, weight = torch.randn(rows, hidden).bfloat16(), torch.randn(hidden).bfloat16()
@@ -121,12 +123,12 @@ def test_fp8_rows_are_the_plain_epilogue_quantized_one_scale_a_row(algorithm):
         x[2] = 0
     residual[2] = 0
     plain = _fused(wss, xs, residual, weight, algorithm)
-    quantized = fused_in_phases(wss, xs, residual, weight, algorithm, fp8_rows=True)
+    quantized = fused_in_phases(wss, xs, residual, weight, algorithm, fp8_group=group)
     for (fp8, new_residual), (normed, plain_residual) in zip(quantized, plain, strict=True):
-        data, scales = quantize_fp8_rows_ref(normed, hidden)
+        data, scales = quantize_fp8_rows_ref(normed, group)
         assert torch.equal(new_residual, plain_residual) and torch.equal(fp8.scales, scales)
         assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
-        assert fp8.scales[2].item() == 1.0 and fp8.dtype == torch.bfloat16
+        assert (fp8.scales[2] == 1.0).all() and fp8.dtype == torch.bfloat16
 
 
 def test_rows_beyond_the_program_count_are_each_reduced_once():

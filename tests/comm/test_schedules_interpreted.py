@@ -38,10 +38,9 @@ def _steps(algorithm, world_size):
     return tuple(1 << i for i in range(schedules.get(algorithm).steps(world_size)))
 
 
-def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None, fp8_rows=False):
-    outs = fused_in_phases(
-        wss, xs, residual, weight, algorithm, fp8_scale, phases=_steps(algorithm, len(wss)), fp8_rows=fp8_rows
-    )
+def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None, fp8_group=None):
+    phases = _steps(algorithm, len(wss))
+    outs = fused_in_phases(wss, xs, residual, weight, algorithm, fp8_scale, phases, fp8_group)
     for ws in wss:
         ws.check()
     return outs
@@ -166,17 +165,19 @@ def test_a_message_whose_float32_partials_do_not_fit_is_refused_for_hierarchical
 
 
 @pytest.mark.parametrize("algorithm", NEW)
-def test_fp8_rows_are_the_plain_epilogue_quantized_one_scale_a_row(algorithm):
-    """Each PCIe schedule's FP8-rows epilogue: the bits of its plain fused output quantized per row."""
+@pytest.mark.parametrize("hidden,group", [(40, 40), (160, 128)])
+def test_fp8_rows_are_the_plain_epilogue_quantized_a_scale_a_row_or_group(algorithm, hidden, group):
+    """Each PCIe schedule's FP8-rows epilogue: the bits of its plain fused output quantized a scale a
+    row or a 128-column group."""
     from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
 
-    wss = _workspaces(4, 3, 40)
-    xs = [torch.randn(3, 40).bfloat16() for _ in range(4)]
-    residual, weight = torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16()
+    wss = _workspaces(4, 3, hidden)
+    xs = [torch.randn(3, hidden).bfloat16() for _ in range(4)]
+    residual, weight = torch.randn(3, hidden).bfloat16(), torch.randn(hidden).bfloat16()
     plain = _fused(wss, xs, residual, weight, algorithm)
     for (fp8, new_residual), (normed, plain_residual) in zip(
-        _fused(wss, xs, residual, weight, algorithm, fp8_rows=True), plain, strict=True
+        _fused(wss, xs, residual, weight, algorithm, fp8_group=group), plain, strict=True
     ):
-        data, scales = quantize_fp8_rows_ref(normed, 40)
+        data, scales = quantize_fp8_rows_ref(normed, group)
         assert torch.equal(new_residual, plain_residual) and torch.equal(fp8.scales, scales)
         assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))

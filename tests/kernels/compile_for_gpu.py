@@ -101,11 +101,12 @@ def _variants(dtype: str):
             skinny_linear._skinny_linear_kernel, {"*": p, "partials_ptr": "*fp32", "counter_ptr": "*i32"},
             {"num_rows": "i32", "num_cols": "i32"}, dict(skinny, SPLIT_K=split, SWAP=swap),
         )  # fmt: skip
-    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_ROWS=False)
-    yield (
-        rmsnorm._fused_add_rmsnorm_kernel, {"*": p, "out_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
-        {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_ROWS=True),
-    )  # fmt: skip
+    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=0)
+    for group in (4096, 128):  # FP8 rows: a scale a row, a scale a 128-column group
+        yield (
+            rmsnorm._fused_add_rmsnorm_kernel, {"*": p, "out_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
+            {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=group),
+        )  # fmt: skip
     yield (
         rope._rope_kernel,
         {"*": p, "positions_ptr": "*i64", "cache_ptr": "*fp32"},

@@ -161,11 +161,12 @@ def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
         assert torch.equal(xq.float(), xq_ref.float())
 
 
-@pytest.mark.parametrize("hidden", [4096, 1000])
-def test_fp8_rows_from_the_fused_norm_feed_the_w8a8_product_the_bits_of_its_own_quantization(hidden):
-    """The fused add + RMSNorm writing FP8 rows (kernels/fp8_rows.py) gives the bits of the plain kernel
-    followed by quantize_fp8_rows, and the product on those rows the bits of fp8_w8a8_triton on the
-    plain rows, eagerly and replayed from a CUDA graph."""
+@pytest.mark.parametrize("hidden,block", [(4096, (1, 4096)), (1000, (1, 1000)), (4096, (128, 128))])
+def test_fp8_rows_from_the_fused_norm_feed_the_w8a8_product_the_bits_of_its_own_quantization(hidden, block):
+    """The fused add + RMSNorm writing FP8 rows (kernels/fp8_rows.py; a scale a row for per-channel
+    weights, a 128-column group for 128 x 128 blocks) gives the bits of the plain kernel followed by
+    quantize_fp8_rows, and the product on those rows the bits of fp8_w8a8_triton on the plain rows,
+    eagerly and replayed from a CUDA graph."""
     from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_fp8_rows_triton, fused_add_rmsnorm_triton
 
     gen = torch.Generator(DEVICE).manual_seed(hidden)
@@ -174,23 +175,22 @@ def test_fp8_rows_from_the_fused_norm_feed_the_w8a8_product_the_bits_of_its_own_
     norm_weight = (torch.rand(hidden, generator=gen, device=DEVICE) + 0.5).bfloat16()
     x[7] = 0
     residual[7] = 0
-    rows, new_residual = fused_add_rmsnorm_fp8_rows_triton(x, residual, norm_weight, 1e-5)
+    group = quant_fp8_w8a8.activation_group(block, hidden)
+    rows, new_residual = fused_add_rmsnorm_fp8_rows_triton(x, residual, norm_weight, 1e-5, group)
     normed, plain_residual = fused_add_rmsnorm_triton(x, residual, norm_weight, 1e-5)
-    data, scales = quant_fp8_w8a8.quantize_fp8_rows_triton(normed, hidden)
+    data, scales = quant_fp8_w8a8.quantize_fp8_rows_triton(normed, group)
     assert torch.equal(new_residual, plain_residual) and torch.equal(rows.scales, scales)
     assert torch.equal(rows.data.view(torch.uint8), data.view(torch.uint8))
     if not quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device())):
         return
     weight = torch.randn(2048, hidden, generator=gen, device=DEVICE).to(quant_fp8.FP8_DTYPE)
-    scale = torch.rand(2048, 1, generator=gen, device=DEVICE) * 0.01 + 1e-3
-    block = (1, hidden)
+    scale = torch.rand(2048 // block[0], -(-hidden // block[1]), generator=gen, device=DEVICE) * 0.01 + 1e-3
     own = quant_fp8_w8a8.fp8_w8a8_triton(normed, weight, scale, block)
     assert torch.equal(quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block), own)
 
     def in_graph(inp):
-        return quant_fp8_w8a8.fp8_w8a8_rows_triton(
-            fused_add_rmsnorm_fp8_rows_triton(inp, residual, norm_weight, 1e-5)[0], weight, scale, block
-        )
+        rows = fused_add_rmsnorm_fp8_rows_triton(inp, residual, norm_weight, 1e-5, group)[0]
+        return quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block)
 
     assert torch.equal(_in_graph(in_graph, x), own)
 
@@ -293,16 +293,17 @@ def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_grap
                 _close(_in_graph(run, x), expected)
 
 
-def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_quantization():
-    """A per-channel FP8 model (dummy llama-3.2-1b) whose qkv and gate_up take FP8 rows (the route
-    start-up timing may choose, forced here) gives the prefill logits of its own quantization, bit for
-    bit on the GPU, and the engine's start-up choice keeps FP8 rows only where they were faster."""
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_quantization(quantization):
+    """An FP8 model (dummy llama-3.2-1b, per-channel or 128 x 128 blocks) whose qkv and gate_up take FP8
+    rows (the route start-up timing may choose, forced here) gives the prefill logits of its own
+    quantization, bit for bit on the GPU, and start-up keeps FP8 rows only where they were faster."""
     from tests.model.harness import PagedSequences, load_for_test
     from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
     from tpfuse.model import linear_choice
 
     model, _ = load_for_test("llama-3.2-1b", dtype="bfloat16", device=DEVICE, load_format="dummy",
-                             quantization="fp8")  # fmt: skip
+                             quantization=quantization)  # fmt: skip
     layer0 = model.layers[0]
     if not layer0.mlp.gate_up_proj.method.fp8_rows_candidates(layer0.mlp.gate_up_proj):
         pytest.skip("this GPU failed the FP8-dot probe: W8A16 throughout, no FP8 rows")

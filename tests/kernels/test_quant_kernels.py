@@ -121,9 +121,9 @@ def test_fp8_w8a8_matches_float64_of_quantized_activations(n, k, block):
     xq, xs = quant_fp8_w8a8.quantize_fp8_rows_triton(x, group)
     xq_ref, xs_ref = quant_fp8_w8a8.quantize_fp8_rows_ref(x, group)
     assert torch.equal(xs, xs_ref)
-    # The interpreter's float -> e4m3 cast mis-rounds where rounding carries into the next binade
-    # (124.7 -> 64), so xq itself is checked on the GPU (tests/kernels/test_gpu_quant_kernels.py);
-    # here the product is checked against float64 of the activations the kernel quantized.
+    # the kernel rounds to e4m3 by hand (kernels/fp8_rows.py round_to_e4m3), so its codes are the
+    # reference's under the interpreter too, whose own float -> e4m3 cast mis-rounds (124.7 -> 64)
+    assert torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8))
     dequantized = quant_fp8.dequantize_fp8(weight, scale, block)
     for quantized, out in (
         (xq, quant_fp8_w8a8.fp8_w8a8_triton(x, weight, scale, block)),
@@ -133,30 +133,35 @@ def test_fp8_w8a8_matches_float64_of_quantized_activations(n, k, block):
         _close(out, _float64_product(x_dequantized, dequantized, None), torch.float32)
 
 
-@pytest.mark.parametrize("n,k,dtype", [(70, 200, torch.bfloat16), (33, 96, torch.float16)])
-def test_fp8_w8a8_on_fp8_rows_matches_float64_of_the_rows(n, k, dtype):
-    """The prefill product on activations a producer already quantized per row (kernels/fp8_rows.py),
-    with bias, into x's dtype; weights with K blocks refuse FP8 rows (one scale a row)."""
+@pytest.mark.parametrize(
+    "n,k,block,dtype", [(70, 200, (1, 200), torch.bfloat16), (33, 96, (1, 96), torch.float16),
+                        (150, 300, (128, 128), torch.bfloat16)]
+)  # fmt: skip
+def test_fp8_w8a8_on_fp8_rows_matches_float64_of_the_rows(n, k, block, dtype):
+    """The prefill product on activations a producer already quantized (kernels/fp8_rows.py: a scale a
+    row for per-channel weights, a 128-column group for 128 x 128 blocks), with bias, into x's dtype;
+    rows of another group are refused."""
     from tpfuse.kernels.fp8_rows import Fp8Rows
 
     gen = torch.Generator().manual_seed(n + k)
-    weight, scale = _fp8_weights(n, k, (1, k), gen)
-    data, scales = quant_fp8_w8a8.quantize_fp8_rows_ref(torch.randn(67, k, generator=gen), k)
-    rows = Fp8Rows(data, scales, dtype)
+    weight, scale = _fp8_weights(n, k, block, gen)
+    group = quant_fp8_w8a8.activation_group(block, k)
+    data, scales = quant_fp8_w8a8.quantize_fp8_rows_ref(torch.randn(67, k, generator=gen), group)
+    rows = Fp8Rows(data, scales, dtype, group)
     bias = torch.randn(n, generator=gen).to(dtype)
-    dequantized = quant_fp8.dequantize_fp8(weight, scale, (1, k))
+    dequantized = quant_fp8.dequantize_fp8(weight, scale, block)
     expected = _float64_product(rows.dequantize(torch.float64), dequantized, bias)
     for out in (
-        quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, (1, k), bias),
-        quant_fp8_w8a8.fp8_w8a8_rows_ref(rows, weight, scale, (1, k), bias),
+        quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block, bias),
+        quant_fp8_w8a8.fp8_w8a8_rows_ref(rows, weight, scale, block, bias),
     ):
         assert out.shape == (67, n)
         _close(out, expected, dtype)
-    block_weight, block_scale = _fp8_weights(n, 256, (128, 128), gen)
-    block_x = torch.randn(5, 256, generator=gen)
-    block_rows = Fp8Rows(*quant_fp8_w8a8.quantize_fp8_rows_ref(block_x, 256), dtype)
-    with pytest.raises(ValueError, match="one scale a row"):
-        quant_fp8_w8a8.fp8_w8a8_rows_triton(block_rows, block_weight, block_scale, (128, 128))
+    other = 64 if group == k else k
+    other_x = torch.randn(5, k, generator=gen)
+    other_rows = Fp8Rows(*quant_fp8_w8a8.quantize_fp8_rows_ref(other_x, other), dtype, other)
+    with pytest.raises(ValueError, match="columns a scale"):
+        quant_fp8_w8a8.fp8_w8a8_rows_triton(other_rows, weight, scale, block)
 
 
 def test_fp8_activations_quantize_into_padded_column_major_scales_as_torch_scaled_mm_takes_them():
@@ -169,10 +174,7 @@ def test_fp8_activations_quantize_into_padded_column_major_scales_as_torch_scale
     assert scales.stride() == (1, 8)
     assert torch.equal(scales[:5], xs_ref) and (scales[5:] == -1.0).all()
     assert (xq[5:].float() == 7.0).all()
-    # the interpreter's e4m3 cast may round apart from the reference (see below): the codes are
-    # checked against the contiguous form's here, against the reference on the GPU
-    contiguous = quant_fp8_w8a8.quantize_fp8_rows_triton(x, 128)[0]
-    assert torch.equal(xq[:5].view(torch.uint8), contiguous.view(torch.uint8))
+    assert torch.equal(xq[:5].view(torch.uint8), xq_ref.view(torch.uint8))
 
 
 def test_fp8_scale_of_the_wrong_block_count_is_refused():

@@ -89,25 +89,37 @@ def test_fused_add_rmsnorm_gives_the_same_result_at_any_warp_count(num_warps):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden", [(1, 40), (5, 96), (3, 33)])
-def test_fused_add_rmsnorm_as_fp8_rows_quantizes_the_rows_the_plain_kernel_writes(rows, hidden, dtype):
-    """One launch gives the bits of the plain kernel's normed rows quantized per row afterwards
-    (quantize_fp8_rows with a whole-row group: what the W8A8 product would do), the same new residual,
-    and rows within e4m3's rounding of the float64 norm; a row of zeros gets scale 1."""
+@pytest.mark.parametrize(
+    "rows,hidden,group", [(1, 40, 40), (5, 96, 96), (3, 33, 33), (4, 200, 128), (2, 256, 128)]
+)
+def test_fused_add_rmsnorm_as_fp8_rows_quantizes_the_rows_the_plain_kernel_writes(rows, hidden, group, dtype):
+    """One launch gives the bits of the plain kernel's normed rows quantized afterwards
+    (quantize_fp8_rows, a scale a row or a 128-column group: what the W8A8 product would do), the
+    same new residual, and rows within e4m3's rounding of the float64 norm; a row of zeros gets
+    scales of 1 (with a negative weight, so its zeros are -0)."""
     from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
     from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_fp8_rows_ref, fused_add_rmsnorm_fp8_rows_triton
 
     x, residual, weight = _inputs(rows, hidden, dtype, seed=hidden + rows)
-    x[-1], residual[-1] = 0, 0
-    fp8, new_residual = fused_add_rmsnorm_fp8_rows_triton(x, residual, weight, EPS)
+    x[-1], residual[-1], weight[0] = 0, 0, -1
+    fp8, new_residual = fused_add_rmsnorm_fp8_rows_triton(x, residual, weight, EPS, group)
     normed, plain_residual = fused_add_rmsnorm_triton(x, residual, weight, EPS)
-    data, scales = quantize_fp8_rows_ref(normed, hidden)
-    assert fp8.data.dtype == torch.float8_e4m3fn and fp8.scales.shape == (rows, 1)
+    data, scales = quantize_fp8_rows_ref(normed, group)
+    assert fp8.data.dtype == torch.float8_e4m3fn and fp8.scales.shape == (rows, -(-hidden // group))
+    assert fp8.group == group and fp8.dtype == dtype
     assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
-    assert torch.equal(fp8.scales, scales) and fp8.scales[-1].item() == 1.0
+    assert torch.equal(fp8.scales, scales) and (fp8.scales[-1] == 1.0).all()
     assert torch.equal(new_residual, plain_residual)
     expected = rmsnorm_ref((x.float() + residual.float()).to(dtype).double(), weight.double(), EPS)
     err = (fp8.dequantize().double() - expected).abs().max().item()
     assert err <= 2**-3 * expected.abs().max().item(), err
-    ref, _ = fused_add_rmsnorm_fp8_rows_ref(x, residual, weight, EPS)
+    ref, _ = fused_add_rmsnorm_fp8_rows_ref(x, residual, weight, EPS, group)
     assert (ref.dequantize() - fp8.dequantize()).abs().max() <= 2**-3 * expected.abs().max()
+
+
+def test_fp8_rows_refuse_a_group_that_is_neither_a_row_nor_a_power_of_two():
+    from tpfuse.kernels.rmsnorm import fused_add_rmsnorm_fp8_rows_triton
+
+    x, residual, weight = _inputs(2, 200, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="power-of-two group"):
+        fused_add_rmsnorm_fp8_rows_triton(x, residual, weight, EPS, 96)

@@ -379,17 +379,17 @@ def test_block_fp8_decode_tiles_on_the_checkpoint_blocks_equal_float64(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "name,rows_route,kernels", [("fp8-channel", True, "torch"), ("fp8-channel", True, "triton"),
-                                ("fp8-block", False, "torch")]
+    "name,kernels", [("fp8-channel", "torch"), ("fp8-channel", "triton"), ("fp8-block", "torch"),
+                     ("fp8-block", "triton")]
 )  # fmt: skip
 def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantization(
-    name, rows_route, kernels, tmp_path, monkeypatch
+    name, kernels, tmp_path, monkeypatch
 ):
     """Where start-up timing chose FP8 rows for the projections that read a norm (qkv, gate_up), each
-    fused norm writes FP8 rows (kernels/fp8_rows.py) and the prefill logits are the bits of the same
-    model quantizing its own activations (TRITON_PREFILL), on the kernels' references and on the Triton
-    kernels (interpreter); decode-sized steps and K-block weights (one scale a 128-column group, not a
-    row) never take them."""
+    fused norm writes FP8 rows (kernels/fp8_rows.py: a scale a row for per-channel weights, a
+    128-column group for 128 x 128 blocks) and the prefill logits are the bits of the same model
+    quantizing its own activations (TRITON_PREFILL), on the kernels' references and on the Triton
+    kernels (interpreter); decode-sized steps never take them."""
     from tests.model.harness import PagedSequences
     from tpfuse import knobs
     from tpfuse.comm.communicator import SingleRankCommunicator
@@ -398,11 +398,11 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     from tpfuse.model.quant import fp8
 
     class CountingCommunicator(SingleRankCommunicator):
-        fp8_rows_calls = 0
+        groups = []
 
-        def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
-            CountingCommunicator.fp8_rows_calls += 1
-            return super().fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps)
+        def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
+            CountingCommunicator.groups.append(group)
+            return super().fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, group)
 
     kind, quantizer, config, shape = FORMATS[name]
     qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
@@ -414,7 +414,7 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     layer0 = model.layers[0]
     readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
     projections = (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj)
-    assert bool(readers[0].method.fp8_rows_candidates(readers[0])) is rows_route
+    assert all(layer.method.fp8_rows_candidates(layer) == (FP8_ROWS,) for layer in readers)
     prompt = [random.Random(5).randrange(model.config.vocab_size) for _ in range(70)]
 
     def prefill_logits(rows_route):
@@ -430,17 +430,28 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
                 linear_choice.set_fp8_rows_route(layer, None)
 
     own = prefill_logits(None)
-    assert CountingCommunicator.fp8_rows_calls == 0
-    if not rows_route:
-        return
+    assert CountingCommunicator.groups == []
     rows = prefill_logits(FP8_ROWS)
     monkeypatch.setenv("TPFUSE_KERNELS", "torch")
     knobs.reload()
-    assert CountingCommunicator.fp8_rows_calls == 2 * len(model.layers)  # every norm but the final one
+    group = model.config.hidden_size if name == "fp8-channel" else 128
+    assert CountingCommunicator.groups == [group] * (2 * len(model.layers))  # every norm but the final one
     assert torch.equal(rows, own)
     linear_choice.set_fp8_rows_route(readers[0], FP8_ROWS)
     try:  # decode-sized steps take the plain tensor
-        assert not readers[0].method.takes_fp8_rows(readers[0], 64)
-        assert readers[0].method.takes_fp8_rows(readers[0], 65)
+        assert readers[0].method.fp8_rows_group(readers[0], 64) is None
+        assert readers[0].method.fp8_rows_group(readers[0], 65) == group
     finally:
         linear_choice.set_fp8_rows_route(readers[0], None)
+
+
+def test_weight_only_fp8_offers_no_fp8_rows(tmp_path, monkeypatch):
+    from tpfuse.model.quant import fp8
+
+    kind, quantizer, config, shape = FORMATS["fp8-channel-qwen3-moe"]  # no input_activations: W8A16
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path)
+    monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.method.fp8_rows_candidates(qkv) == ()
+    assert model.layers[0].self_attn.fp8_rows_group(1000) is None

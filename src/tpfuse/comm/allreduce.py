@@ -18,7 +18,8 @@ kernel holds only its own order of pushes, waits and sums.
 Epilogue numerics (as tpfuse.kernels.rmsnorm): s = round(sum_fp32 + residual) is the new residual;
 normed = round(s * rsqrt(mean(s^2) + eps) * weight) in float32; FP8: normed_fp32 / scale rounded to the
 nearest-even float8_e4m3fn value and clamped to +-448 (saturating); FP8 rows: normed, as rounded
-above, quantized one scale a row (kernels/fp8_rows.py), the scales stored beside it.
+above, quantized one scale a row or a FP8_GROUP columns (kernels/fp8_rows.py), the scales stored
+beside it.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ from tpfuse.comm.sync import (
     signal_peers,
     wait_for_peers,
 )
-from tpfuse.kernels.fp8_rows import E4M3_MAX, quantize_row, round_to_e4m3
+from tpfuse.kernels.fp8_rows import BLOCK_GROUP, E4M3_MAX, round_to_e4m3, store_scales_of_row
 from tpfuse.kernels.rmsnorm import rmsnorm_row
 
 EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
 EPILOGUE_NORM = tl.constexpr(1)  # + residual, RMSNorm
 EPILOGUE_NORM_FP8 = tl.constexpr(2)  # + residual, RMSNorm, FP8 e4m3 with a per-tensor scale
 EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: every rank's rows into the concatenated output (one-shot)
-EPILOGUE_NORM_FP8_ROWS = tl.constexpr(4)  # + residual, RMSNorm, FP8 rows (kernels/fp8_rows.py): scales out
+EPILOGUE_NORM_FP8_ROWS = tl.constexpr(4)  # + residual, RMSNorm, FP8 rows, one scale a row (fp8_rows.py)
+EPILOGUE_NORM_FP8_GROUPS = tl.constexpr(5)  # ... one scale a FP8_GROUP columns (block FP8 weights' K block)
+FP8_GROUP = tl.constexpr(BLOCK_GROUP)
 
 
 @triton.jit
@@ -84,8 +87,9 @@ def _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residua
     if EPILOGUE == EPILOGUE_NORM_FP8:
         y = tl.clamp(round_to_e4m3(y / tl.load(scale_ptr)), -E4M3_MAX, E4M3_MAX)
     if EPILOGUE == EPILOGUE_NORM_FP8_ROWS:  # the row as the plain epilogue rounds it, then quantized
-        y, row_scale = quantize_row(y.to(s_row.dtype).to(tl.float32))
-        tl.store(scale_ptr + row, row_scale)
+        y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, cols.shape[0])
+    if EPILOGUE == EPILOGUE_NORM_FP8_GROUPS:
+        y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, FP8_GROUP)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 

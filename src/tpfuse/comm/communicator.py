@@ -57,14 +57,14 @@ class Communicator(abc.ABC):
         return quantize_fp8(rmsnorm_fp32(new_residual, weight, eps), scale), new_residual
 
     def fused_add_rmsnorm_all_reduce_fp8_rows(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     ) -> tuple[Fp8Rows, torch.Tensor]:
-        """As fused_add_rmsnorm_all_reduce, but the normed rows come as kernels/fp8_rows.py's Fp8Rows:
-        the bits a per-row W8A8 product's own quantization would give them. A communicator may quantize
-        inside its epilogue; this one quantizes after the fused all-reduce."""
+        """As fused_add_rmsnorm_all_reduce, but the normed rows come as kernels/fp8_rows.py's Fp8Rows,
+        `group` columns a scale (the whole row, or 128): the bits a W8A8 product's own quantization
+        would give them. A communicator may quantize inside its epilogue; this one quantizes after."""
         normed, new_residual = self.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
-        data, scales = quantize_fp8_rows(normed, max(normed.shape[1], 1))
-        return Fp8Rows(data, scales, normed.dtype), new_residual
+        data, scales = quantize_fp8_rows(normed, group)
+        return Fp8Rows(data, scales, normed.dtype, group), new_residual
 
     def check(self) -> None:
         """Raises RuntimeError if a peer never arrived in an earlier call (custom kernels only). Call it at
@@ -102,8 +102,8 @@ class SingleRankCommunicator(Communicator):
     def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
         return fused_add_rmsnorm(x, residual, weight, eps)
 
-    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
-        return fused_add_rmsnorm_fp8_rows(x, residual, weight, eps)
+    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
+        return fused_add_rmsnorm_fp8_rows(x, residual, weight, eps, group)
 
     def all_gather(self, x, dim=-1):
         return x
@@ -132,8 +132,8 @@ class TorchDistributedCommunicator(Communicator):
     def fused_add_rmsnorm_all_reduce(self, x, residual, weight, eps):
         return fused_add_rmsnorm(self.all_reduce(x), residual, weight, eps)
 
-    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
-        return fused_add_rmsnorm_fp8_rows(self.all_reduce(x), residual, weight, eps)
+    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
+        return fused_add_rmsnorm_fp8_rows(self.all_reduce(x), residual, weight, eps, group)
 
     def all_gather(self, x, dim=-1):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]

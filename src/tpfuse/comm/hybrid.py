@@ -110,13 +110,13 @@ class CustomCommunicator(Communicator):
         )
         return self._done(result)
 
-    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps):
+    def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
         algorithm = self._algorithm("fused", x)
         if algorithm == FALLBACK or algorithm in self.externals:  # externals have no FP8 epilogue here
             fallback = self._fallback("fused all-reduce", x)
-            return fallback.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps)
-        result = launch.fused_add_rmsnorm(self.workspace, x, residual, weight, eps, algorithm, fp8_rows=True)
-        return self._done(result)
+            return fallback.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, group)
+        ws = self.workspace
+        return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, fp8_group=group))
 
     def all_gather(self, x, dim=-1):
         # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise

@@ -93,14 +93,15 @@ def fused_add_rmsnorm(
     fp8_scale: torch.Tensor | None = None,
     outputs: tuple | None = None,
     phases: int = ALL_PHASES,
-    fp8_rows: bool = False,
+    fp8_group: int | None = None,
 ) -> tuple:
     """s = round(all_reduce(x) + residual); returns (normed, s), both new [T, H] tensors unless
     `outputs` gives them. x, residual: [T, H] of one dtype, residual identical on every rank (as in
     tensor parallelism; two-shot adds the owner's copy); weight: [H]. normed has x's dtype, or
     float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given,
-    or is kernels/fp8_rows.py's Fp8Rows with fp8_rows (outputs then (Fp8Rows, s)). Bit-identical on
-    every rank. Raises ValueError on shape or size problems."""
+    or kernels/fp8_rows.py's Fp8Rows of fp8_group columns a scale (the whole row, or
+    allreduce.FP8_GROUP; outputs then (Fp8Rows, s)). Bit-identical on every rank. Raises ValueError on
+    shape or size problems."""
     rows = _as_rows(x)
     _check_fits(ws, rows, "fused all-reduce input", algorithm)
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -109,26 +110,32 @@ def fused_add_rmsnorm(
         )
     if weight.shape != (rows.shape[1],):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({rows.shape[1]},)")
-    if fp8_rows and fp8_scale is not None:
-        raise ValueError("fp8_rows quantizes each row with its own scale: give no fp8_scale with it")
+    if fp8_group is not None and fp8_scale is not None:
+        raise ValueError("FP8 rows carry their own scales: give fp8_group or fp8_scale, not both")
+    if fp8_group is not None and fp8_group < rows.shape[1] and fp8_group != k.FP8_GROUP.value:
+        groups = f"one scale a row or a {k.FP8_GROUP.value}-column group"
+        raise ValueError(f"FP8 rows take {groups}; got {fp8_group}")
     res_rows = _as_rows(residual)
     if outputs is None:
-        fp8 = fp8_scale is not None or fp8_rows
+        fp8 = fp8_scale is not None or fp8_group is not None
         out_dtype = torch.float8_e4m3fn if fp8 else rows.dtype
         normed = torch.empty(rows.shape, dtype=out_dtype, device=rows.device)
-        if fp8_rows:
-            scales = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
-            normed = Fp8Rows(normed, scales, rows.dtype)
+        if fp8_group is not None:
+            num_scales = -(-rows.shape[1] // fp8_group)
+            scales = torch.empty((rows.shape[0], num_scales), dtype=torch.float32, device=rows.device)
+            normed = Fp8Rows(normed, scales, rows.dtype, fp8_group)
         outputs = (normed, torch.empty_like(rows))
     normed, res_out = outputs
-    if fp8_rows:
-        out, scale, epilogue = normed.data, normed.scales, k.EPILOGUE_NORM_FP8_ROWS.value
+    if fp8_group is not None:
+        by_row = normed.group >= rows.shape[1]
+        epilogue = (k.EPILOGUE_NORM_FP8_ROWS if by_row else k.EPILOGUE_NORM_FP8_GROUPS).value
+        out, scale = normed.data, normed.scales
     elif fp8_scale is None:
         out, scale, epilogue = normed, weight, k.EPILOGUE_NORM.value
     else:
         out, scale, epilogue = normed, fp8_scale.to(torch.float32).reshape(1), k.EPILOGUE_NORM_FP8.value
     _launch(ws, algorithm, rows, res_rows, weight, out, res_out, scale, eps, epilogue, phases)
-    if fp8_rows:
+    if fp8_group is not None:
         return normed, res_out.view(x.shape)
     return normed.view(x.shape), res_out.view(x.shape)
 

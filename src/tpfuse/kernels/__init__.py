@@ -110,9 +110,10 @@ def fused_add_rmsnorm(x, residual, weight, eps):
     return _pick(rmsnorm, "fused_add_rmsnorm", x)(x, residual, weight, eps)
 
 
-def fused_add_rmsnorm_fp8_rows(x, residual, weight, eps):
-    """fused_add_rmsnorm with the normed rows as kernels/fp8_rows.py's Fp8Rows: (rows, new_residual)."""
-    return _pick(rmsnorm, "fused_add_rmsnorm_fp8_rows", x)(x, residual, weight, eps)
+def fused_add_rmsnorm_fp8_rows(x, residual, weight, eps, group):
+    """fused_add_rmsnorm with the normed rows as kernels/fp8_rows.py's Fp8Rows, `group` columns a scale:
+    (rows, new_residual)."""
+    return _pick(rmsnorm, "fused_add_rmsnorm_fp8_rows", x)(x, residual, weight, eps, group)
 
 
 def quantize_fp8_rows(x, group):
@@ -244,8 +245,8 @@ def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=
 
 def fp8_rows_linear_op(rows, weight, scale, block, bias=None):
     """rows (kernels/fp8_rows.py's Fp8Rows [M, K]) @ (weight [N, K] e4m3 * scale).T (+ bias) -> [M, N] of
-    rows.dtype: the W8A8 prefill product without its own quantization (per-channel / per-tensor
-    weights; kernels/quant_fp8_w8a8.py)."""
+    rows.dtype: the W8A8 prefill product without its own quantization (rows.group the weight's
+    activation group; kernels/quant_fp8_w8a8.py)."""
     if use_triton(rows.data):
         return quant_fp8_w8a8.fp8_w8a8_rows_triton(rows, weight, scale, block, bias)
     return quant_fp8_w8a8.fp8_w8a8_rows_ref(rows, weight, scale, block, bias)

@@ -1,10 +1,12 @@
-"""Activations as FP8 rows: each row of x quantized to e4m3 with one float32 scale, x ~= data * scale.
+"""Activations as FP8 rows: each row of x quantized to e4m3, one float32 scale per `group` columns
+(the whole row, or 128), x ~= data * scale.
 
-The W8A8 prefill product of a per-channel or per-tensor FP8 weight quantizes its input this way
-(kernels/quant_fp8_w8a8.py, quantize_fp8_rows with a group of the whole row: scale = amax / 448, 1 for
-a row of zeros). A kernel that writes x can write it in this form instead (the fused add + RMSNorm,
-kernels/rmsnorm.py), which saves the product its quantization launch and halves the bytes of x; the
-bits are those quantize_fp8_rows gives on x rounded to its activation dtype.
+The W8A8 prefill product of an FP8 weight quantizes its input this way (kernels/quant_fp8_w8a8.py,
+quantize_fp8_rows: scale = amax / 448 of each row's group, 1 for a group of zeros; the group is the
+whole row for per-channel and per-tensor weights, the K block for block weights). A kernel that writes
+x can write it in this form instead (the fused add + RMSNorm, kernels/rmsnorm.py, and the fused
+all-reduce's epilogue, comm/allreduce.py), which saves the product its quantization launch and halves
+the bytes of x; the bits are those quantize_fp8_rows gives on x rounded to its activation dtype.
 
 round_to_e4m3 is the rounding every Triton producer of e4m3 values here shares: by hand, because the
 Triton interpreter's float8 conversion loses the mantissa carry (on the GPU it is the same
@@ -19,8 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Fp8Rows", "quantize_row", "round_to_e4m3"]
+__all__ = ["BLOCK_GROUP", "Fp8Rows", "quantize_groups", "round_to_e4m3", "store_scales_of_row"]
 
+# The one group besides a whole row that every writer takes: the K block of the FP8 block formats
+# (DeepSeek-V3, Qwen3-FP8).
+BLOCK_GROUP = 128
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float32 to a multiple of 2^-9
@@ -28,12 +33,14 @@ E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float
 
 @dataclass(frozen=True)
 class Fp8Rows:
-    """data [T, K] float8_e4m3fn, contiguous; scales [T, 1] float32 (x[t] ~= data[t] * scales[t]);
-    dtype: the activation dtype x had (a product's output takes it)."""
+    """data [T, K] float8_e4m3fn, contiguous; scales [T, ceil(K / group)] float32, contiguous (x[t, k] ~=
+    data[t, k] * scales[t, k // group]); dtype: the activation dtype x had (a product's output takes
+    it); group: columns per scale, K for one a row."""
 
     data: torch.Tensor
     scales: torch.Tensor
     dtype: torch.dtype
+    group: int
 
     @property
     def shape(self) -> torch.Size:
@@ -41,7 +48,8 @@ class Fp8Rows:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[T, K] of dtype: data * scales (exact in float32)."""
-        return (self.data.float() * self.scales).to(dtype)
+        scales = self.scales.repeat_interleave(self.group, 1)[:, : self.data.shape[1]]
+        return (self.data.float() * scales).to(dtype)
 
 
 @triton.jit
@@ -56,9 +64,25 @@ def round_to_e4m3(y):
 
 
 @triton.jit
-def quantize_row(row_f32):
-    """One row (float32 [BLOCK], masked lanes 0) as FP8 rows: (the e4m3 values as float32, the scale):
-    scale = amax / 448 (1 where the row is all zeros), values = row / scale rounded (module doc)."""
-    amax = tl.max(tl.abs(row_f32), axis=0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    return tl.clamp(round_to_e4m3(row_f32 / scale), -E4M3_MAX, E4M3_MAX), scale
+def quantize_groups(row_f32, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """One row (float32 [BLOCK], masked lanes 0; GROUP a power of two dividing BLOCK) as FP8 rows: (the
+    e4m3 values as float32 [BLOCK], the scales [BLOCK // GROUP]), each GROUP columns' scale amax / 448
+    (1 where they are all zeros) and values / scale rounded (module doc)."""
+    groups = tl.reshape(row_f32, [BLOCK // GROUP, GROUP])
+    amax = tl.max(tl.abs(groups), axis=1)
+    scales = tl.where(amax > 0, amax / 448.0, 1.0)
+    values = tl.clamp(round_to_e4m3(groups / scales[:, None]), -E4M3_MAX, E4M3_MAX)
+    return tl.reshape(values, [BLOCK]), scales
+
+
+@triton.jit
+def store_scales_of_row(y_f32, scales_ptr, row, hidden, GROUP: tl.constexpr):
+    """One normed row (float32 [BLOCK], masked lanes 0, rounded as its activation dtype) as FP8 rows of
+    GROUP columns a scale (GROUP = BLOCK: one a row): stores its ceil(hidden / GROUP) scales at
+    scales_ptr + row * that many and returns the values (float32) for the caller's store."""
+    BLOCK: tl.constexpr = y_f32.shape[0]
+    values, scales = quantize_groups(y_f32, BLOCK, GROUP)
+    num_scales = tl.cdiv(hidden, GROUP)
+    g = tl.arange(0, BLOCK // GROUP)
+    tl.store(scales_ptr + row * num_scales + g, scales, mask=g < num_scales)
+    return values

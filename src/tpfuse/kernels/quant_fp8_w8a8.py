@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fp8_rows import Fp8Rows
+from tpfuse.kernels.fp8_rows import Fp8Rows, round_to_e4m3
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import (
     ELEMENT,
@@ -68,7 +68,7 @@ def _quantize_rows_kernel(
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q = tl.clamp(round_to_e4m3(x / scale), -448.0, 448.0)  # the conversion below is then exact
     tl.store(q_ptr + row * HIDDEN + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
@@ -199,13 +199,15 @@ def fp8_w8a8_rows_ref(rows: Fp8Rows, weight, scale, block, bias=None):
 
 
 def fp8_w8a8_rows_triton(rows: Fp8Rows, weight, scale, block, bias=None, *, tile: Fp8Tile | None = None):
-    """fp8_w8a8_triton on activations already quantized per row (kernels/fp8_rows.py: the bits
-    fp8_w8a8_triton's own quantization gives them), for weights whose W8A8 activation group is the whole
-    row (per-channel, per-tensor); out [T, N] of rows.dtype. Raises ValueError for block weights."""
+    """fp8_w8a8_triton on activations already quantized (kernels/fp8_rows.py: the bits fp8_w8a8_triton's
+    own quantization gives them) with the weight's activation group (the whole row for per-channel and
+    per-tensor weights, the K block for block weights); out [T, N] of rows.dtype. Raises ValueError for
+    rows of another group."""
     hidden = rows.shape[1]
     check_fp8_weights(weight, scale, block, hidden)
-    if activation_group(block, hidden) != hidden:
-        raise ValueError(f"FP8 rows carry one scale a row; weights with {block} blocks quantize x per block")
+    group = activation_group(block, hidden)
+    if min(rows.group, hidden) != group:
+        raise ValueError(f"FP8 rows of {rows.group} columns a scale; weights of {block} blocks take {group}")
     return _w8a8_product(rows.data, rows.scales, weight, scale, block, bias, tile, rows.dtype)
 
 

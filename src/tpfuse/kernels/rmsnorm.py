@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
-from tpfuse.kernels.fp8_rows import Fp8Rows, quantize_row
+from tpfuse.kernels.fp8_rows import Fp8Rows, store_scales_of_row
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,15 +34,15 @@ def fused_add_rmsnorm_ref(
 
 
 def fused_add_rmsnorm_fp8_rows_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
 ) -> tuple[Fp8Rows, torch.Tensor]:
-    """fused_add_rmsnorm_ref with the normed rows then quantized per row (kernels/fp8_rows.py):
-    (Fp8Rows [T, H], new_residual [T, H] of x.dtype)."""
+    """fused_add_rmsnorm_ref with the normed rows then quantized `group` columns a scale
+    (kernels/fp8_rows.py): (Fp8Rows [T, H], new_residual [T, H] of x.dtype)."""
     from tpfuse.kernels.quant_fp8_w8a8 import quantize_fp8_rows_ref
 
     normed, new_residual = fused_add_rmsnorm_ref(x, residual, weight, eps)
-    data, scales = quantize_fp8_rows_ref(normed, max(normed.shape[1], 1))
-    return Fp8Rows(data.contiguous(), scales[:, :1].contiguous(), x.dtype), new_residual
+    data, scales = quantize_fp8_rows_ref(normed, group)
+    return Fp8Rows(data.contiguous(), scales.contiguous(), x.dtype, group), new_residual
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _fused_add_rmsnorm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
-    FP8_ROWS: tl.constexpr,  # out is e4m3 and scales_ptr [T] float32: the rows as kernels/fp8_rows.py
+    FP8_GROUP: tl.constexpr,  # > 0: out e4m3, scales_ptr [T, cdiv(hidden, FP8_GROUP)] (kernels/fp8_rows.py)
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -104,9 +104,9 @@ def _fused_add_rmsnorm_kernel(
     s = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
     y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
-    if FP8_ROWS:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
-        y, scale = quantize_row(y.to(new_res_ptr.dtype.element_ty).to(tl.float32))
-        tl.store(scales_ptr + row, scale)
+    if FP8_GROUP:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
+        y = store_scales_of_row(y.to(new_res_ptr.dtype.element_ty).to(tl.float32), scales_ptr, row, hidden,
+                                FP8_GROUP)  # fmt: skip
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -154,40 +154,54 @@ def fused_add_rmsnorm_launch(
     weight: torch.Tensor,
     eps: float,
     num_warps: int | None = None,
-    fp8_rows: bool = False,
+    fp8_group: int | None = None,
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks; None takes the default), and
-    with fp8_rows the normed rows as Fp8Rows (fused_add_rmsnorm_fp8_rows_triton)."""
+    with fp8_group the normed rows as Fp8Rows of that group (fused_add_rmsnorm_fp8_rows_triton)."""
     x = _check_rows(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
     residual = _check_rows(residual, weight)
-    out_dtype = torch.float8_e4m3fn if fp8_rows else x.dtype
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    num_rows, hidden = x.shape
+    block, warps = _launch_config(hidden)
+    kernel_group = 0 if fp8_group is None else fp8_kernel_group(fp8_group, hidden, block)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8_group else x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device) if fp8_rows else None
-    normed = Fp8Rows(out, scales, x.dtype) if fp8_rows else out
-    if x.shape[0] == 0:
+    scales = new_residual
+    normed = out
+    if fp8_group is not None:
+        scales = torch.empty((num_rows, -(-hidden // fp8_group)), dtype=torch.float32, device=x.device)
+        normed = Fp8Rows(out, scales, x.dtype, fp8_group)
+    if num_rows == 0:
         return normed, new_residual
-    block, warps = _launch_config(x.shape[1])
-    _fused_add_rmsnorm_kernel[(x.shape[0],)](
+    _fused_add_rmsnorm_kernel[(num_rows,)](
         x,
         residual,
         weight,
         out,
         new_residual,
-        scales if fp8_rows else new_residual,
+        scales,
         x.stride(0),
         residual.stride(0),
         out.stride(0),
-        x.shape[1],
+        hidden,
         eps,
         BLOCK_H=block,
-        FP8_ROWS=fp8_rows,
+        FP8_GROUP=kernel_group,
         num_warps=num_warps or warps,
         **pdl.launch(x.device),
     )
     return normed, new_residual
+
+
+def fp8_kernel_group(group: int, hidden: int, block: int) -> int:
+    """The in-kernel group (a power of two dividing the row's block) of FP8 rows of `group` columns:
+    the whole block where the group spans the row. Raises ValueError for a group that is neither."""
+    if group >= hidden:
+        return block
+    if group & (group - 1) or block % group:
+        raise ValueError(f"FP8 rows take one scale a row or a power-of-two group of columns; got {group}")
+    return group
 
 
 def fused_add_rmsnorm_triton(
@@ -201,8 +215,8 @@ def fused_add_rmsnorm_triton(
 
 
 def fused_add_rmsnorm_fp8_rows_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
 ) -> tuple[Fp8Rows, torch.Tensor]:
     """Triton fused_add_rmsnorm_fp8_rows_ref, one launch: (Fp8Rows [T, H], new_residual [T, H]), new
     tensors; the same bits as fused_add_rmsnorm_triton followed by quantize_fp8_rows_triton on a GPU."""
-    return fused_add_rmsnorm_launch(x, residual, weight, eps, fp8_rows=True)
+    return fused_add_rmsnorm_launch(x, residual, weight, eps, fp8_group=group)

@@ -20,7 +20,7 @@ from tpfuse.kernels import (
 )
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear, ShardSlot
-from tpfuse.model.linear_method import takes_fp8_rows
+from tpfuse.model.linear_method import fp8_rows_group
 
 
 @dataclass
@@ -202,10 +202,10 @@ class Attention(nn.Module):
             slots[prefix + "k_norm.weight"] = self.k_norm.slot()
         return slots
 
-    def takes_fp8_rows(self, num_tokens: int) -> bool:
-        """Whether the input norm should write this layer's input as FP8 rows (its qkv projection's
-        choice: model/linear_method.takes_fp8_rows)."""
-        return takes_fp8_rows(self.qkv_proj, num_tokens)
+    def fp8_rows_group(self, num_tokens: int) -> int | None:
+        """The group of the FP8 rows the input norm should write this layer's input as, None for the
+        plain tensor (its qkv projection's choice: model/linear_method.fp8_rows_group)."""
+        return fp8_rows_group(self.qkv_proj, num_tokens)
 
     def forward(
         self,
@@ -215,7 +215,7 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, H] (normed; FP8 rows where takes_fp8_rows); kv_cache: (k, v)
+        """positions: [T] int64; hidden: [T, H] (normed; FP8 rows where fp8_rows_group); kv_cache: (k, v)
         each [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
         Returns [T, H], this rank's partial sum of the attention output."""
         num_tokens, d = positions.shape[0], self.head_dim

@@ -6,9 +6,9 @@ output summed over ranks into the residual stream and normed by `weight` (the ne
 norm); `forward_after_attention` starts one step earlier, from the attention's partial sum (the
 post-attention all-reduce + add + RMSNorm first); `checkpoint_slots(prefix)` names its checkpoint
 tensors. So a block may fuse its own prologue (the MoE router) and epilogue (the MoE combine) into
-the neighbouring syncs without the decoder loop knowing. fp8_rows asks a block to write the next norm's
-output as FP8 rows (kernels/fp8_rows.py) because its consumer takes them (takes_fp8_rows); a block
-that cannot gives the plain tensor, which every consumer also takes.
+the neighbouring syncs without the decoder loop knowing. fp8_group asks a block to write the next
+norm's output as FP8 rows of that group (kernels/fp8_rows.py) because its consumer takes them
+(fp8_rows_group); a block that cannot gives the plain tensor, which every consumer also takes.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from tpfuse.kernels import silu_and_mul
 from tpfuse.model.attention import Attention
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, ShardSlot
-from tpfuse.model.linear_method import method_for, takes_fp8_rows
+from tpfuse.model.linear_method import fp8_rows_group, method_for
 
 
-def fused_norm(comm: Communicator, x, residual, weight, eps, fp8_rows: bool = False):
-    """comm's all-reduce + residual add + RMSNorm of x: (normed, new residual), normed as FP8 rows where
-    fp8_rows (its consumer takes them)."""
-    if fp8_rows:
-        return comm.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps)
+def fused_norm(comm: Communicator, x, residual, weight, eps, fp8_group: int | None = None):
+    """comm's all-reduce + residual add + RMSNorm of x: (normed, new residual), normed as FP8 rows of
+    fp8_group columns a scale where given (its consumer takes them)."""
+    if fp8_group is not None:
+        return comm.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, fp8_group)
     return comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
 
 
@@ -46,15 +46,15 @@ class FeedForwardBlock(nn.Module, abc.ABC):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_rows: bool = False,
+        fp8_group: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] normed -> (the next norm's output, the new residual), both [T, H] (the output as
-        FP8 rows where fp8_rows and the block can)."""
+        FP8 rows of fp8_group where given and the block can)."""
 
-    def takes_fp8_rows(self, num_tokens: int) -> bool:
-        """Whether the post-attention norm should write this block's input as FP8 rows; False unless a
-        block's first projection takes them."""
-        return False
+    def fp8_rows_group(self, num_tokens: int) -> int | None:
+        """The group of the FP8 rows the post-attention norm should write this block's input as; None
+        (the plain tensor) unless a block's first projection takes them."""
+        return None
 
     def forward_after_attention(
         self,
@@ -64,15 +64,15 @@ class FeedForwardBlock(nn.Module, abc.ABC):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_rows: bool = False,
+        fp8_group: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """From the attention's partial sum [T, H]: all-reduce + residual add + RMSNorm by post_weight
         (the post-attention norm), then forward_add_rmsnorm. A block overrides it to fuse that norm into
         its own first kernel."""
         h, residual = fused_norm(
-            comm, partial, residual, post_weight, eps, self.takes_fp8_rows(partial.shape[0])
+            comm, partial, residual, post_weight, eps, self.fp8_rows_group(partial.shape[0])
         )
-        return self.forward_add_rmsnorm(h, residual, weight, eps, comm, fp8_rows)
+        return self.forward_add_rmsnorm(h, residual, weight, eps, comm, fp8_group)
 
 
 class GatedMLP(FeedForwardBlock):
@@ -99,14 +99,14 @@ class GatedMLP(FeedForwardBlock):
         self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype, method=method_for("row", [down]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] (or FP8 rows where takes_fp8_rows) -> [T, H], this rank's partial sum."""
+        """x: [T, H] (or FP8 rows where fp8_rows_group) -> [T, H], this rank's partial sum."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
-    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_rows=False):
-        return fused_norm(comm, self(x), residual, weight, eps, fp8_rows)
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
+        return fused_norm(comm, self(x), residual, weight, eps, fp8_group)
 
-    def takes_fp8_rows(self, num_tokens: int) -> bool:
-        return takes_fp8_rows(self.gate_up_proj, num_tokens)
+    def fp8_rows_group(self, num_tokens: int) -> int | None:
+        return fp8_rows_group(self.gate_up_proj, num_tokens)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         gate, up, down = self.names

@@ -7,7 +7,7 @@ after o_proj (applying post_attention_layernorm; the feed-forward block's forwar
 it, model/blocks.py) and after the feed-forward block (applying the next layer's input_layernorm, or
 the final norm after the last layer). The embedding's partial sum enters the same way, with a zero
 residual, so a forward pass of N layers makes exactly 2N + 1 such calls. A norm writes its output as
-FP8 rows (kernels/fp8_rows.py) where the layer that reads it takes them (takes_fp8_rows: FP8 W8A8
+FP8 rows (kernels/fp8_rows.py) where the layer that reads it takes them (fp8_rows_group: FP8 W8A8
 projections where start-up timing chose that route), so the product launches no quantization.
 """
 
@@ -72,9 +72,9 @@ class DecoderForCausalLM(nn.Module):
         comm, eps, layers = self.comm, self.eps, self.layers
         num_tokens = input_ids.shape[0]
         partial = self.embed_tokens(input_ids)
-        fp8_rows = layers[0].self_attn.takes_fp8_rows(num_tokens)
+        fp8_group = layers[0].self_attn.fp8_rows_group(num_tokens)
         h, residual = fused_norm(
-            comm, partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps, fp8_rows
+            comm, partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps, fp8_group
         )
         aux = []
         last = len(layers) - 1
@@ -84,9 +84,9 @@ class DecoderForCausalLM(nn.Module):
             partial = layer.self_attn(positions, h, attn, kv_caches[i], self.cos_sin_cache)
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
             post_norm = layer.post_attention_layernorm
-            fp8_rows = i < last and layers[i + 1].self_attn.takes_fp8_rows(num_tokens)
+            fp8_group = None if i == last else layers[i + 1].self_attn.fp8_rows_group(num_tokens)
             h, residual = layer.mlp.forward_after_attention(
-                partial, residual, post_norm.weight, next_norm.weight, eps, comm, fp8_rows
+                partial, residual, post_norm.weight, next_norm.weight, eps, comm, fp8_group
             )
         if self.aux_final_hidden:
             aux.append(h)

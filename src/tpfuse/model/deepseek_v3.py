@@ -96,7 +96,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_rows: bool = False,
+        fp8_group: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
         experts' output as one more slot of each token, so routed and shared outputs are summed in
@@ -106,7 +106,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         slots_per_token = self.top_k + (self.shared_experts is not None)
         fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
         if not fused:
-            return fused_norm(comm, self(x), residual, weight, eps, fp8_rows)
+            return fused_norm(comm, self(x), residual, weight, eps, fp8_group)
         slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if comm.world_size == 1:

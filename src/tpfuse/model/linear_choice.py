@@ -267,7 +267,7 @@ PREFILL = "prefill"
 PREFILL_LAYERS = 2
 # A method's route on input its producer already quantized (fp8_rows_candidates: FP8 W8A8 on FP8 rows),
 # timed without that quantization and kept only where it beats PREFILL's route: then the layer takes
-# FP8 rows (takes_fp8_rows) and a producer that cannot write them still gets PREFILL's route.
+# FP8 rows (fp8_rows_group) and a producer that cannot write them still gets PREFILL's route.
 PREFILL_FP8_ROWS = "prefill on fp8 rows"
 # Off from the reference by more than this share of its largest value, a candidate is wrong, not
 # rounded: W8A8 tiles quantize x to e4m3 (a few % per output), a wrong scale or layout is off by ~100 %.

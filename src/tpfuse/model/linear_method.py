@@ -70,8 +70,8 @@ class LinearMethod(Protocol):
     checkpoint_slots(layer, part) -> {tensor suffix ("weight", "weight_scale", ...): ShardSlot};
     process_weights(layer) runs once after loading (repacking, expanding scales; raises ValueError
     naming the tensor whose values do not fit); apply(layer, x [T, K_local], bias) -> [T, N_local].
-    Optional: takes_fp8_rows(layer, rows), where apply also takes x as kernels/fp8_rows.py's Fp8Rows
-    (see takes_fp8_rows below)."""
+    Optional: fp8_rows_group(layer, rows), where apply also takes x as kernels/fp8_rows.py's Fp8Rows
+    (see fp8_rows_group below)."""
 
     name: str
 
@@ -173,12 +173,13 @@ def method_for(role: str, names: Sequence[str] = ()) -> LinearMethod:
     return config.linear_method(role)
 
 
-def takes_fp8_rows(layer: nn.Module, rows: int) -> bool:
-    """Whether the projection `layer` takes its input as FP8 rows (kernels/fp8_rows.py) at `rows` rows:
-    its method says so where it has takes_fp8_rows (FP8 W8A8 where start-up timing chose that route).
-    Its producer then writes them where it can; every method also takes the plain tensor."""
+def fp8_rows_group(layer: nn.Module, rows: int) -> int | None:
+    """The group (columns a scale) of the FP8 rows (kernels/fp8_rows.py) the projection `layer` takes
+    as input at `rows` rows, None for the plain tensor: its method's fp8_rows_group where it has one
+    (FP8 W8A8 where start-up timing chose that route). Its producer then writes them where it can;
+    every method also takes the plain tensor."""
     method = getattr(layer, "method", None)
-    return hasattr(method, "takes_fp8_rows") and method.takes_fp8_rows(layer, rows)
+    return method.fp8_rows_group(layer, rows) if hasattr(method, "fp8_rows_group") else None
 
 
 def reference_product(

@@ -89,10 +89,10 @@ class MLAAttention(nn.Module):
         per_head = weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return per_head[:, : s.qk_nope_head_dim], per_head[:, s.qk_nope_head_dim :]
 
-    def takes_fp8_rows(self, num_tokens: int) -> bool:
-        """False: the latent and query projections share the normed input (model/attention.py's
-        Attention.takes_fp8_rows)."""
-        return False
+    def fp8_rows_group(self, num_tokens: int) -> int | None:
+        """None, the plain tensor: the latent and query projections share the normed input
+        (model/attention.py's Attention.fp8_rows_group)."""
+        return None
 
     def forward(
         self,

@@ -201,13 +201,13 @@ class SparseMoeBlock(FeedForwardBlock):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_rows: bool = False,
+        fp8_group: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted combine ends inside the layer's last sync: at TP > 1 in the communicator's MoE
         finalize (combine + all-reduce + residual + RMSNorm, one kernel where it can:
         comm/moe_finalize.py); at TP = 1, where model/moe_choice.py measured it faster, in the fused
         combine + residual + RMSNorm (kernels/moe_finalize.py), else combine then fused add + RMSNorm (the
-        only form that writes FP8 rows for fp8_rows)."""
+        only form that writes FP8 rows for fp8_group)."""
         topk_weights, topk_ids = self.route(x)
         if comm.world_size > 1:
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
@@ -216,16 +216,16 @@ class SparseMoeBlock(FeedForwardBlock):
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
             return moe_finalize_op(slots, self.top_k, residual, weight, eps)
         partial = self.experts(x, topk_weights, topk_ids)
-        return fused_norm(comm, partial, residual, weight, eps, fp8_rows)
+        return fused_norm(comm, partial, residual, weight, eps, fp8_group)
 
-    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm, fp8_rows=False):
+    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm, fp8_group=None):
         """At TP = 1 on decode-sized steps, where model/moe_choice.py measured it faster, two launches
         fewer: the post-attention add + RMSNorm runs inside the router product
         (kernels/moe_norm_router.py) and the top-k inside the experts' first kernel; else the plain
         sequence of model/blocks.py."""
         tile = moe_choice.norm_route_tile(partial, self) if comm.world_size == 1 else None
         if tile is None:
-            args = (partial, residual, post_weight, weight, eps, comm, fp8_rows)
+            args = (partial, residual, post_weight, weight, eps, comm, fp8_group)
             return super().forward_after_attention(*args)
         h, residual, logits = moe_norm_route(partial, residual, post_weight, self.gate.weight, eps, tile)
         slots, _, _ = self.experts.routed_slot_outputs(h, logits, self.top_k, self.renormalize)

@@ -17,14 +17,14 @@ with FP8 input_activations, the dummy fp8 formats) and the GPU passes the FP8-do
   - 1-64 rows: whichever start-up timing picks per weight shape and row bucket, the W8A16 tiles (the
     weight dequantized in registers against bf16 activations) or the W8A8 decode form
     (kernels/quant_fp8_w8a8.py: activations quantized per row and 128-column step).
-Where the activations are quantized one scale a row (per-channel and per-tensor weights), start-up
-timing also times FP8_ROWS past 64 rows: the Triton kernel on rows the layer's producer (the fused
-all-reduce + RMSNorm before it) already quantized (kernels/fp8_rows.py), without that quantization,
-which the producer's epilogue does; where it beats the best route on the plain tensor, the layer takes
-FP8 rows (takes_fp8_rows) and its producer writes them (a plain tensor from a producer that cannot
-still takes the best route). Weight-only checkpoints (no input_activations) and GPUs without FP8
-tensor cores run W8A16 throughout. Static input scales, where a checkpoint has them, are read and not
-used: activations are quantized dynamically.
+Where the activations are quantized one scale a row (per-channel and per-tensor weights) or a
+128-column block (128 x 128 blocks), start-up timing also times FP8_ROWS past 64 rows: the Triton
+kernel on rows the layer's producer (the fused all-reduce + RMSNorm before it) already quantized
+(kernels/fp8_rows.py), without that quantization, which the producer's epilogue does; where it beats
+the best route on the plain tensor, the layer takes FP8 rows (fp8_rows_group) and its producer writes
+them (a plain tensor from a producer that cannot still takes the best route). Weight-only checkpoints
+(no input_activations) and GPUs without FP8 tensor cores run W8A16 throughout. Static input scales,
+where a checkpoint has them, are read and not used: activations are quantized dynamically.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tpfuse.kernels import fp8_linear_op, fp8_rows_linear_op, quantize_fp8_rows, use_triton
-from tpfuse.kernels.fp8_rows import Fp8Rows
+from tpfuse.kernels.fp8_rows import BLOCK_GROUP, Fp8Rows
 from tpfuse.kernels.fp8_scaled_mm import (
     FP8_ROWS,
     SCALED_MM,
@@ -201,27 +201,38 @@ class Fp8LinearMethod:
 
     def fp8_rows_candidates(self, layer: nn.Module) -> tuple[GemmRoute, ...]:
         """The routes on FP8 rows start-up timing races against the prefill_candidates' best: FP8_ROWS
-        where W8A8 runs with one activation scale a row."""
-        return (FP8_ROWS,) if self._w8a8(layer) and self._row_activations(layer) else ()
+        where W8A8 runs with activation groups FP8 rows take (_rows_group)."""
+        return (FP8_ROWS,) if self._w8a8(layer) and self._rows_group(layer) else ()
 
-    def _row_activations(self, layer: nn.Module) -> bool:
-        """Whether W8A8 quantizes this layer's activations one scale a row (no K blocks)."""
+    def _rows_group(self, layer: nn.Module) -> int | None:
+        """The layer's W8A8 activation group where FP8 rows take it (the whole row: per-channel and
+        per-tensor weights; kernels/fp8_rows.py's BLOCK_GROUP: 128 x 128 blocks), else None."""
         hidden = layer.weight.shape[1]
-        return activation_group(layer.fp8_block, hidden) == hidden
+        group = activation_group(layer.fp8_block, hidden)
+        return group if group in (hidden, BLOCK_GROUP) else None
 
-    def takes_fp8_rows(self, layer: nn.Module, rows: int) -> bool:
-        """Whether the layer's input should come as FP8 rows (kernels/fp8_rows.py) at `rows` rows:
-        where start-up timing found FP8_ROWS faster than the best prefill route on the plain tensor
-        (linear_choice.fp8_rows_route; linear_method.takes_fp8_rows)."""
-        return linear_choice.fp8_rows_route(layer, rows) is not None
+    def fp8_rows_group(self, layer: nn.Module, rows: int) -> int | None:
+        """The group of the FP8 rows (kernels/fp8_rows.py) the layer's input should come as at `rows`
+        rows, where start-up timing found FP8_ROWS faster than the best prefill route on the plain
+        tensor (linear_choice.fp8_rows_route); None: the plain tensor (linear_method.fp8_rows_group)."""
+        return self._rows_group(layer) if linear_choice.fp8_rows_route(layer, rows) is not None else None
 
     def route_input(self, layer: nn.Module, x: torch.Tensor, route) -> torch.Tensor | Fp8Rows:
         """x as `route` takes it: quantized to FP8 rows for FP8_ROWS (its producer's work, so start-up
         timing leaves it out of the route's time), else x."""
         if route != FP8_ROWS:
             return x
-        data, scales = quantize_fp8_rows(x, x.shape[1])
-        return Fp8Rows(data, scales, x.dtype)
+        group = self._rows_group(layer)
+        data, scales = quantize_fp8_rows(x, group)
+        return Fp8Rows(data, scales, x.dtype, group)
+
+    def _triton_scales(self, layer: nn.Module) -> tuple[torch.Tensor, tuple[int, int]]:
+        """(scale, block) the Triton kernels read: the checkpoint's block scales where they are kept
+        (tile_scale: one scale a tile or a K step, not one a row), else one a row and K block."""
+        tile_scale = getattr(layer, "tile_scale", None)
+        if tile_scale is not None:
+            return tile_scale, (self.checkpoint_block[0], layer.fp8_block[1])
+        return layer.weight_scale, layer.fp8_block
 
     def product(self, layer: nn.Module, x, bias: torch.Tensor | None, tile) -> torch.Tensor:
         """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a GemmRoute):
@@ -230,18 +241,14 @@ class Fp8LinearMethod:
         a K step, not one a row), torch._scaled_mm its own."""
         if isinstance(x, Fp8Rows) or tile == FP8_ROWS:
             rows = self.route_input(layer, x, FP8_ROWS) if isinstance(x, torch.Tensor) else x
-            return fp8_rows_linear_op(rows, layer.weight, layer.weight_scale, layer.fp8_block, bias)
+            return fp8_rows_linear_op(rows, layer.weight, *self._triton_scales(layer), bias)
         if tile == SCALED_MM and use_triton(x):
             scale_b = layer.scaled_mm_scales
             return fp8_scaled_mm(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, scale_b=scale_b)
-        tile_scale = getattr(layer, "tile_scale", None)
-        if tile_scale is not None:
-            block = (self.checkpoint_block[0], layer.fp8_block[1])
-            return fp8_linear_op(x, layer.weight, tile_scale, block, bias, tile=tile)
-        return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.fp8_block, bias, tile=tile)
+        return fp8_linear_op(x, layer.weight, *self._triton_scales(layer), bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None):
-        if isinstance(x, Fp8Rows):  # a producer quantized it: takes_fp8_rows
+        if isinstance(x, Fp8Rows):  # a producer quantized it: fp8_rows_group
             return self.product(layer, x, bias, FP8_ROWS)
         if not use_triton(x):
             return reference_product(layer, x, bias, lambda: self.dequantize(layer))
