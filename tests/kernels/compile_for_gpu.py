@@ -336,6 +336,11 @@ def _quant_variants(p: str):
                  BLOCK_K=128),
             {"num_warps": warps, "num_stages": 3},
         )  # fmt: skip
+    for group in (128, 4096):  # the W8A8 activations: a scale a 128-column group, a scale a row
+        yield (
+            quant_fp8_w8a8._quantize_rows_kernel, {"*": p, "q_ptr": fp8, "s_ptr": "*fp32"}, {},
+            dict(HIDDEN=4096, GROUP=group, BLOCK=group),
+        )  # fmt: skip
     gate_up, down = quant_moe._slot_gate_up_kernel, quant_moe._slot_down_kernel
     experts = ((gate_up, 4, 128, 2048, 768, 1), (down, 4, 128, 768, 2048, 1),
                (gate_up, 0, 128, 2048, 768, 1), (down, 0, 768, 768, 2048, 1),
