@@ -298,8 +298,8 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     """An FP8 model (dummy llama-3.2-1b, per-channel or 128 x 128 blocks) whose qkv and gate_up take FP8
     rows (the route start-up timing may choose, forced here) gives the prefill logits of its own
     quantization, bit for bit on the GPU, and start-up keeps FP8 rows only where they were faster."""
-    from tests.model.harness import PagedSequences, load_for_test
-    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
+    from tests.model.harness import load_for_test, prefill_logits_on_routes
+    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS
     from tpfuse.model import linear_choice
 
     model, _ = load_for_test("llama-3.2-1b", dtype="bfloat16", device=DEVICE, load_format="dummy",
@@ -307,22 +307,9 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     layer0 = model.layers[0]
     if not layer0.mlp.gate_up_proj.method.fp8_rows_candidates(layer0.mlp.gate_up_proj):
         pytest.skip("this GPU failed the FP8-dot probe: W8A16 throughout, no FP8 rows")
-    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
     prompt = list(range(1, 301))
-
-    def prefill_logits(rows_route):
-        for layer in (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj):
-            linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
-        for layer in readers:
-            linear_choice.set_fp8_rows_route(layer, rows_route)
-        try:
-            return PagedSequences(model, 1).step([prompt])[0]
-        finally:
-            for layer in (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj):
-                linear_choice.set_quant_tile(layer, len(prompt), None)
-                linear_choice.set_fp8_rows_route(layer, None)
-
-    assert torch.equal(prefill_logits(FP8_ROWS), prefill_logits(None))
+    on_rows = prefill_logits_on_routes(model, prompt, FP8_ROWS)
+    assert torch.equal(on_rows, prefill_logits_on_routes(model, prompt, None))
     decided = linear_choice.choose_quantized([model], max_rows=1, buckets=(1,), prefill_rows=512)
     prefill = {key: us for key, bucket, _, us in decided if bucket == linear_choice.PREFILL}
     for key, bucket, route, us in decided:

@@ -201,6 +201,28 @@ def run_prefill_then_decode(model, prompts: list[list[int]], decode_tokens: list
     return prefill, decodes
 
 
+def prefill_logits_on_routes(model, prompt: list[int], rows_route) -> torch.Tensor:
+    """Prefill logits of one sequence with layer 0's projection shapes (every layer's of the same shape)
+    on the Triton W8A8 prefill route, and the norm-reading ones (qkv, gate_up) taking FP8 rows on
+    rows_route (None: the plain tensor); the choices are forgotten after (model/linear_choice.py)."""
+    from tpfuse.kernels.fp8_scaled_mm import TRITON_PREFILL
+    from tpfuse.model import linear_choice
+
+    layer0 = model.layers[0]
+    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
+    projections = (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj)
+    for layer in projections:
+        linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
+    for layer in readers:
+        linear_choice.set_fp8_rows_route(layer, rows_route)
+    try:
+        return PagedSequences(model, 1).step([prompt])[0]
+    finally:
+        for layer in projections:
+            linear_choice.set_quant_tile(layer, len(prompt), None)
+            linear_choice.set_fp8_rows_route(layer, None)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float64."""
     actual, expected = actual.double(), expected.double()

@@ -390,10 +390,10 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     128-column group for 128 x 128 blocks) and the prefill logits are the bits of the same model
     quantizing its own activations (TRITON_PREFILL), on the kernels' references and on the Triton
     kernels (interpreter); decode-sized steps never take them."""
-    from tests.model.harness import PagedSequences
+    from tests.model.harness import prefill_logits_on_routes
     from tpfuse import knobs
     from tpfuse.comm.communicator import SingleRankCommunicator
-    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS, TRITON_PREFILL
+    from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS
     from tpfuse.model import linear_choice
     from tpfuse.model.quant import fp8
 
@@ -413,25 +413,11 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     knobs.reload()
     layer0 = model.layers[0]
     readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
-    projections = (*readers, layer0.self_attn.o_proj, layer0.mlp.down_proj)
     assert all(layer.method.fp8_rows_candidates(layer) == (FP8_ROWS,) for layer in readers)
     prompt = [random.Random(5).randrange(model.config.vocab_size) for _ in range(70)]
-
-    def prefill_logits(rows_route):
-        for layer in projections:
-            linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
-        for layer in readers:
-            linear_choice.set_fp8_rows_route(layer, rows_route)
-        try:
-            return PagedSequences(model, 1).step([prompt])[0]
-        finally:
-            for layer in projections:
-                linear_choice.set_quant_tile(layer, len(prompt), None)
-                linear_choice.set_fp8_rows_route(layer, None)
-
-    own = prefill_logits(None)
+    own = prefill_logits_on_routes(model, prompt, None)
     assert CountingCommunicator.groups == []
-    rows = prefill_logits(FP8_ROWS)
+    rows = prefill_logits_on_routes(model, prompt, FP8_ROWS)
     monkeypatch.setenv("TPFUSE_KERNELS", "torch")
     knobs.reload()
     group = model.config.hidden_size if name == "fp8-channel" else 128

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import grouped_route, grouped_topk_op, moe_finalize_op
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
@@ -89,15 +88,7 @@ class DeepseekV3MoE(FeedForwardBlock):
             out = out + self.shared_experts(x)
         return out
 
-    def forward_add_rmsnorm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        comm: Communicator,
-        fp8_group: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
         """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
         experts' output as one more slot of each token, so routed and shared outputs are summed in
         float32 and rounded once, then all-reduced with the residual add and the next norm (at TP = 1

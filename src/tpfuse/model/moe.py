@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import (
     fused_experts,
     fused_experts_slots,
@@ -194,15 +193,7 @@ class SparseMoeBlock(FeedForwardBlock):
         topk_weights, topk_ids = self.route(x)
         return self.experts(x, topk_weights, topk_ids)
 
-    def forward_add_rmsnorm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        comm: Communicator,
-        fp8_group: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
         """The weighted combine ends inside the layer's last sync: at TP > 1 in the communicator's MoE
         finalize (combine + all-reduce + residual + RMSNorm, one kernel where it can:
         comm/moe_finalize.py); at TP = 1, where model/moe_choice.py measured it faster, in the fused
