@@ -8,20 +8,22 @@ x can write it in this form instead (the fused add + RMSNorm, kernels/rmsnorm.py
 all-reduce's epilogue, comm/allreduce.py), which saves the product its quantization launch and halves
 the bytes of x; the bits are those quantize_fp8_rows gives on x rounded to its activation dtype.
 
-round_to_e4m3 is the rounding every Triton producer of e4m3 values here shares: by hand, because the
-Triton interpreter's float8 conversion loses the mantissa carry (on the GPU it is the same
-round-to-nearest-even as the hardware conversion).
+round_to_e4m3 rounds float32 to e4m3 by hand: the GPU's conversion rounds to nearest even, and the
+Triton interpreter's mis-rounds where rounding carries into the next binade (124.7 -> 64). e4m3_ready
+is what every e4m3 producer calls before its conversion: the value itself on a GPU (no instruction
+added to hot loops), round_to_e4m3 of it under the interpreter, so the CPU tests see the GPU's codes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_GROUP", "Fp8Rows", "quantize_groups", "round_to_e4m3", "store_scales_of_row"]
+__all__ = ["BLOCK_GROUP", "Fp8Rows", "e4m3_ready", "quantize_groups", "round_to_e4m3", "store_scales_of_row"]
 
 # The one group besides a whole row that every writer takes: the K block of the FP8 block formats
 # (DeepSeek-V3, Qwen3-FP8).
@@ -29,6 +31,8 @@ BLOCK_GROUP = 128
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)  # adding it rounds a float32 to a multiple of 2^-9
+# Read when @triton.jit reads it, at import: whether the kernels below run under the interpreter.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,23 @@ def round_to_e4m3(y):
 
 
 @triton.jit
+def e4m3_ready(y):
+    """float32 y about to be converted to float8_e4m3fn (module doc): y on a GPU, round_to_e4m3(y) under
+    the interpreter."""
+    if INTERPRETED:
+        return round_to_e4m3(y)
+    return y
+
+
+@triton.jit
 def quantize_groups(row_f32, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """One row (float32 [BLOCK], masked lanes 0; GROUP a power of two dividing BLOCK) as FP8 rows: (the
-    e4m3 values as float32 [BLOCK], the scales [BLOCK // GROUP]), each GROUP columns' scale amax / 448
-    (1 where they are all zeros) and values / scale rounded (module doc)."""
+    values / scale, e4m3_ready and saturated at 448, as float32 [BLOCK], to convert; the scales
+    [BLOCK // GROUP]), each GROUP columns' scale amax / 448 (1 where they are all zeros)."""
     groups = tl.reshape(row_f32, [BLOCK // GROUP, GROUP])
     amax = tl.max(tl.abs(groups), axis=1)
     scales = tl.where(amax > 0, amax / 448.0, 1.0)
-    values = tl.clamp(round_to_e4m3(groups / scales[:, None]), -E4M3_MAX, E4M3_MAX)
+    values = tl.clamp(e4m3_ready(groups / scales[:, None]), -E4M3_MAX, E4M3_MAX)
     return tl.reshape(values, [BLOCK]), scales
 
 

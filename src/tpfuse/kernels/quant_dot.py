@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
+from tpfuse.kernels.fp8_rows import e4m3_ready
 from tpfuse.kernels.skinny_linear import Tile, partials_buffer
 
 ROW, STEP, ELEMENT = 0, 1, 2
@@ -180,7 +181,7 @@ def _quant_dot_kernel(
             xf = xt.to(tl.float32)
             x_scale = tl.max(tl.abs(xf), axis=1) / 448.0
             x_scale = tl.where(x_scale > 0, x_scale, 1.0)
-            xt = (xf * (1.0 / x_scale)[:, None]).to(tl.float8e4nv)
+            xt = e4m3_ready(xf * (1.0 / x_scale)[:, None]).to(tl.float8e4nv)
         if BITS == 0:
             raw = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             if X_FP8 > 0:

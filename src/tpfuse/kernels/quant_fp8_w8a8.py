@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fp8_rows import Fp8Rows, round_to_e4m3
+from tpfuse.kernels.fp8_rows import Fp8Rows, e4m3_ready
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import (
     ELEMENT,
@@ -68,7 +68,7 @@ def _quantize_rows_kernel(
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(round_to_e4m3(x / scale), -448.0, 448.0)  # the conversion below is then exact
+    q = tl.clamp(e4m3_ready(x / scale), -448.0, 448.0)
     tl.store(q_ptr + row * HIDDEN + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 

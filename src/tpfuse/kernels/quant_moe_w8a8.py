@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
+from tpfuse.kernels.fp8_rows import e4m3_ready
 from tpfuse.kernels.quant_dot import pow2_part
 from tpfuse.kernels.quant_fp8_w8a8 import fp8_rounded_rows_ref
 from tpfuse.kernels.quant_moe import QuantExperts
@@ -93,7 +94,8 @@ def _rows_dot_quantized(
         amax = tl.max(tl.abs(x), axis=0)
         x_scale = tl.where(amax > 0, amax / 448.0, 1.0)
         # the activations in column 0 of the MMA's 16 (the others zero)
-        xt = tl.where(tl.arange(0, 16)[None, :] == 0, (x * (1.0 / x_scale))[:, None], 0.0).to(tl.float8e4nv)
+        x_e4m3 = e4m3_ready(x * (1.0 / x_scale))
+        xt = tl.where(tl.arange(0, 16)[None, :] == 0, x_e4m3[:, None], 0.0).to(tl.float8e4nv)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
         else:
