@@ -13,17 +13,22 @@ source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-step "128x128 FP8 blocks as such: W8A8 decode tiles vs float64; block-FP8 dummy models, DeepSeek-V3 checkpoints; FP8 rows"
-timeout 170 python3 -m pytest -q -m gpu --timeout=120 tests/kernels/test_gpu_quant_kernels.py \
-  tests/model/test_deepseek_v3_quantized_gpu.py tests/comm/test_gpu_virtual_ranks.py \
-  -k "(w8a8_decode and block3) or (quantized_dummy and fp8-block) or quantized_greedy or fp8_rows" \
-  -p no:cacheprovider -rf 2>&1 | grep -E "FAIL|passed|failed" | tail -n 8
+step "GPU tests of code that ran on the GPU only in benchmarks or not at all: FP8 rows, W8A8 decode on 128x128 blocks"
+timeout 170 python3 -m pytest -q -m gpu --timeout=150 tests/kernels/test_gpu_quant_kernels.py tests/comm/test_gpu_virtual_ranks.py \
+  -k "fp8_rows or (w8a8_decode and block3)" -p no:cacheprovider -rf > "$OUT/tests_fp8.log" 2>&1
+grep -E "FAIL|passed|failed" "$OUT/tests_fp8.log" | tail -n 8
+step "the block-FP8 models end to end: dummy presets under CUDA graphs, DeepSeek-V3's FP8-block checkpoint"
+timeout 200 python3 -m pytest -q -m gpu --timeout=190 tests/kernels/test_gpu_quant_kernels.py \
+  tests/model/test_deepseek_v3_quantized_gpu.py -k "(quantized_dummy and fp8-block) or quantized_greedy" \
+  -p no:cacheprovider -rf > "$OUT/tests_block_models.log" 2>&1
+grep -E "FAIL|passed|failed" "$OUT/tests_block_models.log" | tail -n 8
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2
 step "llama-3.1-8b FP8 per-channel and 128x128 blocks beside bf16: batch 1 and 64, prefill per route and with FP8 rows from the norms off / on"
-timeout 170 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
-  2>&1 | grep -E "^ +(bf16|fp8)|prefill|Error" | head -n 40
+timeout 200 python3 benchmarks/quant_decode.py --methods bf16,fp8-block,fp8 --iters 20 --pdl --json "$OUT/quant_routes.json" \
+  > "$OUT/quant_routes.log" 2>&1  # a filter that stops reading early (head) would stop the benchmark
+grep -E "^ +(bf16|fp8|fp8-block) +[0-9]|prefill with|Error" "$OUT/quant_routes.log"
 step "deepseek-v3-4l FP8 blocks batch 1, per layer"
 timeout 140 python3 benchmarks/deepseek_decode.py --batch-sizes 1 --iters 30 --quantization fp8-block 2>&1 \
   | grep -E "MoE router \(256|^ +[0-9]+ +(dense|moe)|^ +1 "
@@ -36,8 +41,9 @@ timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_m
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step with PDL (batch 1 and 64; batch 1's kernels)"
-timeout 130 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 --pdl --profile 2>&1 \
-  | grep -E "^ +int4|kernel" | head -n 24
+timeout 130 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 --pdl --profile \
+  > "$OUT/int4_step.log" 2>&1
+grep -E "^ +int4 +[0-9]|kernel" "$OUT/int4_step.log" | head -n 24
 step "INT4 experts, qwen3-30b-a3b batch 1 with PDL"
 timeout 150 python3 benchmarks/moe_decode.py --batch-sizes 1 --iters 30 --quantization int4 --pdl 2>&1 | tail -n 3
 step "MLA decode, 16 heads (the 3-stage tile)"
