@@ -298,7 +298,7 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     """An FP8 model (dummy llama-3.2-1b, per-channel or 128 x 128 blocks) whose qkv and gate_up take FP8
     rows (the route start-up timing may choose, forced here) gives the prefill logits of its own
     quantization, bit for bit on the GPU, and start-up keeps FP8 rows only where they were faster."""
-    from tests.model.harness import load_for_test, prefill_logits_on_routes
+    from tests.model.harness import load_for_test, prefill_logits_on_routes, relative_error
     from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS
     from tpfuse.model import linear_choice
 
@@ -310,9 +310,15 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     assert bool(gate_up.method.fp8_rows_candidates(gate_up)) == fp8_dot  # W8A16 throughout without FP8 dots
     if not fp8_dot:
         return
-    prompt = list(range(1, 301))
+    prompt = list(range(1, 301))  # past the decode buckets' 64 rows: the prefill routes
+    own = prefill_logits_on_routes(model, prompt, None)
+    assert torch.equal(prefill_logits_on_routes(model, prompt, None), own), (
+        "the plain prefill is not reproducible"
+    )
     on_rows = prefill_logits_on_routes(model, prompt, FP8_ROWS)
-    assert torch.equal(on_rows, prefill_logits_on_routes(model, prompt, None))
+    assert torch.equal(on_rows, own), (
+        f"FP8 rows moved the logits by {relative_error(on_rows, own):.2e} of the largest"
+    )
     decided = linear_choice.choose_quantized([model], max_rows=1, buckets=(1,), prefill_rows=512)
     prefill = {key: us for key, bucket, _, us in decided if bucket == linear_choice.PREFILL}
     for key, bucket, route, us in decided:

@@ -147,6 +147,7 @@ class PagedSequences:
             self.kv_caches = [(empty(), empty()) for _ in model.layers]
         for cache in (t for layer in self.kv_caches for t in layer):
             cache.fill_(float("nan"))  # unwritten slots must never be read
+        self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: list[list[int]] = [[] for _ in range(num_sequences)]
@@ -158,6 +159,11 @@ class PagedSequences:
         for seq, n in enumerate(new_lengths):
             start = self.lengths[seq]
             while len(self.block_tables[seq]) * self.block_size < start + n:
+                if not self.free_blocks:
+                    raise RuntimeError(
+                        f"PagedSequences ran out of KV blocks: {start + n} tokens of sequence {seq} need more"
+                        f" than {self.num_blocks} blocks of {self.block_size}; pass a larger num_blocks"
+                    )
                 self.block_tables[seq].append(self.free_blocks.pop())
             for pos in range(start, start + n):
                 positions.append(pos)
@@ -216,7 +222,7 @@ def prefill_logits_on_routes(model, prompt: list[int], rows_route) -> torch.Tens
     for layer in readers:
         linear_choice.set_fp8_rows_route(layer, rows_route)
     try:
-        return PagedSequences(model, 1).step([prompt])[0]
+        return PagedSequences(model, 1, num_blocks=max(64, -(-len(prompt) // 4))).step([prompt])[0]
     finally:
         for layer in projections:
             linear_choice.set_quant_tile(layer, len(prompt), None)
