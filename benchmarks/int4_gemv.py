@@ -14,7 +14,9 @@ Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4
 --sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K),
 GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers) and HALF2_SWEEP
 (kernels/quant_int_half2.py's f16x2 GEMV by rows, K step and warps).
---forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV); --shapes those shapes.
+--forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV; "ready": the f16x2 tiles
+on x converted once beforehand, quant_int_half2.Half2X, timed without that conversion); --shapes those
+shapes.
 Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, "half2" for the
 f16x2 GEMV, else "gemv".
 --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one call each, no timing: a check that
@@ -34,7 +36,7 @@ import torch
 import triton
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py shadows no package
-from tpfuse.kernels import quant_int  # noqa: E402
+from tpfuse.kernels import quant_int, quant_int_half2  # noqa: E402
 from tpfuse.kernels.quant_int import GemvTile, Half2Tile, MagicTile  # noqa: E402
 from tpfuse.model.linear_choice import QUANT_TILES  # noqa: E402
 
@@ -64,7 +66,7 @@ HALF2_SWEEP = tuple(  # --sweep: f16x2 tiles (kernels/quant_int_half2.py) by row
     for k, w in ((1024, 1), (2048, 1), (4096, 1), (2048, 2), (4096, 2), (4096, 4))
     if n * k // (32 * 32 * w) <= 16
 )
-FORMS = ("int", "vec", "xs", "magic", "half2")
+FORMS = ("int", "vec", "xs", "magic", "half2", "ready")
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"qkv": (48, 256), "down": (32, 384)}
 GROUP = 128
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     tiles = QUANT_TILES[1]
     if args.sweep:
         tiles += tuple(t for t in SWEEP + GEMV_SWEEP + HALF2_SWEEP if t not in QUANT_TILES[1])
-    tiles = tuple(t for t in tiles if family(t) in forms)
+    cases = [(t, family(t)) for t in tiles if family(t) in forms]
+    if "ready" in forms:  # the f16x2 tiles again, on x converted once beforehand (Half2X)
+        cases += [(t, "ready") for t in tiles if isinstance(t, Half2Tile)]
     print(
         f"INT4 group {GROUP}, 1 row, bf16 x; copy bandwidth {copy_tbps:.2f} TB/s" + (" (smoke)" * args.smoke)
     )
@@ -148,28 +152,36 @@ def main(argv: list[str] | None = None) -> int:
         reference = x.float() @ weight.T
         call_bytes = weight_bytes + hidden * 2
         best: dict[str, tuple[float, str]] = {}
-        for tile in tiles:
-            form = family(tile)
+        made = quant_int_half2.half2_x(x)
+        for tile, form in cases:
             calls = [
                 lambda p=p, s=s, x=x, tile=tile: quant_int.int_linear_triton(
                     x, p, s, None, 4, GROUP, tile=tile
                 )
                 for p, s in layers
             ]
+            if form == "ready":
+                calls = [
+                    lambda p=p, s=s, tile=tile, made=made: quant_int_half2.half2_int4_gemv(
+                        made, p, s, None, GROUP, tile=tile
+                    )
+                    for p, s in layers
+                ]
             out = calls[0]()
             err = (out.float() - reference).abs().max().item()
             rel = err / reference.abs().max().item()
             us = time_us(calls, args.smoke)
+            label = tile.label() + " on Half2X" * (form == "ready")
             gbps = call_bytes / us / 1e3
-            best[form] = min(best.get(form, (float("inf"), "")), (us, tile.label()))
-            kernel = form if form in ("magic", "half2") else "gemv"
-            row = dict(shape=name, N=num_cols, K=hidden, kernel=kernel, form=form, tile=tile.label(),
+            best[form] = min(best.get(form, (float("inf"), "")), (us, label))
+            kernel = form if form in ("magic", "half2", "ready") else "gemv"
+            row = dict(shape=name, N=num_cols, K=hidden, kernel=kernel, form=form, tile=label,
                        us=round(us, 2),
                        candidate=tile in QUANT_TILES[1],
                        GBps=round(gbps, 1), of_copy=round(gbps / (copy_tbps * 1e3), 3),
                        max_abs_err=err, rel_err=rel)  # fmt: skip
             rows.append(row)
-            print(f"{name:8} {num_cols:>5} x {hidden:<5} {tile.label():38} {us:8.2f} {gbps:7.0f} "
+            print(f"{name:8} {num_cols:>5} x {hidden:<5} {label:38} {us:8.2f} {gbps:7.0f} "
                   f"{gbps / (copy_tbps * 1e3):8.1%} {err:12.3e} {rel:8.1e}", flush=True)  # fmt: skip
         if best:
             ranked = sorted(best.items(), key=lambda b: b[1])

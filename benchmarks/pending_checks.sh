@@ -15,13 +15,15 @@ step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 step "GPU tests of code that ran on the GPU only in benchmarks or not at all: FP8 rows, W8A8 decode on 128x128 blocks"
 timeout 170 python3 -m pytest -q -m gpu --timeout=150 tests/kernels/test_gpu_quant_kernels.py tests/comm/test_gpu_virtual_ranks.py \
-  -k "fp8_rows or (w8a8_decode and block3)" -p no:cacheprovider -rf > "$OUT/tests_fp8.log" 2>&1
-grep -E "FAIL|passed|failed" "$OUT/tests_fp8.log" | tail -n 8
+  -k "fp8_rows or (w8a8_decode and block3)" -p no:cacheprovider -rf --tb=short > "$OUT/tests_fp8.log" 2>&1
+grep -E "^E |FAIL|passed|failed" "$OUT/tests_fp8.log" | tail -n 12
+cat "$OUT/tests_fp8.log" >> "$OUT/tests.log" && rm "$OUT/tests_fp8.log"  # $OUT returns at most 8 files
 step "the block-FP8 models end to end: dummy presets under CUDA graphs, DeepSeek-V3's FP8-block checkpoint"
-timeout 200 python3 -m pytest -q -m gpu --timeout=190 tests/kernels/test_gpu_quant_kernels.py \
+timeout 230 python3 -m pytest -q -m gpu --timeout=100 tests/kernels/test_gpu_quant_kernels.py \
   tests/model/test_deepseek_v3_quantized_gpu.py -k "(quantized_dummy and fp8-block) or quantized_greedy" \
-  -p no:cacheprovider -rf > "$OUT/tests_block_models.log" 2>&1
-grep -E "FAIL|passed|failed" "$OUT/tests_block_models.log" | tail -n 8
+  -p no:cacheprovider -rf --tb=short --durations=5 > "$OUT/tests_block_models.log" 2>&1
+grep -E "^E |FAIL|passed|failed|Timeout|[0-9.]+s call" "$OUT/tests_block_models.log" | tail -n 14
+cat "$OUT/tests_block_models.log" >> "$OUT/tests.log" && rm "$OUT/tests_block_models.log"
 step "rope inside decode attention (its graph cases now restore q), the decode-step kernels, the model"
 timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_rope_decode_attention_gpu.py \
   tests/kernels/test_decode_step_gpu.py tests/model/test_model_gpu.py -p no:cacheprovider 2>&1 | tail -n 2

@@ -17,7 +17,9 @@ it runs at gate_up (N = 28672; the "xs" loop's iterations as launched on 132 SMs
 set-up included, and code_loads gives the positions of its codes' loads among the instructions of
 the step (the loop body, or the program): ptxas sinks loads towards their first use unless the
 tile pins them (GemvTile.pin).
-Usage: python tests/kernels/quant_int_asm.py [--json] [--sweep], with TRITON_INTERPRET unset.
+--ready prints, for the f16x2 start-up tiles, the program with x converted per program and on x made
+once beforehand (quant_int_half2.Half2X): instructions, registers, where the codes' loads sit.
+Usage: python tests/kernels/quant_int_asm.py [--json] [--sweep] [--ready], with TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -109,6 +111,31 @@ def compile_form(tile):
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     return compiled, block_k, form
+
+
+def half2_program_stats(tile, ready: bool) -> dict:
+    """The f16x2 kernel's SASS for a Half2Tile (static instructions: one K step at K = 4096 for the
+    4096-step tiles, a loop of two for the 2048-step one), on x converted per program or made once
+    (Half2X, ready): instructions, registers, and where the codes' loads sit among them."""
+    block_k = quant_int_half2.half2_step(tile, HIDDEN)
+    constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
+                      HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
+                      K_MASK=HIDDEN % block_k != 0, INTERPRET=False)  # fmt: skip
+    if ready:
+        kernel = quant_int_half2._half2_ready_kernel
+        pointers = {"*": "*bf16", "q_ptr": "*i32", "pairs_ptr": "*i32"}
+        pointers.update(inv_m_ptr="*fp32", sums_ptr="*fp32")
+    else:
+        kernel, pointers = quant_int_half2._half2_kernel, {"*": "*bf16", "q_ptr": "*i32"}
+        constexprs["X_FP16"] = False
+    usage, sass = _disassemble(_compile(kernel, pointers, {"num_cols": "i32"}, constexprs, tile).asm["cubin"])
+    code = [op + rest for _, _, op, rest in _LINE.findall(sass)]
+    loads = [i for i, line in enumerate(code) if line.startswith("LDG") and ".EF" in line]
+    return {
+        "tile": tile.label() + " on Half2X" * ready, "instructions": len(code),
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "code_loads": f"{loads[0]}-{loads[-1]}" if loads else "",
+    }  # fmt: skip
 
 
 def form_stats(tile) -> dict:
@@ -207,6 +234,13 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles the kernels for real")
         return 2
+    if "--ready" in sys.argv:  # the f16x2 start-up tiles on x converted per program and made once
+        for tile in (t for t in QUANT_TILES[1] if isinstance(t, quant_int_half2.Half2Tile)):
+            for ready in (False, True):
+                r = half2_program_stats(tile, ready)
+                print(f"{r['tile']:32} {r['instructions']:5} instructions, {r['registers']:3} registers, "
+                      f"code loads at {r['code_loads']}")  # fmt: skip
+        return 0
     table = rows(sweep_tiles() if "--sweep" in sys.argv else None)
     if "--json" in sys.argv:
         print(json.dumps(table))

@@ -152,6 +152,33 @@ def test_half2_int4_gemv_matches_float64_at_hard_inputs(dtype, n, k, group, offs
             _close(_in_graph(run, x), expected)
 
 
+@pytest.mark.parametrize(
+    "n,k,group,offsets", [(4096, 4096, 128, False), (37, 1056, 32, True), (6144, 4096, 128, False)]
+)
+def test_half2_int4_gemv_on_x_made_once_gives_the_plain_kernels_bits(n, k, group, offsets):
+    """x converted once (quant_int_half2.half2_x, in torch) gives the operands the kernel makes in
+    registers, so the product on it has the plain kernel's bits, eagerly and in a CUDA graph."""
+    from tpfuse.kernels import quant_int_half2
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+
+    gen = torch.Generator(DEVICE).manual_seed(n * 3 + k)
+    packed = quant_int.pack_int(torch.randint(0, 16, (n, k), generator=gen, device=DEVICE), 4)
+    scales = (torch.rand(n, -(-k // group), generator=gen, device=DEVICE) * 0.01 + 1e-3).bfloat16()
+    shift = torch.randn(n, -(-k // group), generator=gen, device=DEVICE) * 0.02 if offsets else None
+    x = torch.randn(1, k, generator=gen, device=DEVICE).bfloat16()
+    x[0, :5] = 3000.0
+    made = quant_int_half2.half2_x(x)
+    for tile in (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 2, 4096, 1, 1), Half2Tile(1, 4, 4096, 1, 2)):
+        plain = quant_int_half2.half2_int4_gemv(x, packed, scales, shift, group, tile=tile)
+        out = torch.full((1, n), float("nan"), dtype=x.dtype, device=DEVICE)
+
+        def run(_, tile=tile, out=out):
+            return quant_int_half2.half2_int4_gemv(made, packed, scales, shift, group, tile=tile, out=out)
+
+        assert torch.equal(run(None), plain)
+        assert torch.equal(_in_graph(run, x), plain)
+
+
 def test_fp8_activation_quantization_is_bit_exact_to_its_reference():
     x = torch.randn(77, 1000, device=DEVICE).bfloat16() * 3
     for group in (128, 1000):

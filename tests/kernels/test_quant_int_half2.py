@@ -99,3 +99,37 @@ def test_a_vector_of_subnormal_x_keeps_its_values():
     assert expected.abs().max() > 1e-35
     out = quant_int_half2.half2_int4_gemv(x, packed, scales, None, 32, tile=TILES["steps"])
     assert (out.double() - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("n,k,group,offsets,with_bias,dtype", CASES)
+def test_half2_gemv_on_x_made_once_matches_float64(n, k, group, offsets, with_bias, dtype):
+    # x converted once for every product (Half2X) instead of once a program: the same products
+    packed, scales, shift, x, bias = _case(n, k, group, offsets, dtype, seed=n * 11 + k)
+    bias = bias if with_bias else None
+    expected = _expected(x, packed, scales, shift, group, bias)
+    ready = quant_int_half2.half2_x(x)
+    for tile in TILES.values():
+        poison = torch.full((1, n), float("nan"), dtype=dtype)
+        out = quant_int_half2.half2_int4_gemv(
+            ready, packed, scales, shift, group, bias, tile=tile, out=poison
+        )
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert torch.isfinite(out).all(), "an output left unwritten (NaN poison)"
+        err = (out.double() - expected).abs().max().item()
+        assert err <= 2e-2 * expected.abs().max().item(), err
+
+
+def test_half2_x_holds_each_vectors_x_in_block_floating_point():
+    # a vector of large values, one of tiny ones, one of zeros: every lane is x m (or x m / 16) in f16
+    x = torch.cat([torch.randn(32) * 3e4, torch.randn(32) * 1e-6, torch.zeros(32), torch.randn(32)])
+    x = x.to(torch.bfloat16)[None]
+    made = quant_int_half2.half2_x(x)
+    lanes = torch.stack([made.pairs & 0xFFFF, (made.pairs >> 16) & 0xFFFF], dim=-1)  # [vector, 16, 2]
+    values = lanes.to(torch.int16).view(torch.float16).double().reshape(-1, 4, 4, 2)  # vector, word, j, lane
+    values = values * torch.tensor([1.0, 16.0, 1.0, 16.0], dtype=torch.float64)[None, None, :, None]
+    values = values.permute(0, 1, 3, 2).reshape(-1, 32) * made.inv_m.double()[:, None]  # back to x order
+    assert torch.allclose(values, x.double().reshape(-1, 32), rtol=1e-3, atol=0)
+    assert made.inv_m[2] > 0
+    assert made.sums.tolist() == pytest.approx(x.double().reshape(-1, 32).sum(1).tolist())
+    largest = values.reshape(-1, 32).abs().amax(dim=1) / made.inv_m.double()
+    assert ((largest[[0, 1, 3]] >= 1) & (largest[[0, 1, 3]] < 2)).all()  # largest |x m| in [1, 2)

@@ -27,6 +27,12 @@ vector of each of its rows, and x of that vector as 4 more 16-byte loads of the 
 (kernels/quant_int_gemv.py's arrangement), so codes, x pairs and scales share registers without
 shared memory. The f16x2 code needs a GPU: under TRITON_INTERPRET the same sums run in fp32 (the
 CPU tests check the layout, masks, scales and offsets; the GPU tests the f16x2 code).
+
+Every program converts x again. half2_x makes those operands once (Half2X: the same bits), and the
+kernel also takes x in that form: about a quarter fewer instructions a program and fewer registers
+(tests/kernels/quant_int_asm.py --ready). No producer writes Half2X yet; it would pay only where the
+kernel that makes x (a norm, SiLU-and-mul) writes it, so benchmarks/int4_gemv.py --forms half2,ready
+measures the product on it first (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from tpfuse.kernels import pdl
 from tpfuse.kernels.quant_dot import IntTile
 from tpfuse.kernels.quant_int_gemv import one_row_output, split4
 
-__all__ = ["Half2Tile", "fits", "half2_int4_gemv", "interpreting", "rows_dot_x"]
+__all__ = ["Half2Tile", "Half2X", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x"]
 
 VECTOR_VALUES = 32  # codes in one 16-byte vector (4 words)
 
@@ -99,6 +105,39 @@ class Half2Tile(IntTile):
 
     def label(self) -> str:
         return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}"
+
+
+@dataclass(frozen=True)
+class Half2X:
+    """x [1, K] as the f16x2 product's operands, made once for every product that reads it (half2_x)
+    instead of once a program: pairs [K / 32, 16] int32, word v of a vector its four f16x2 operands
+    ((x0, x4) m, (x1, x5) m / 16, (x2, x6) m, (x3, x7) m / 16 of the vector's values 8v .. 8v + 7, the
+    low lane first); inv_m [K / 32] float32 (1 / m, the module doc's block floating point); sums
+    [K / 32] float32 (each vector's x sum, for offset codes); dtype, x's."""
+
+    pairs: torch.Tensor
+    inv_m: torch.Tensor
+    sums: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def hidden(self) -> int:
+        return self.pairs.shape[0] * VECTOR_VALUES
+
+
+def half2_x(x: torch.Tensor) -> Half2X:
+    """x [1, K] (bf16 / fp16, K a multiple of 32) as Half2X: the operands the kernel would make in
+    registers, bit for bit (m a power of two, so x m is exact in fp32 and rounds once to f16)."""
+    vectors = x.float().reshape(-1, VECTOR_VALUES)
+    amax = vectors.abs().amax(dim=1)
+    e = (amax.view(torch.int32) >> 23).clamp(1, 253)
+    m = ((254 - e) << 23).view(torch.float32)
+    inv_m = (e << 23).view(torch.float32)
+    xm = (vectors * m[:, None]).reshape(-1, 4, 2, 4)  # [vector, word, value // 4, value % 4]
+    xm = xm * torch.tensor([1.0, 0.0625, 1.0, 0.0625], device=x.device)  # the x16 lanes take m / 16
+    halves = xm.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # [vector, word, lane, j]
+    pairs = halves[:, :, 0, :] | (halves[:, :, 1, :] << 16)  # (x_j, x_j+4) for j = 0..3
+    return Half2X(pairs.reshape(-1, 16).contiguous(), inv_m.contiguous(), vectors.sum(dim=1), x.dtype)
 
 
 def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
@@ -279,6 +318,113 @@ def _half2_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _ready_word(pairs_ptr, vectors, k_ok, v: tl.constexpr, CH: tl.constexpr, K_MASK: tl.constexpr):
+    """Half2X's four operands [CH] of word v of each vector (vectors [CH] their indices)."""
+    idx = (vectors * 16 + 4 * v)[:, None] + tl.arange(0, 4)[None, :]
+    if K_MASK:
+        operands = tl.load(pairs_ptr + idx, mask=k_ok[:, None], other=0)
+    else:
+        operands = tl.load(pairs_ptr + idx)
+    return _columns(operands, CH)
+
+
+@triton.jit
+def _lanes_sum_fp32(w, operand, j: tl.constexpr, scale: tl.constexpr):
+    """The interpreter's stand-in for a word's operand: (q_j - 8) x_j m + (q_j+4 - 8) x_j+4 m in fp32
+    ([BLOCK_N, CH] words, [CH] operand whose lanes hold x m / scale)."""
+    lo = (operand & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    hi = (operand >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    q_lo = ((w >> (4 * j)) & 0xF).to(tl.float32) - 8.0
+    q_hi = ((w >> (4 * j + 16)) & 0xF).to(tl.float32) - 8.0
+    return q_lo * lo[None, :] + q_hi * hi[None, :]
+
+
+@triton.jit
+def _ready_word_sum_fp32(w, a, b, c, d):
+    return (_lanes_sum_fp32(w, a, 0, 1.0) + _lanes_sum_fp32(w, b, 1, 16.0)
+            + _lanes_sum_fp32(w, c, 2, 1.0) + _lanes_sum_fp32(w, d, 3, 16.0))  # fmt: skip
+
+
+@triton.jit
+def rows_dot_ready_x(
+    q_rows, s_rows, o_rows, pairs_ptr, inv_m_ptr, sums_ptr, hidden, row_mask, GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr,
+    K_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """rows_dot_x on x made once as Half2X (pairs_ptr, inv_m_ptr, sums_ptr its tensors): the same
+    products without the per-program conversion of x."""
+    CH: tl.constexpr = BLOCK_K // 32
+    c = tl.arange(0, CH)
+    vec = c[:, None] * 4 + tl.arange(0, 4)[None, :]
+    acc = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_vec = k0 + c * 32
+        k_ok = k_vec < hidden
+        vectors = k_vec // 32
+        w_mask = tl.full([BLOCK_N, CH, 4], 1, tl.int1)
+        s_mask = tl.full([BLOCK_N, CH], 1, tl.int1)
+        if MASK_N:
+            w_mask = w_mask & row_mask[:, None, None]
+            s_mask = s_mask & row_mask[:, None]
+        if K_MASK:
+            w_mask = w_mask & k_ok[None, :, None]
+            s_mask = s_mask & k_ok[None, :]
+        words = tl.load(
+            q_rows + (k0 // 8 + vec)[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first"
+        )
+        groups = (k_vec // GROUP)[None, :]
+        s = tl.load(s_rows + groups, mask=s_mask, other=0.0).to(tl.float32)
+        inv_m = tl.load(inv_m_ptr + vectors, mask=k_ok, other=0.0)
+        a0, b0, c0, d0 = _ready_word(pairs_ptr, vectors, k_ok, 0, CH, K_MASK)
+        a1, b1, c1, d1 = _ready_word(pairs_ptr, vectors, k_ok, 1, CH, K_MASK)
+        a2, b2, c2, d2 = _ready_word(pairs_ptr, vectors, k_ok, 2, CH, K_MASK)
+        a3, b3, c3, d3 = _ready_word(pairs_ptr, vectors, k_ok, 3, CH, K_MASK)
+        w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
+        if INTERPRET:
+            p = _ready_word_sum_fp32(w0, a0, b0, c0, d0) + _ready_word_sum_fp32(w1, a1, b1, c1, d1)
+            p += _ready_word_sum_fp32(w2, a2, b2, c2, d2) + _ready_word_sum_fp32(w3, a3, b3, c3, d3)
+        else:
+            p = tl.inline_asm_elementwise(
+                _VECTOR, "=r" + ",r" * 20,
+                [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :],
+                 b1[None, :], c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :],
+                 a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+        acc += s * inv_m[None, :] * p
+        if HAS_OFFSET:  # sum w x = s sum (q - 8) x + (8 s + o) X
+            o = tl.load(o_rows + groups, mask=s_mask, other=0.0)
+            x_sum = tl.load(sums_ptr + vectors, mask=k_ok, other=0.0)
+            acc_o += (8.0 * s + o) * x_sum[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_OFFSET:
+        out += tl.sum(acc_o, axis=1)
+    return out
+
+
+@triton.jit
+def _half2_ready_kernel(
+    pairs_ptr, inv_m_ptr, sums_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, num_cols, hidden: tl.constexpr,
+    stride_qn: tl.constexpr, stride_sn: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    K_MASK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """_half2_kernel on Half2X (rows_dot_ready_x)."""
+    pdl.begin(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = cols < num_cols
+    out = rows_dot_ready_x(
+        q_ptr + (cols * stride_qn)[:, None, None], s_ptr + (cols * stride_sn)[:, None],
+        o_ptr + (cols * stride_sn)[:, None], pairs_ptr, inv_m_ptr, sums_ptr, hidden, row_mask, GROUP,
+        HAS_OFFSET, BLOCK_N, BLOCK_K, not EVEN_N, K_MASK, INTERPRET,
+    )  # fmt: skip
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
 def interpreting() -> bool:
     """Whether Triton runs under its interpreter (TRITON_INTERPRET=1): rows_dot_x's INTERPRET."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -290,21 +436,33 @@ def half2_step(tile: Half2Tile, hidden: int) -> int:
 
 
 def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: Half2Tile, out=None):
-    """x [1, K] @ dequant(packed, scales, offsets).T (+ bias) -> out [1, N] of x.dtype (allocated when
-    None); inputs checked by kernels/quant_int.py, layout fitting (fits)."""
-    hidden = x.shape[1]
+    """x [1, K] (or that x made once as Half2X) @ dequant(packed, scales, offsets).T (+ bias) -> out
+    [1, N] of x's dtype (allocated when None); inputs checked by kernels/quant_int.py, layout fitting
+    (fits)."""
+    ready = isinstance(x, Half2X)
+    hidden = x.hidden if ready else x.shape[1]
     num_cols = packed.shape[0]
-    out = one_row_output(x, packed, scales, out, "the half2 GEMV's programs")
+    if ready:
+        out = torch.empty((1, num_cols), dtype=x.dtype, device=packed.device) if out is None else out
+    out = one_row_output(out if ready else x, packed, scales, out, "the half2 GEMV's programs")
     if num_cols == 0:
         return out
     block_k = half2_step(tile, hidden)
     o_arg = offsets if offsets is not None else scales
-    _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
-        x, packed, scales, o_arg, bias if bias is not None else x, out, num_cols,
+    bias_arg = bias if bias is not None else out
+    shape = dict(
         hidden=hidden, stride_qn=packed.stride(0), stride_sn=scales.stride(0), GROUP=group_size,
         HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, X_FP16=x.dtype == torch.float16,
-        INTERPRET=interpreting(), num_warps=tile.num_warps, num_stages=1,
-        **pdl.launch(x.device),
+        EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, INTERPRET=interpreting(),
+        num_warps=tile.num_warps, num_stages=1, **pdl.launch(packed.device),
     )  # fmt: skip
+    grid = (triton.cdiv(num_cols, tile.block_n),)
+    if ready:
+        _half2_ready_kernel[grid](
+            x.pairs, x.inv_m, x.sums, packed, scales, o_arg, bias_arg, out, num_cols, **shape
+        )
+    else:
+        _half2_kernel[grid](
+            x, packed, scales, o_arg, bias_arg, out, num_cols, X_FP16=x.dtype == torch.float16, **shape
+        )
     return out
