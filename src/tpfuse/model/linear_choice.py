@@ -22,6 +22,7 @@ triton (every eligible case, the first tile of each bucket, untimed: tests), cub
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 import triton
 
 from tpfuse import knobs
-from tpfuse.gpu_timing import graph_us
+from tpfuse.gpu_timing import graph_us, stream_us
 from tpfuse.kernels import gemv_op, skinny_linear_op
 from tpfuse.kernels.fp8_scaled_mm import ScaledMmUnavailable
 from tpfuse.kernels.quant_int import GemvTile, Half2Tile, IntTile, MagicTile
@@ -322,9 +323,10 @@ def _quant_candidates(layer, rows_bucket) -> tuple:
 
 def _quant_timer(layers, rows: int):
     """time_us(tile) for fastest: the tile's product at `rows` rows over the layers (one product a
-    layer, CUDA-graph replayed), checked once against the first layer's dequantized weight. A method's
-    route_input(layer, x, tile), where it has one, gives the input a tile takes, made before timing
-    (FP8 rows that the layer's producer would write)."""
+    layer), checked once against the first layer's dequantized weight, timed as it will run: replayed
+    from a CUDA graph at decode sizes, eagerly past MAX_ROWS (the engine's prompt chunks are larger
+    than its piecewise graphs take). A method's route_input(layer, x, tile), where it has one, gives
+    the input a tile takes, made before timing (FP8 rows that the layer's producer would write)."""
     first = layers[0]
     x = torch.randn(rows, first.shards.k_local, device=next(first.parameters()).device).to(torch.bfloat16)
     dequantize = getattr(first.method, "dequantize", None)
@@ -336,7 +338,10 @@ def _quant_timer(layers, rows: int):
         if reference is not None:
             check_agrees(first.method.product(first, x_in, None, tile), reference, tile.label())
         calls = [lambda layer=layer: layer.method.product(layer, x_in, None, tile) for layer in layers]
-        return graph_us(calls, min_launches=16 if rows <= MAX_ROWS else 4, replays=5, samples=3)
+        if rows <= MAX_ROWS:
+            return graph_us(calls, min_launches=16, replays=5, samples=3)
+        every_layer = lambda: [call() for call in calls]  # noqa: E731
+        return statistics.median(stream_us(every_layer, repeats=3) for _ in range(3)) / len(calls)
 
     return time_us
 
