@@ -109,8 +109,8 @@ def _restrict_fp8_tiles(model, which: str) -> None:
 def prefill_by_route(model, args) -> dict[str, float]:
     """Prefill tok/s with every prefill-routed layer forced onto each route its method offers them all
     (kernels/fp8_scaled_mm.py), FP8 rows off; then, where layers can take FP8 rows from the norms
-    (kernels/fp8_rows.py), the chosen routes with them off and on, side by side. {} where there is
-    neither choice. Restores every choice."""
+    (kernels/fp8_rows.py), the chosen routes with them off, on at every norm-reading projection, and
+    as start-up chose them, side by side. {} where there is neither choice. Restores every choice."""
     tokens, iters = args.prefill_tokens, max(3, args.iters // 20)
     layers = [m for m in model.modules() if hasattr(getattr(m, "method", None), "prefill_candidates")]
     rows_layers = [m for m in layers if getattr(m.method, "fp8_rows_candidates", lambda layer: ())(m)]
@@ -131,9 +131,13 @@ def prefill_by_route(model, args) -> dict[str, float]:
         result["the chosen routes, plain tensors from the norms"] = prefill_tok_s(model, tokens, iters)
         for layer in rows_layers:
             linear_choice.set_fp8_rows_route(layer, layer.method.fp8_rows_candidates(layer)[0])
-        result["the chosen routes, FP8 rows from the norms"] = prefill_tok_s(model, tokens, iters)
+        result["the chosen routes, FP8 rows into every projection that reads a norm"] = prefill_tok_s(
+            model, tokens, iters
+        )
     for layer, route in chosen_rows.items():
         linear_choice.set_fp8_rows_route(layer, route)
+    if rows_layers:
+        result["start-up's choices as made (FP8 rows where chosen)"] = prefill_tok_s(model, tokens, iters)
     return result
 
 
