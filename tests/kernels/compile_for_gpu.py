@@ -364,14 +364,18 @@ def _quant_variants(p: str):
             yield kernel, pointers, {}, dict(steps, INTERPRET=False, **extra), {"num_warps": tile.num_warps}
     half2 = quant_int.quant_int_half2
     for tile in (t for t in QUANT_TILES[1] if isinstance(t, half2.Half2Tile)):  # the f16x2 INT4 GEMV
-        for hidden, group, odd in ((4096, 128, False), (14336, 128, False), (4096, 32, True)):
+        for (hidden, group, odd), ready in itertools.product(
+            ((4096, 128, False), (14336, 128, False), (4096, 32, True)), (False, True)
+        ):
             block_k = half2.half2_step(tile, hidden)
             yield (
-                half2._half2_kernel, {"*": p, "q_ptr": i32, "o_ptr": "*fp32"},
+                half2._half2_kernel,
+                {"*": p, "q_ptr": i32, "o_ptr": "*fp32", "pairs_ptr": i32, "inv_m_ptr": "*fp32",
+                 "sums_ptr": "*fp32"},
                 {"num_cols": "i32"},
                 dict(hidden=hidden, stride_qn=hidden // 8, stride_sn=hidden // group, GROUP=group,
                      HAS_OFFSET=odd, HAS_BIAS=odd, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=not odd,
-                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", INTERPRET=False),
+                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", X_READY=ready, INTERPRET=False),
                 {"num_warps": tile.num_warps, "num_stages": 1},
             )  # fmt: skip
     w8a8_slots = {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",

@@ -80,13 +80,17 @@ def compile_magic(tile):
                     tile), block_k  # fmt: skip
 
 
+_HALF2_POINTERS = {"*": "*bf16", "q_ptr": "*i32", "pairs_ptr": "*i32", "inv_m_ptr": "*fp32",
+                   "sums_ptr": "*fp32"}  # fmt: skip
+
+
 def compile_half2(tile):
     """quant_int_half2's f16x2 GEMV, bf16 x, symmetric, N a multiple of the rows per program."""
     block_k = quant_int_half2.half2_step(tile, HIDDEN)
     constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
                       HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
-                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, INTERPRET=False)  # fmt: skip
-    return _compile(quant_int_half2._half2_kernel, {"*": "*bf16", "q_ptr": "*i32"},
+                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, X_READY=False, INTERPRET=False)  # fmt: skip
+    return _compile(quant_int_half2._half2_kernel, _HALF2_POINTERS,
                     {"num_cols": "i32"}, constexprs, tile), block_k  # fmt: skip
 
 
@@ -120,14 +124,8 @@ def half2_program_stats(tile, ready: bool) -> dict:
     block_k = quant_int_half2.half2_step(tile, HIDDEN)
     constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
                       HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
-                      K_MASK=HIDDEN % block_k != 0, INTERPRET=False)  # fmt: skip
-    if ready:
-        kernel = quant_int_half2._half2_ready_kernel
-        pointers = {"*": "*bf16", "q_ptr": "*i32", "pairs_ptr": "*i32"}
-        pointers.update(inv_m_ptr="*fp32", sums_ptr="*fp32")
-    else:
-        kernel, pointers = quant_int_half2._half2_kernel, {"*": "*bf16", "q_ptr": "*i32"}
-        constexprs["X_FP16"] = False
+                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, X_READY=ready, INTERPRET=False)  # fmt: skip
+    kernel, pointers = quant_int_half2._half2_kernel, _HALF2_POINTERS
     usage, sass = _disassemble(_compile(kernel, pointers, {"num_cols": "i32"}, constexprs, tile).asm["cubin"])
     code = [op + rest for _, _, op, rest in _LINE.findall(sass)]
     loads = [i for i, line in enumerate(code) if line.startswith("LDG") and ".EF" in line]

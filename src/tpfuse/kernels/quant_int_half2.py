@@ -210,115 +210,6 @@ def _word_sum_fp32(w, lo, hi, m, CH: tl.constexpr):
 
 
 @triton.jit
-def rows_dot_x(
-    q_rows, s_rows, o_rows, x_ptr, hidden, row_mask, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, K_MASK: tl.constexpr,
-    X_FP16: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """[BLOCK_N] float32: BLOCK_N weight rows dotted with x over K = hidden (module doc). q_rows
-    [BLOCK_N, 1, 1] points at each row's first word, s_rows / o_rows [BLOCK_N, 1] at its first scale
-    / offset, x_ptr at x's first value (16-byte aligned). MASK_N: rows outside row_mask read as zeros;
-    K_MASK: BLOCK_K does not divide K (whole vectors masked). INTERPRET: fp32 sums instead of the
-    f16x2 PTX (TRITON_INTERPRET)."""
-    CH: tl.constexpr = BLOCK_K // 32
-    c = tl.arange(0, CH)
-    vec = c[:, None] * 4 + tl.arange(0, 4)[None, :]
-    x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    acc = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
-    acc_o = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_vec = k0 + c * 32
-        k_ok = k_vec < hidden
-        w_mask = tl.full([BLOCK_N, CH, 4], 1, tl.int1)
-        s_mask = tl.full([BLOCK_N, CH], 1, tl.int1)
-        if MASK_N:
-            w_mask = w_mask & row_mask[:, None, None]
-            s_mask = s_mask & row_mask[:, None]
-        if K_MASK:
-            w_mask = w_mask & k_ok[None, :, None]
-            s_mask = s_mask & k_ok[None, :]
-        words = tl.load(
-            q_rows + (k0 // 8 + vec)[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first"
-        )
-        groups = (k_vec // GROUP)[None, :]
-        s = tl.load(s_rows + groups, mask=s_mask, other=0.0).to(tl.float32)
-        lo0, hi0 = _x_word(x_words, k_vec, k_ok, 0, X_FP16, K_MASK)
-        lo1, hi1 = _x_word(x_words, k_vec, k_ok, 1, X_FP16, K_MASK)
-        lo2, hi2 = _x_word(x_words, k_vec, k_ok, 2, X_FP16, K_MASK)
-        lo3, hi3 = _x_word(x_words, k_vec, k_ok, 3, X_FP16, K_MASK)
-        # per vector m = 2^-E, E the exponent of its largest |x| kept within [-126, 126], so that m and 1 / m
-        # stay normal floats (a vector of subnormal x keeps its values, one of zeros gives zeros)
-        amax = tl.maximum(tl.maximum(_abs_max(lo0, hi0), _abs_max(lo1, hi1)),
-                          tl.maximum(_abs_max(lo2, hi2), _abs_max(lo3, hi3)))  # fmt: skip
-        e = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 253)
-        m = ((254 - e) << 23).to(tl.float32, bitcast=True)
-        inv_m = (e << 23).to(tl.float32, bitcast=True)
-        w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
-        if INTERPRET:
-            p = _word_sum_fp32(w0, lo0, hi0, m, CH) + _word_sum_fp32(w1, lo1, hi1, m, CH)
-            p += _word_sum_fp32(w2, lo2, hi2, m, CH) + _word_sum_fp32(w3, lo3, hi3, m, CH)
-        else:
-            a0, b0, c0, d0 = _word_operands(lo0, hi0, m, CH)
-            a1, b1, c1, d1 = _word_operands(lo1, hi1, m, CH)
-            a2, b2, c2, d2 = _word_operands(lo2, hi2, m, CH)
-            a3, b3, c3, d3 = _word_operands(lo3, hi3, m, CH)
-            p = tl.inline_asm_elementwise(
-                _VECTOR, "=r" + ",r" * 20,
-                [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :],
-                 b1[None, :], c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :],
-                 a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
-                dtype=tl.float32, is_pure=True, pack=1,
-            )  # fmt: skip
-        acc += s * inv_m[None, :] * p
-        if HAS_OFFSET:  # sum w x = s sum (q - 8) x + (8 s + o) X
-            o = tl.load(o_rows + groups, mask=s_mask, other=0.0)
-            x_sum = tl.sum(lo0 + hi0 + lo1 + hi1 + lo2 + hi2 + lo3 + hi3, axis=1)
-            acc_o += (8.0 * s + o) * x_sum[None, :]
-    out = tl.sum(acc, axis=1)
-    if HAS_OFFSET:
-        out += tl.sum(acc_o, axis=1)
-    return out
-
-
-@triton.jit
-def _half2_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    o_ptr,
-    bias_ptr,
-    out_ptr,
-    num_cols,
-    hidden: tl.constexpr,
-    stride_qn: tl.constexpr,
-    stride_sn: tl.constexpr,
-    GROUP: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr,  # BLOCK_N divides num_cols: rows unmasked
-    K_MASK: tl.constexpr,  # BLOCK_K does not divide K: whole vectors masked
-    X_FP16: tl.constexpr,
-    INTERPRET: tl.constexpr,  # fp32 sums instead of the f16x2 PTX (TRITON_INTERPRET)
-    PDL: tl.constexpr,  # kernels/pdl.py
-):
-    """BLOCK_N rows over the whole of K per program (rows_dot_x). Offsets are int32 (the launcher
-    checks N * row stride < 2^31)."""
-    pdl.begin(PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = cols < num_cols
-    out = rows_dot_x(
-        q_ptr + (cols * stride_qn)[:, None, None], s_ptr + (cols * stride_sn)[:, None],
-        o_ptr + (cols * stride_sn)[:, None], x_ptr, hidden, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
-        not EVEN_N, K_MASK, X_FP16, INTERPRET,
-    )  # fmt: skip
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
 def _ready_word(pairs_ptr, vectors, k_ok, v: tl.constexpr, CH: tl.constexpr, K_MASK: tl.constexpr):
     """Half2X's four operands [CH] of word v of each vector (vectors [CH] their indices)."""
     idx = (vectors * 16 + 4 * v)[:, None] + tl.arange(0, 4)[None, :]
@@ -347,22 +238,27 @@ def _ready_word_sum_fp32(w, a, b, c, d):
 
 
 @triton.jit
-def rows_dot_ready_x(
-    q_rows, s_rows, o_rows, pairs_ptr, inv_m_ptr, sums_ptr, hidden, row_mask, GROUP: tl.constexpr,
-    HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr,
-    K_MASK: tl.constexpr, INTERPRET: tl.constexpr,
+def rows_dot_x(
+    q_rows, s_rows, o_rows, x_ptr, hidden, row_mask, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, K_MASK: tl.constexpr,
+    X_FP16: tl.constexpr, INTERPRET: tl.constexpr, pairs_ptr=None, inv_m_ptr=None, sums_ptr=None,
+    X_READY: tl.constexpr = False,
 ):  # fmt: skip
-    """rows_dot_x on x made once as Half2X (pairs_ptr, inv_m_ptr, sums_ptr its tensors): the same
-    products without the per-program conversion of x."""
+    """[BLOCK_N] float32: BLOCK_N weight rows dotted with x over K = hidden (module doc). q_rows
+    [BLOCK_N, 1, 1] points at each row's first word, s_rows / o_rows [BLOCK_N, 1] at its first scale
+    / offset, x_ptr at x's first value (16-byte aligned). MASK_N: rows outside row_mask read as zeros;
+    K_MASK: BLOCK_K does not divide K (whole vectors masked). INTERPRET: fp32 sums instead of the
+    f16x2 PTX (TRITON_INTERPRET). X_READY: x comes as Half2X (its pairs, inv_m and sums pointers; x_ptr
+    unused) instead of being converted here."""
     CH: tl.constexpr = BLOCK_K // 32
     c = tl.arange(0, CH)
     vec = c[:, None] * 4 + tl.arange(0, 4)[None, :]
+    x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_vec = k0 + c * 32
         k_ok = k_vec < hidden
-        vectors = k_vec // 32
         w_mask = tl.full([BLOCK_N, CH, 4], 1, tl.int1)
         s_mask = tl.full([BLOCK_N, CH], 1, tl.int1)
         if MASK_N:
@@ -376,16 +272,42 @@ def rows_dot_ready_x(
         )
         groups = (k_vec // GROUP)[None, :]
         s = tl.load(s_rows + groups, mask=s_mask, other=0.0).to(tl.float32)
-        inv_m = tl.load(inv_m_ptr + vectors, mask=k_ok, other=0.0)
-        a0, b0, c0, d0 = _ready_word(pairs_ptr, vectors, k_ok, 0, CH, K_MASK)
-        a1, b1, c1, d1 = _ready_word(pairs_ptr, vectors, k_ok, 1, CH, K_MASK)
-        a2, b2, c2, d2 = _ready_word(pairs_ptr, vectors, k_ok, 2, CH, K_MASK)
-        a3, b3, c3, d3 = _ready_word(pairs_ptr, vectors, k_ok, 3, CH, K_MASK)
         w0, w1, w2, w3 = split4(words, BLOCK_N, CH)
-        if INTERPRET:
-            p = _ready_word_sum_fp32(w0, a0, b0, c0, d0) + _ready_word_sum_fp32(w1, a1, b1, c1, d1)
-            p += _ready_word_sum_fp32(w2, a2, b2, c2, d2) + _ready_word_sum_fp32(w3, a3, b3, c3, d3)
+        if X_READY:
+            vectors = k_vec // 32
+            inv_m = tl.load(inv_m_ptr + vectors, mask=k_ok, other=0.0)
+            a0, b0, c0, d0 = _ready_word(pairs_ptr, vectors, k_ok, 0, CH, K_MASK)
+            a1, b1, c1, d1 = _ready_word(pairs_ptr, vectors, k_ok, 1, CH, K_MASK)
+            a2, b2, c2, d2 = _ready_word(pairs_ptr, vectors, k_ok, 2, CH, K_MASK)
+            a3, b3, c3, d3 = _ready_word(pairs_ptr, vectors, k_ok, 3, CH, K_MASK)
+            if INTERPRET:
+                p = _ready_word_sum_fp32(w0, a0, b0, c0, d0) + _ready_word_sum_fp32(w1, a1, b1, c1, d1)
+                p += _ready_word_sum_fp32(w2, a2, b2, c2, d2) + _ready_word_sum_fp32(w3, a3, b3, c3, d3)
+            if HAS_OFFSET:
+                x_sum = tl.load(sums_ptr + vectors, mask=k_ok, other=0.0)
         else:
+            lo0, hi0 = _x_word(x_words, k_vec, k_ok, 0, X_FP16, K_MASK)
+            lo1, hi1 = _x_word(x_words, k_vec, k_ok, 1, X_FP16, K_MASK)
+            lo2, hi2 = _x_word(x_words, k_vec, k_ok, 2, X_FP16, K_MASK)
+            lo3, hi3 = _x_word(x_words, k_vec, k_ok, 3, X_FP16, K_MASK)
+            # per vector m = 2^-E, E the exponent of its largest |x| kept within [-126, 126], so that m and
+            # 1 / m stay normal floats (a vector of subnormal x keeps its values, one of zeros gives zeros)
+            amax = tl.maximum(tl.maximum(_abs_max(lo0, hi0), _abs_max(lo1, hi1)),
+                              tl.maximum(_abs_max(lo2, hi2), _abs_max(lo3, hi3)))  # fmt: skip
+            e = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 253)
+            m = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            inv_m = (e << 23).to(tl.float32, bitcast=True)
+            if INTERPRET:
+                p = _word_sum_fp32(w0, lo0, hi0, m, CH) + _word_sum_fp32(w1, lo1, hi1, m, CH)
+                p += _word_sum_fp32(w2, lo2, hi2, m, CH) + _word_sum_fp32(w3, lo3, hi3, m, CH)
+            else:
+                a0, b0, c0, d0 = _word_operands(lo0, hi0, m, CH)
+                a1, b1, c1, d1 = _word_operands(lo1, hi1, m, CH)
+                a2, b2, c2, d2 = _word_operands(lo2, hi2, m, CH)
+                a3, b3, c3, d3 = _word_operands(lo3, hi3, m, CH)
+            if HAS_OFFSET:
+                x_sum = tl.sum(lo0 + hi0 + lo1 + hi1 + lo2 + hi2 + lo3 + hi3, axis=1)
+        if not INTERPRET:
             p = tl.inline_asm_elementwise(
                 _VECTOR, "=r" + ",r" * 20,
                 [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :],
@@ -396,7 +318,6 @@ def rows_dot_ready_x(
         acc += s * inv_m[None, :] * p
         if HAS_OFFSET:  # sum w x = s sum (q - 8) x + (8 s + o) X
             o = tl.load(o_rows + groups, mask=s_mask, other=0.0)
-            x_sum = tl.load(sums_ptr + vectors, mask=k_ok, other=0.0)
             acc_o += (8.0 * s + o) * x_sum[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_OFFSET:
@@ -405,20 +326,26 @@ def rows_dot_ready_x(
 
 
 @triton.jit
-def _half2_ready_kernel(
-    pairs_ptr, inv_m_ptr, sums_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, num_cols, hidden: tl.constexpr,
-    stride_qn: tl.constexpr, stride_sn: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    K_MASK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+def _half2_kernel(
+    x_ptr, pairs_ptr, inv_m_ptr, sums_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, num_cols,
+    hidden: tl.constexpr, stride_qn: tl.constexpr, stride_sn: tl.constexpr, GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,  # BLOCK_N divides num_cols: rows unmasked
+    K_MASK: tl.constexpr,  # BLOCK_K does not divide K: whole vectors masked
+    X_FP16: tl.constexpr,
+    X_READY: tl.constexpr,  # x as Half2X (pairs, inv_m, sums); x_ptr unused
+    INTERPRET: tl.constexpr,  # fp32 sums instead of the f16x2 PTX (TRITON_INTERPRET)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
-    """_half2_kernel on Half2X (rows_dot_ready_x)."""
+    """BLOCK_N rows over the whole of K per program (rows_dot_x). Offsets are int32 (the launcher
+    checks N * row stride < 2^31)."""
     pdl.begin(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = cols < num_cols
-    out = rows_dot_ready_x(
+    out = rows_dot_x(
         q_ptr + (cols * stride_qn)[:, None, None], s_ptr + (cols * stride_sn)[:, None],
-        o_ptr + (cols * stride_sn)[:, None], pairs_ptr, inv_m_ptr, sums_ptr, hidden, row_mask, GROUP,
-        HAS_OFFSET, BLOCK_N, BLOCK_K, not EVEN_N, K_MASK, INTERPRET,
+        o_ptr + (cols * stride_sn)[:, None], x_ptr, hidden, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
+        not EVEN_N, K_MASK, X_FP16, INTERPRET, pairs_ptr, inv_m_ptr, sums_ptr, X_READY,
     )  # fmt: skip
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
@@ -456,13 +383,9 @@ def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
         EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, INTERPRET=interpreting(),
         num_warps=tile.num_warps, num_stages=1, **pdl.launch(packed.device),
     )  # fmt: skip
-    grid = (triton.cdiv(num_cols, tile.block_n),)
-    if ready:
-        _half2_ready_kernel[grid](
-            x.pairs, x.inv_m, x.sums, packed, scales, o_arg, bias_arg, out, num_cols, **shape
-        )
-    else:
-        _half2_kernel[grid](
-            x, packed, scales, o_arg, bias_arg, out, num_cols, X_FP16=x.dtype == torch.float16, **shape
-        )
+    x_parts = (packed, x.pairs, x.inv_m, x.sums) if ready else (x, x, x, x)  # x_ptr, pairs, inv_m, sums
+    _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
+        *x_parts, packed, scales, o_arg, bias_arg, out, num_cols, **shape,
+        X_FP16=not ready and x.dtype == torch.float16, X_READY=ready,
+    )  # fmt: skip
     return out
