@@ -238,6 +238,8 @@ def test_the_int4_gemv_benchmark_runs_and_its_kernels_agree_with_the_reference(t
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--json", str(tmp_path / "rows.json")]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    assert {r["kernel"] for r in rows} == {"gemv", "magic", "half2"}
-    assert len(rows) == len(bench.SMOKE_SHAPES) * len(QUANT_TILES[1])
+    assert {r["kernel"] for r in rows} == {"gemv", "magic", "half2", "ready"}  # ready: f16x2 on Half2X
+    half2_tiles = sum(r["kernel"] == "half2" for r in rows)
+    assert half2_tiles and sum(r["kernel"] == "ready" for r in rows) == half2_tiles
+    assert len(rows) == len(bench.SMOKE_SHAPES) * len(QUANT_TILES[1]) + half2_tiles
     assert all(r["rel_err"] < 2**-7 for r in rows), rows
