@@ -1,6 +1,7 @@
 """Timing of GPU work: by CUDA-graph replay (graph_us: the kernel micro-benchmarks under benchmarks/
-and the start-up GEMV choice, model/linear_choice.py), or as the host issues it (stream_us: start-up
-choices between a graph replay and eager launches, where the launches are part of the cost).
+and the start-up choices of decode-sized products, model/linear_choice.py), or as the host issues it
+(stream_us: start-up choices between a graph replay and eager launches, where the launches are part
+of the cost, and of the prefill routes, which run eagerly).
 
 At batch 1 a Triton launch from Python costs more than the kernel it launches, so timing eager calls
 measures the launcher. Capturing the calls in one graph and replaying it measures the GPU alone.
