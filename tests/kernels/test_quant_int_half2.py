@@ -133,3 +133,9 @@ def test_half2_x_holds_each_vectors_x_in_block_floating_point():
     assert made.sums.tolist() == pytest.approx(x.double().reshape(-1, 32).sum(1).tolist())
     largest = values.reshape(-1, 32).abs().amax(dim=1) / made.inv_m.double()
     assert ((largest[[0, 1, 3]] >= 1) & (largest[[0, 1, 3]] < 2)).all()  # largest |x m| in [1, 2)
+
+
+def test_half2_x_refuses_what_the_kernel_does_not_take():
+    for x in (torch.randn(1, 40).bfloat16(), torch.randn(2, 64).bfloat16(), torch.randn(1, 64)):
+        with pytest.raises(ValueError, match="one bf16 / fp16 row of a multiple of 32"):
+            quant_int_half2.half2_x(x)

@@ -127,7 +127,17 @@ class Half2X:
 
 def half2_x(x: torch.Tensor) -> Half2X:
     """x [1, K] (bf16 / fp16, K a multiple of 32) as Half2X: the operands the kernel would make in
-    registers, bit for bit (m a power of two, so x m is exact in fp32 and rounds once to f16)."""
+    registers, bit for bit (m a power of two, so x m is exact in fp32 and rounds once to f16). Raises
+    ValueError for another shape or dtype."""
+    if (
+        x.dim() != 2
+        or x.shape[0] != 1
+        or x.shape[1] % VECTOR_VALUES
+        or x.dtype not in (torch.bfloat16, torch.float16)
+    ):
+        raise ValueError(
+            f"half2_x takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
+        )
     vectors = x.float().reshape(-1, VECTOR_VALUES)
     amax = vectors.abs().amax(dim=1)
     e = (amax.view(torch.int32) >> 23).clamp(1, 253)
