@@ -139,3 +139,7 @@ def test_half2_x_refuses_what_the_kernel_does_not_take():
     for x in (torch.randn(1, 40).bfloat16(), torch.randn(2, 64).bfloat16(), torch.randn(1, 64)):
         with pytest.raises(ValueError, match="one bf16 / fp16 row of a multiple of 32"):
             quant_int_half2.half2_x(x)
+    packed = quant_int.pack_int(torch.randint(0, 16, (4, 64)), 4)
+    with pytest.raises(ValueError, match="whole 32-value vectors"):
+        made = quant_int_half2.half2_x(torch.randn(1, 64).bfloat16())
+        quant_int_half2.half2_int4_gemv(made, packed, torch.ones(4, 4), None, 16, tile=TILES["steps"])

@@ -379,6 +379,8 @@ def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
     ready = isinstance(x, Half2X)
     hidden = x.hidden if ready else x.shape[1]
     num_cols = packed.shape[0]
+    if ready and not (group_size >= hidden or group_size % VECTOR_VALUES == 0):
+        raise ValueError(f"Half2X takes groups of whole 32-value vectors; got group {group_size}")
     if ready:
         out = torch.empty((1, num_cols), dtype=x.dtype, device=packed.device) if out is None else out
     out = one_row_output(out if ready else x, packed, scales, out, "the half2 GEMV's programs")
