@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fp8_rows import Fp8Rows, e4m3_ready
+from tpfuse.kernels.fp8_rows import Fp8Rows, quantize_groups
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import (
     ELEMENT,
@@ -66,11 +66,9 @@ def _quantize_rows_kernel(
     ks = group * GROUP + tl.arange(0, BLOCK)
     mask = (ks < HIDDEN) & (tl.arange(0, BLOCK) < GROUP)
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(e4m3_ready(x / scale), -448.0, 448.0)
+    q, scale = quantize_groups(x, BLOCK, BLOCK)  # the arithmetic every FP8-rows writer shares
     tl.store(q_ptr + row * HIDDEN + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg + tl.arange(0, 1), scale)
 
 
 def quantize_fp8_rows_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
