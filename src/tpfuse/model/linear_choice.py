@@ -357,21 +357,21 @@ def fp8_rows_route(layer, rows: int):
 def set_fp8_rows_route(layer, route) -> None:
     """Makes `route` the layer's FP8-rows choice for every layer of its (method, shape); None forgets it
     (benchmarks, tests)."""
-    key = (layer.method.tile_key(layer), PREFILL_FP8_ROWS)
-    if route is None:
-        _QUANT_TILES.pop(key, None)
-    else:
-        _QUANT_TILES[key] = route
+    _set_quant_choice((layer.method.tile_key(layer), PREFILL_FP8_ROWS), route)
 
 
 def set_quant_tile(layer, rows: int, tile) -> None:
     """Makes `tile` the layer's choice at `rows` rows for every layer of its (method, shape); None
     forgets it (benchmarks racing the routes side by side, tests)."""
-    key = (layer.method.tile_key(layer), _quant_bucket(rows))
-    if tile is None:
+    _set_quant_choice((layer.method.tile_key(layer), _quant_bucket(rows)), tile)
+
+
+def _set_quant_choice(key: tuple, choice) -> None:
+    """Records choice for key in _QUANT_TILES; None forgets it."""
+    if choice is None:
         _QUANT_TILES.pop(key, None)
     else:
-        _QUANT_TILES[key] = tile
+        _QUANT_TILES[key] = choice
 
 
 def fastest(candidates, time_us, what: str) -> tuple:
