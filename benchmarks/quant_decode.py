@@ -5,7 +5,9 @@ Per method: the batch-1 and batch-64 decode step (model forward + logits, CUDA-g
 fixed context), each against its roofline: the bytes a step really reads (every parameter, packed
 codes and scales included, but not the untied input embedding; plus the KV cache of the context) at
 the measured device copy bandwidth; and prefill throughput (one sequence of --prefill-tokens,
-eager). Prints one table and writes JSON.
+eager). Where layers can take their input in a form their producers write (model/input_forms.py),
+the prefill with FP8 rows and the batch-1 step with Half2X off, on everywhere and as chosen. Prints
+one table and writes JSON.
 
     python benchmarks/quant_decode.py                       # $OUT/quant_decode.json
     python benchmarks/quant_decode.py --methods bf16,int4 --prefill-tokens 1024
@@ -113,13 +115,13 @@ def prefill_by_route(model, args) -> dict[str, float]:
     as start-up chose them, side by side. {} where there is neither choice. Restores every choice."""
     tokens, iters = args.prefill_tokens, max(3, args.iters // 20)
     layers = [m for m in model.modules() if hasattr(getattr(m, "method", None), "prefill_candidates")]
-    rows_layers = [m for m in layers if getattr(m.method, "fp8_rows_candidates", lambda layer: ())(m)]
+    rows_layers = [m for m in layers if m.method.form_candidates(m, linear_choice.PREFILL)[1]]
     offered = [set(layer.method.prefill_candidates(layer)) for layer in layers]
     common = set.intersection(*offered) if offered else set()
     chosen = {layer: linear_choice.quant_tile(layer, tokens) for layer in layers}
-    chosen_rows = {layer: linear_choice.fp8_rows_route(layer, tokens) for layer in rows_layers}
+    chosen_rows = {layer: linear_choice.form_route(layer, tokens) for layer in rows_layers}
     for layer in rows_layers:
-        linear_choice.set_fp8_rows_route(layer, None)
+        linear_choice.set_form_route(layer, tokens, None)
     result = {}
     for route in sorted(common, key=lambda r: r.label()) if len(common) >= 2 else ():
         for layer in layers:
@@ -130,14 +132,40 @@ def prefill_by_route(model, args) -> dict[str, float]:
     if rows_layers:
         result["the chosen routes, plain tensors from the norms"] = prefill_tok_s(model, tokens, iters)
         for layer in rows_layers:
-            linear_choice.set_fp8_rows_route(layer, layer.method.fp8_rows_candidates(layer)[0])
+            _, routes = layer.method.form_candidates(layer, linear_choice.PREFILL)
+            linear_choice.set_form_route(layer, tokens, routes[0])
         result["the chosen routes, FP8 rows into every projection that reads a norm"] = prefill_tok_s(
             model, tokens, iters
         )
     for layer, route in chosen_rows.items():
-        linear_choice.set_fp8_rows_route(layer, route)
+        linear_choice.set_form_route(layer, tokens, route)
     if rows_layers:
         result["start-up's choices as made (FP8 rows where chosen)"] = prefill_tok_s(model, tokens, iters)
+    return result
+
+
+def b1_by_input_form(model, args) -> dict[str, float]:
+    """The batch-1 step (ms) where layers can take their input in a form their producers write at one
+    row (model/input_forms.py: Half2X for the INT4 GEMV): with every such layer on the plain row, on
+    the form at every one (at its chosen tile where that is one of the form's routes, else the first
+    of them), and as start-up chose, side by side. {} where no layer offers a form. Restores every
+    choice."""
+    layers = [m for m in model.modules() if hasattr(getattr(m, "method", None), "form_candidates")]
+    offered = {m: m.method.form_candidates(m, 1)[1] for m in layers}
+    offered = {m: routes for m, routes in offered.items() if routes}
+    if not offered:
+        return {}
+    chosen = {layer: linear_choice.form_route(layer, 1) for layer in offered}
+    result = {}
+    for label, route_of in (
+        ("plain rows everywhere", lambda layer, routes: None),
+        ("the input form into every layer that takes it",
+         lambda layer, routes: tile if (tile := linear_choice.quant_tile(layer, 1)) in routes else routes[0]),
+        ("start-up's choices as made", lambda layer, routes: chosen[layer]),
+    ):  # fmt: skip
+        for layer, routes in offered.items():
+            linear_choice.set_form_route(layer, 1, route_of(layer, routes))
+        result[label] = graph_step_s(model, 1, args.context, args.iters) * 1e3
     return result
 
 
@@ -168,6 +196,7 @@ def bench_method(name: str, args, bandwidth: float) -> dict:
         row["b64_over_b1"] = row["b64_ms"] / row["b1_ms"]
         row["prefill_tok_s"] = prefill_tok_s(model, args.prefill_tokens, max(3, args.iters // 20))
         row["prefill_by_route"] = prefill_by_route(model, args)
+        row["b1_by_input_form"] = b1_by_input_form(model, args)
     row["weight_gb"] = step_bytes(model, 0, 0) / 1e9
     del model
     gc.collect()
@@ -233,6 +262,8 @@ def main() -> None:
             print(f"    {tile}")
         for route, tok_s in row["prefill_by_route"].items():
             print(f"    prefill with every layer on {route}: {tok_s:.0f} tok/s")
+        for forms, ms in row["b1_by_input_form"].items():
+            print(f"    batch 1 with {forms}: {ms:.3f} ms")
         result = {"model": args.model, "device": device, "copy_bandwidth": bandwidth, "fp8_dot": fp8_dot}
         write_json(args.json, result, rows)  # after every method, so a cut-short run keeps what it measured
 

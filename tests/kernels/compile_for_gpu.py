@@ -101,12 +101,15 @@ def _variants(dtype: str):
             skinny_linear._skinny_linear_kernel, {"*": p, "partials_ptr": "*fp32", "counter_ptr": "*i32"},
             {"num_rows": "i32", "num_cols": "i32"}, dict(skinny, SPLIT_K=split, SWAP=swap),
         )  # fmt: skip
-    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=0)
+    plain_norm = dict(BLOCK_H=4096, FP8_GROUP=0, HALF2X=False)
+    yield rmsnorm._fused_add_rmsnorm_kernel, {"*": p}, {"eps": "fp32"}, plain_norm
     for group in (4096, 128):  # FP8 rows: a scale a row, a scale a 128-column group
         yield (
             rmsnorm._fused_add_rmsnorm_kernel, {"*": p, "out_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
-            {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=group),
+            {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=group, HALF2X=False),
         )  # fmt: skip
+    half2x = {"*": p, "scales_ptr": "*fp32", "pairs_ptr": "*i32", "sums_ptr": "*fp32"}  # the INT4 GEMV's x
+    yield rmsnorm._fused_add_rmsnorm_kernel, half2x, {"eps": "fp32"}, dict(plain_norm, HALF2X=True)
     yield (
         rope._rope_kernel,
         {"*": p, "positions_ptr": "*i64", "cache_ptr": "*fp32"},
@@ -126,7 +129,9 @@ def _variants(dtype: str):
         dict(HALF=64, BLOCK_D=128, BLOCK_HALF=64, BLOCK_SIZE=16),
         {"num_warps": 1},
     )
-    yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024)
+    yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024, HALF2X=False)
+    half2x = {"*": p, "pairs_ptr": "*i32", "inv_m_ptr": "*fp32", "sums_ptr": "*fp32"}
+    yield activation._silu_and_mul_kernel, half2x, {}, dict(BLOCK=1024, HALF2X=True)
     yield (
         kv_store._store_kv_kernel,
         {"*": p, "slot_ptr": "*i64"},

@@ -320,6 +320,56 @@ def test_every_w8a8_decode_tile_matches_float64_of_its_activation_groups_in_grap
                 _close(_in_graph(run, x), expected)
 
 
+@pytest.mark.parametrize("hidden", [4096, 14336, 2048])
+def test_norm_and_silu_write_half2x_bits_eagerly_and_in_graphs(hidden):
+    """The producers of model/input_forms.py's Half2XForm on the GPU: the fused add + RMSNorm and
+    SiLU-and-mul write half2_x's operands of the rows they would write, bit for bit, eagerly and in a
+    CUDA graph."""
+    from tpfuse.kernels import activation, quant_int_half2, rmsnorm
+
+    gen = torch.Generator(DEVICE).manual_seed(hidden)
+    x, residual = (torch.randn(1, hidden, generator=gen, device=DEVICE).bfloat16() for _ in range(2))
+    x[0, :3] = 2000.0
+    weight = torch.rand(hidden, generator=gen, device=DEVICE).bfloat16()
+    gate_up = (torch.randn(1, 2 * hidden, generator=gen, device=DEVICE) * 4).bfloat16()
+    normed, _ = rmsnorm.fused_add_rmsnorm_triton(x, residual, weight, 1e-5)
+    cases = (
+        (lambda inp: rmsnorm.fused_add_rmsnorm_half2x_triton(inp, residual, weight, 1e-5)[0], x, normed),
+        (activation.silu_and_mul_half2x_triton, gate_up, activation.silu_and_mul_triton(gate_up)),
+    )
+    for make, inp, plain in cases:
+        expected = quant_int_half2.half2_x(plain)
+        for made in (make(inp), _in_graph(make, inp)):
+            assert torch.equal(made.pairs, expected.pairs) and torch.equal(made.inv_m, expected.inv_m)
+            assert torch.allclose(made.sums, expected.sums, rtol=1e-5, atol=1e-5)
+
+
+def test_half2x_from_the_producers_gives_the_decode_logits_of_the_plain_row():
+    """An INT4 model (dummy llama-3.2-1b, group 128) whose qkv, gate_up and down take Half2X from the
+    norms and SiLU-and-mul (the route start-up timing may choose, forced here) gives the decode logits
+    of the same f16x2 tile on the plain row, bit for bit; start-up keeps the route on Half2X only where
+    it was faster."""
+    from tests.model.harness import decode_logits_on_half2x, load_for_test, relative_error
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+    from tpfuse.model import linear_choice
+
+    model, _ = load_for_test("llama-3.2-1b", dtype="bfloat16", device=DEVICE, load_format="dummy",
+                             quantization="int4")  # fmt: skip
+    prompt, decode = list(range(1, 40)), [7, 11, 13, 17]
+    for tile in (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 4, 4096, 1, 2)):
+        plain = decode_logits_on_half2x(model, prompt, decode, tile, on_form=False)
+        on_form = decode_logits_on_half2x(model, prompt, decode, tile, on_form=True)
+        assert torch.equal(on_form, plain), (
+            f"{tile.label()}: Half2X moved the logits by {relative_error(on_form, plain):.2e} of the largest"
+        )
+    decided = linear_choice.choose_quantized([model], max_rows=1, buckets=(1,))
+    plain_us = {key: us for key, bucket, _, us in decided if bucket == 1}
+    for key, bucket, tile, us in decided:
+        if bucket == linear_choice.FormBucket(1):
+            assert isinstance(tile, Half2Tile) and us < plain_us[key]
+    linear_choice.reset()
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
 def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_quantization(quantization):
     """An FP8 model (dummy llama-3.2-1b, per-channel or 128 x 128 blocks) whose qkv and gate_up take FP8
@@ -334,7 +384,8 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     layer0 = model.layers[0]
     fp8_dot = quant_fp8_w8a8.fp8_dot_supported(torch.device(DEVICE, torch.cuda.current_device()))
     gate_up = layer0.mlp.gate_up_proj
-    assert bool(gate_up.method.fp8_rows_candidates(gate_up)) == fp8_dot  # W8A16 throughout without FP8 dots
+    _, rows_routes = gate_up.method.form_candidates(gate_up, linear_choice.PREFILL)
+    assert bool(rows_routes) == fp8_dot  # W8A16 throughout without FP8 dots
     if not fp8_dot:
         return
     prompt = list(range(1, 301))  # past the decode buckets' 64 rows: the prefill routes
@@ -349,7 +400,7 @@ def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_
     decided = linear_choice.choose_quantized([model], max_rows=1, buckets=(1,), prefill_rows=512)
     prefill = {key: us for key, bucket, _, us in decided if bucket == linear_choice.PREFILL}
     for key, bucket, route, us in decided:
-        if bucket == linear_choice.PREFILL_FP8_ROWS:
+        if bucket == linear_choice.FormBucket(linear_choice.PREFILL):
             assert route == FP8_ROWS and us < prefill[key]
     linear_choice.reset()
 

@@ -7,7 +7,7 @@ GEMV. The PTX itself is checked on the GPU (tests/kernels/test_gpu_quant_kernels
 import pytest
 import torch
 
-from tpfuse.kernels import quant_int, quant_int_half2
+from tpfuse.kernels import activation, quant_int, quant_int_half2, rmsnorm
 from tpfuse.kernels.quant_int_half2 import Half2Tile
 
 TILES = {
@@ -129,6 +129,7 @@ def test_half2_x_holds_each_vectors_x_in_block_floating_point():
     values = values * torch.tensor([1.0, 16.0, 1.0, 16.0], dtype=torch.float64)[None, None, :, None]
     values = values.permute(0, 1, 3, 2).reshape(-1, 32) * made.inv_m.double()[:, None]  # back to x order
     assert torch.allclose(values, x.double().reshape(-1, 32), rtol=1e-3, atol=0)
+    assert torch.equal(made.values().double().reshape(-1, 32), values)
     assert made.inv_m[2] > 0
     assert made.sums.tolist() == pytest.approx(x.double().reshape(-1, 32).sum(1).tolist())
     largest = values.reshape(-1, 32).abs().amax(dim=1) / made.inv_m.double()
@@ -143,3 +144,57 @@ def test_half2_x_refuses_what_the_kernel_does_not_take():
     with pytest.raises(ValueError, match="whole 32-value vectors"):
         made = quant_int_half2.half2_x(torch.randn(1, 64).bfloat16())
         quant_int_half2.half2_int4_gemv(made, packed, torch.ones(4, 4), None, 16, tile=TILES["steps"])
+
+
+@pytest.mark.parametrize("hidden", [4096, 96, 160])
+def test_the_fused_norm_writes_half2x_of_its_normed_row(hidden):
+    # the producer's Half2X (model/input_forms.py) is half2_x of the row it would have written, bit
+    # for bit, and the new residual is unchanged
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(1, hidden, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.rand(hidden, generator=gen).bfloat16() * torch.logspace(-4, 1, hidden).bfloat16()
+    made, new_residual = rmsnorm.fused_add_rmsnorm_half2x_triton(x, residual, weight, 1e-5)
+    normed, expected_residual = rmsnorm.fused_add_rmsnorm_triton(x, residual, weight, 1e-5)
+    expected = quant_int_half2.half2_x(normed)
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(made.pairs, expected.pairs) and torch.equal(made.inv_m, expected.inv_m)
+    assert torch.allclose(made.sums, expected.sums, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inter,block", [(14336, None), (96, None), (160, 64)])
+def test_silu_and_mul_writes_half2x_of_its_row(inter, block):
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(1, 2 * inter, generator=gen) * 3).bfloat16()
+    made = activation.silu_and_mul_launch(x, block=block, half2x=True)
+    expected = quant_int_half2.half2_x(activation.silu_and_mul_triton(x))
+    assert torch.equal(made.pairs, expected.pairs) and torch.equal(made.inv_m, expected.inv_m)
+    assert torch.allclose(made.sums, expected.sums, rtol=1e-5, atol=1e-6)
+
+
+def test_producers_refuse_what_half2x_does_not_hold():
+    with pytest.raises(ValueError, match="one bf16 / fp16 row of a multiple of 32"):
+        rmsnorm.fused_add_rmsnorm_half2x_triton(*(torch.randn(2, 64).bfloat16() for _ in range(2)),
+                                                torch.ones(64).bfloat16(), 1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match="one bf16 / fp16 row of a multiple of 32"):
+        activation.silu_and_mul_half2x_triton(torch.randn(1, 80).bfloat16())
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_int_linear_op_takes_half2x(kernels, monkeypatch):
+    # the method's entry point: the f16x2 GEMV on the interpreter, the reference on the values Half2X
+    # stands for; 8-bit weights are refused
+    from tpfuse import knobs
+    from tpfuse.kernels import int_linear_op
+
+    monkeypatch.setenv("TPFUSE_KERNELS", kernels)
+    knobs.reload()
+    packed, scales, shift, x, bias = _case(37, 256, 32, True, torch.bfloat16, seed=3)
+    made = quant_int_half2.half2_x(x)
+    out = int_linear_op(made, packed, scales, shift, 4, 32, bias, tile=TILES["steps"])
+    expected = _expected(x, packed, scales, shift, 32, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 37)
+    assert (out.double() - expected).abs().max() <= 2e-2 * expected.abs().max()
+    if kernels == "triton":
+        with pytest.raises(ValueError, match="4-bit f16x2 GEMV"):
+            eight = quant_int.pack_int(torch.randint(0, 256, (4, 256)), 8)
+            int_linear_op(made, eight, torch.ones(4, 8), None, 8, 32)

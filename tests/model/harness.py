@@ -220,13 +220,37 @@ def prefill_logits_on_routes(model, prompt: list[int], rows_route) -> torch.Tens
     for layer in projections:
         linear_choice.set_quant_tile(layer, len(prompt), TRITON_PREFILL)
     for layer in readers:
-        linear_choice.set_fp8_rows_route(layer, rows_route)
+        linear_choice.set_form_route(layer, len(prompt), rows_route)
     try:
         return PagedSequences(model, 1, num_blocks=max(64, -(-len(prompt) // 4))).step([prompt])[0]
     finally:
         for layer in projections:
             linear_choice.set_quant_tile(layer, len(prompt), None)
-            linear_choice.set_fp8_rows_route(layer, None)
+            linear_choice.set_form_route(layer, len(prompt), None)
+
+
+def decode_logits_on_half2x(model, prompt: list[int], decode_tokens: list[int], tile, on_form: bool):
+    """Decode logits [len(decode_tokens), vocab] of one sequence (one row a step) after a plain prefill
+    of prompt, with layer 0's INT4 projection shapes (every layer's of the same shape) on the f16x2
+    GEMV at `tile`, and with on_form the ones that read a norm or SiLU-and-mul (qkv, gate_up, down)
+    taking Half2X from them (model/input_forms.py); the choices are forgotten after."""
+    from tpfuse.model import linear_choice
+
+    layer0 = model.layers[0]
+    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj)
+    projections = (*readers, layer0.self_attn.o_proj)
+    for layer in projections:
+        linear_choice.set_quant_tile(layer, 1, tile)
+    for layer in readers if on_form else ():
+        linear_choice.set_form_route(layer, 1, tile)
+    try:
+        seqs = PagedSequences(model, 1, num_blocks=max(64, -(-(len(prompt) + len(decode_tokens)) // 4)))
+        seqs.step([prompt])
+        return torch.cat([seqs.step([[token]], is_decode=True)[0] for token in decode_tokens])
+    finally:
+        for layer in projections:
+            linear_choice.set_quant_tile(layer, 1, None)
+            linear_choice.set_form_route(layer, 1, None)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

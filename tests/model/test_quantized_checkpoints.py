@@ -395,6 +395,7 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     from tpfuse.comm.communicator import SingleRankCommunicator
     from tpfuse.kernels.fp8_scaled_mm import FP8_ROWS
     from tpfuse.model import linear_choice
+    from tpfuse.model.input_forms import Fp8RowsForm
     from tpfuse.model.quant import fp8
 
     class CountingCommunicator(SingleRankCommunicator):
@@ -413,25 +414,77 @@ def test_fp8_rows_from_the_norms_give_the_logits_of_the_projections_own_quantiza
     knobs.reload()
     layer0 = model.layers[0]
     readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj)
-    assert all(layer.method.fp8_rows_candidates(layer) == (FP8_ROWS,) for layer in readers)
+    group = model.config.hidden_size if name == "fp8-channel" else 128
+    offered = (Fp8RowsForm(group), (FP8_ROWS,))
+    assert all(layer.method.form_candidates(layer, linear_choice.PREFILL) == offered for layer in readers)
     prompt = [random.Random(5).randrange(model.config.vocab_size) for _ in range(70)]
     own = prefill_logits_on_routes(model, prompt, None)
     assert CountingCommunicator.groups == []
     rows = prefill_logits_on_routes(model, prompt, FP8_ROWS)
     monkeypatch.setenv("TPFUSE_KERNELS", "torch")
     knobs.reload()
-    group = model.config.hidden_size if name == "fp8-channel" else 128
     assert CountingCommunicator.groups == [group] * (2 * len(model.layers))  # every norm but the final one
     assert torch.equal(rows, own)
-    linear_choice.set_fp8_rows_route(readers[0], FP8_ROWS)
+    linear_choice.set_form_route(readers[0], 65, FP8_ROWS)
     try:  # decode-sized steps take the plain tensor
-        assert readers[0].method.fp8_rows_group(readers[0], 64) is None
-        assert readers[0].method.fp8_rows_group(readers[0], 65) == group
+        assert readers[0].method.input_form(readers[0], 64) is None
+        assert readers[0].method.input_form(readers[0], 65) == Fp8RowsForm(group)
     finally:
-        linear_choice.set_fp8_rows_route(readers[0], None)
+        linear_choice.set_form_route(readers[0], 65, None)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_half2x_from_the_norms_and_silu_gives_the_decode_logits_of_the_plain_row(
+    kernels, tmp_path, monkeypatch
+):
+    """Where start-up timing chose the f16x2 GEMV on Half2X for the INT4 projections that read a norm or
+    SiLU-and-mul (qkv, gate_up, down; forced here), one-row steps write Half2X in those kernels
+    (model/input_forms.py) and give the logits of the same tile on the plain row, on the kernels'
+    references and on the Triton kernels (interpreter); a prompt's rows stay plain."""
+    from tests.model.harness import decode_logits_on_half2x, relative_error
+    from tpfuse import knobs
+    from tpfuse.comm.communicator import SingleRankCommunicator
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+    from tpfuse.model import input_forms
+
+    class CountingCommunicator(SingleRankCommunicator):
+        calls = []
+
+        def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
+            CountingCommunicator.calls.append(x.shape[0])
+            return super().fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps)
+
+    silu_rows = []
+    silu_half2x = input_forms.silu_and_mul_half2x
+    counted = lambda x: silu_rows.append(x.shape[0]) or silu_half2x(x)  # noqa: E731
+    monkeypatch.setattr(input_forms, "silu_and_mul_half2x", counted)
+    kind, quantizer, config, shape = FORMATS["int4-group32"]
+    qc.write_quantized(tmp_path, kind, quantizer, config, **shape)
+    model, _ = load_for_test(tmp_path, dtype="bfloat16", comm=CountingCommunicator())
+    monkeypatch.setenv("TPFUSE_KERNELS", kernels)
+    knobs.reload()
+    qkv = model.layers[0].self_attn.qkv_proj
+    form, routes = qkv.method.form_candidates(qkv, 1)
+    assert form == input_forms.HALF2X and routes and all(isinstance(t, Half2Tile) for t in routes)
+    assert qkv.method.form_candidates(qkv, 16) == (None, ())
+    tile = Half2Tile(1, 4, 64, 1, 1)  # K = 64: one vector a thread, whole steps
+    prompt, decode = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5]
+    plain = decode_logits_on_half2x(model, prompt, decode, tile, on_form=False)
+    assert CountingCommunicator.calls == [] and silu_rows == []
+    on_form = decode_logits_on_half2x(model, prompt, decode, tile, on_form=True)
+    monkeypatch.setenv("TPFUSE_KERNELS", "torch")
+    knobs.reload()
+    layers = len(model.layers)
+    assert CountingCommunicator.calls == [1] * (2 * layers * len(decode))  # every norm but the final one
+    assert silu_rows == [1] * (layers * len(decode))
+    # bf16 x is exact in Half2X's f16 lanes but for values 2^12 below their vector's largest; the
+    # products' fp32 sums run in another order
+    assert relative_error(on_form, plain) < 2e-3
+    assert torch.equal(on_form.argmax(-1), plain.argmax(-1))
 
 
 def test_weight_only_fp8_offers_no_fp8_rows(tmp_path, monkeypatch):
+    from tpfuse.model import linear_choice
     from tpfuse.model.quant import fp8
 
     kind, quantizer, config, shape = FORMATS["fp8-channel-qwen3-moe"]  # no input_activations: W8A16
@@ -439,5 +492,5 @@ def test_weight_only_fp8_offers_no_fp8_rows(tmp_path, monkeypatch):
     model, _ = load_for_test(tmp_path)
     monkeypatch.setattr(fp8, "fp8_dot_supported", lambda device: True)
     qkv = model.layers[0].self_attn.qkv_proj
-    assert qkv.method.fp8_rows_candidates(qkv) == ()
-    assert model.layers[0].self_attn.fp8_rows_group(1000) is None
+    assert qkv.method.form_candidates(qkv, linear_choice.PREFILL) == (None, ())
+    assert model.layers[0].self_attn.input_form(1000) is None

@@ -1,9 +1,10 @@
 """The one seam the model calls for tensor-parallel communication.
 
 A Communicator belongs to one tensor-parallel group and one rank. The model uses only the operations
-below (all-reduce, the fused all-reduce + residual add + RMSNorm with its MoE-combine and FP8-rows
-forms, all-gather); which algorithm runs (tpfuse's Triton kernels over peer memory, NCCL, or gloo on CPU) is
-the Communicator's business, decided per message size at start-up, before any CUDA graph capture.
+below (all-reduce, the fused all-reduce + residual add + RMSNorm with its MoE-combine, FP8-rows
+and Half2X forms, all-gather); which algorithm runs (tpfuse's Triton kernels over peer memory, NCCL,
+or gloo on CPU) is the Communicator's business, decided per message size at start-up, before any
+CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ import abc
 
 import torch
 
-from tpfuse.kernels import fused_add_rmsnorm, fused_add_rmsnorm_fp8_rows, quantize_fp8_rows
+from tpfuse.kernels import (
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_fp8_rows,
+    fused_add_rmsnorm_half2x,
+    quantize_fp8_rows,
+)
 from tpfuse.kernels.fp8_rows import Fp8Rows
+from tpfuse.kernels.quant_int_half2 import Half2X
 
 
 class Communicator(abc.ABC):
@@ -66,6 +73,14 @@ class Communicator(abc.ABC):
         data, scales = quantize_fp8_rows(normed, group)
         return Fp8Rows(data, scales, normed.dtype, group), new_residual
 
+    def fused_add_rmsnorm_all_reduce_half2x(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[Half2X | torch.Tensor, torch.Tensor]:
+        """As fused_add_rmsnorm_all_reduce of one row (x [1, H], H a multiple of 32, bf16 / fp16), the
+        normed row as kernels/quant_int_half2.py's Half2X where this communicator writes it in its
+        epilogue, else plain (a separate conversion would cost the launch the form saves)."""
+        return self.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+
     def check(self) -> None:
         """Raises RuntimeError if a peer never arrived in an earlier call (custom kernels only). Call it at
         a point that synchronises anyway; it waits for the device."""
@@ -105,6 +120,9 @@ class SingleRankCommunicator(Communicator):
     def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
         return fused_add_rmsnorm_fp8_rows(x, residual, weight, eps, group)
 
+    def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
+        return fused_add_rmsnorm_half2x(x, residual, weight, eps)
+
     def all_gather(self, x, dim=-1):
         return x
 
@@ -134,6 +152,9 @@ class TorchDistributedCommunicator(Communicator):
 
     def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
         return fused_add_rmsnorm_fp8_rows(self.all_reduce(x), residual, weight, eps, group)
+
+    def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
+        return fused_add_rmsnorm_half2x(self.all_reduce(x), residual, weight, eps)
 
     def all_gather(self, x, dim=-1):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]

@@ -50,6 +50,7 @@ __all__ = [
     "fp8_rows_linear_op",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_fp8_rows",
+    "fused_add_rmsnorm_half2x",
     "quantize_fp8_rows",
     "fused_experts",
     "fused_experts_slots",
@@ -76,6 +77,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "sample",
     "silu_and_mul",
+    "silu_and_mul_half2x",
     "skinny_linear_op",
     "store_kv",
     "store_latent_op",
@@ -114,6 +116,12 @@ def fused_add_rmsnorm_fp8_rows(x, residual, weight, eps, group):
     """fused_add_rmsnorm with the normed rows as kernels/fp8_rows.py's Fp8Rows, `group` columns a scale:
     (rows, new_residual)."""
     return _pick(rmsnorm, "fused_add_rmsnorm_fp8_rows", x)(x, residual, weight, eps, group)
+
+
+def fused_add_rmsnorm_half2x(x, residual, weight, eps):
+    """fused_add_rmsnorm of one row with the normed row as kernels/quant_int_half2.py's Half2X, the f16x2
+    INT4 GEMV's operands: (Half2X, new_residual)."""
+    return _pick(rmsnorm, "fused_add_rmsnorm_half2x", x)(x, residual, weight, eps)
 
 
 def quantize_fp8_rows(x, group):
@@ -158,6 +166,11 @@ def rope_decode_attention_op(
 
 def silu_and_mul(x):
     return _pick(activation, "silu_and_mul", x)(x)
+
+
+def silu_and_mul_half2x(x):
+    """silu_and_mul of one row as kernels/quant_int_half2.py's Half2X, the f16x2 INT4 GEMV's operands."""
+    return _pick(activation, "silu_and_mul_half2x", x)(x)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
@@ -237,7 +250,8 @@ def counter_uniform(seeds, stream, counters):
 
 def int_linear_op(x, packed, scales, offsets, bits, group_size, bias=None, tile=None):
     """x [M, K] @ dequant(packed [N, K*bits/32] int32, scales/offsets [N, K/group]).T (+ bias) -> [M, N]
-    (kernels/quant_int.py: W4A16/W8A16, group-wise; tile: its launch configuration)."""
+    (kernels/quant_int.py: W4A16/W8A16, group-wise; tile: its launch configuration). x may be one row
+    made beforehand as the f16x2 GEMV's operands (kernels/quant_int_half2.py's Half2X)."""
     if use_triton(x):
         return quant_int.int_linear_triton(x, packed, scales, offsets, bits, group_size, bias, tile=tile)
     return quant_int.int_linear_ref(x, packed, scales, offsets, bits, group_size, bias)

@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated MLP activation: silu(gate) * up."""
+"""SiLU-and-mul, the gated MLP activation: silu(gate) * up; for one row also as the f16x2 INT4 GEMV's
+operands (kernels/quant_int_half2.py's Half2X) of the same rounded values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
+from tpfuse.kernels.quant_int_half2 import Half2X, empty_half2x, half2_x, store_half2x
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,8 +17,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def silu_and_mul_half2x_ref(x: torch.Tensor) -> Half2X:
+    """silu_and_mul_ref of one row (x [1, 2 * I], I a multiple of 32) as Half2X."""
+    return half2_x(silu_and_mul_ref(x))
+
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter, pairs_ptr, inv_m_ptr, sums_ptr, BLOCK: tl.constexpr,
+    HALF2X: tl.constexpr,  # one row written as Half2X (pairs / inv_m / sums_ptr; BLOCK a multiple of 32)
+    PDL: tl.constexpr,
+):  # fmt: skip
     pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -24,28 +35,50 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if HALF2X:
+        rounded = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        first_vector = tl.program_id(1) * (BLOCK // 32)
+        store_half2x(rounded, pairs_ptr, inv_m_ptr, sums_ptr, first_vector, inter // 32, BLOCK)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_launch(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """silu_and_mul_triton with an explicit tile (columns per program) and num_warps (benchmarks).
-    The default tile, 1024 columns over 4 warps, gives each thread 8 values: one 16-byte bf16 access."""
+def silu_and_mul_launch(
+    x: torch.Tensor, block: int | None = None, num_warps: int = 4, half2x: bool = False
+) -> torch.Tensor | Half2X:
+    """silu_and_mul_triton with an explicit tile (columns per program) and num_warps (benchmarks), with
+    half2x the one row as Half2X (silu_and_mul_half2x_triton). The default tile, 1024 columns over 4
+    warps, gives each thread 8 values: one 16-byte bf16 access."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs [T, 2 * I] (gate then up); got last dim {x.shape[-1]}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     inter = x.shape[-1] // 2
-    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
     block = block or min(triton.next_power_of_2(inter), 1024)
+    if half2x:
+        if x.shape[0] != 1 or inter % 32 or block % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
+            )
+        result = out = empty_half2x(inter, x.dtype, x.device)
+        args = (x, x, x.stride(0), 0, inter, out.pairs, out.inv_m, out.sums)
+    else:
+        result = out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+        args = (x, out, x.stride(0), out.stride(0), inter, out, out, out)
+    if x.shape[0] == 0:
+        return result
     grid = (x.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps, **pdl.launch(x.device)
-    )
-    return out
+    _silu_and_mul_kernel[grid](*args, BLOCK=block, HALF2X=half2x, num_warps=num_warps, **pdl.launch(x.device))
+    return result
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton silu_and_mul_ref. x: [T, 2 * I] (gate then up, last dim contiguous).
     Returns a new [T, I] tensor of x.dtype. Raises ValueError on an odd last dim."""
     return silu_and_mul_launch(x)
+
+
+def silu_and_mul_half2x_triton(x: torch.Tensor) -> Half2X:
+    """Triton silu_and_mul_half2x_ref, one launch: the operands half2_x makes of silu_and_mul_triton's
+    row, bit for bit (the sums to rounding). Raises ValueError for more than one row, I not a multiple
+    of 32, or fp32 x."""
+    return silu_and_mul_launch(x, half2x=True)

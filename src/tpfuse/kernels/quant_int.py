@@ -16,8 +16,8 @@ the x entries it meets; the scale multiplies once per word (once per step when t
 and the [BLOCK_N, words] accumulator is reduced once.
 Two or more rows run kernels/quant_dot.py (the dequantized tile on tl.dot); kernels/quant_int_magic.py
 is the one-row tensor-core alternative (a MagicTile), kernels/quant_int_half2.py the one-row f16x2
-one (a Half2Tile). Which tile runs each shape is measured at
-start-up (model/linear_choice.py).
+one (a Half2Tile, which also takes x made beforehand as its operands, a Half2X). Which tile runs
+each shape is measured at start-up (model/linear_choice.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tpfuse.kernels import pdl, quant_int_gemv, quant_int_half2, quant_int_magic
 from tpfuse.kernels.gemv import rounded_linear_ref
 from tpfuse.kernels.quant_dot import IntTile, code_as_float, launch_tile, quant_dot
 from tpfuse.kernels.quant_int_gemv import GemvTile, x_pairs
-from tpfuse.kernels.quant_int_half2 import Half2Tile
+from tpfuse.kernels.quant_int_half2 import Half2Tile, Half2X
 from tpfuse.kernels.quant_int_magic import MagicTile
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
 ]  # fmt: skip
 
 SUPPORTED_BITS = (4, 8)
+HALF2X_DEFAULT = Half2Tile(1, 4, 2048, 1, 1)  # the f16x2 GEMV on Half2X where no tile was chosen
 
 
 def values_per_word(bits: int) -> int:
@@ -87,9 +88,11 @@ def dequantize_int(
 
 
 def int_linear_ref(x, packed, scales, offsets, bits, group_size, bias=None):
-    """x: [M, K] float -> [M, N] of x.dtype: x.float() @ dequantize_int(...).T (+ bias), rounded once."""
+    """x: [M, K] float (or a Half2X: the values it stands for) -> [M, N] of x.dtype: x.float() @
+    dequantize_int(...).T (+ bias), rounded once."""
+    x_f32 = x.values() if isinstance(x, Half2X) else x.float()
     weight = dequantize_int(packed, scales, offsets, bits, group_size, x.shape[1])
-    return rounded_linear_ref(x.float(), weight, bias, x.dtype)
+    return rounded_linear_ref(x_f32, weight, bias, x.dtype)
 
 
 @triton.jit
@@ -252,8 +255,17 @@ def int_linear_triton(
     One row runs the GEMV kernel above, more rows kernels/quant_dot.py; a MagicTile runs
     kernels/quant_int_magic.py, a Half2Tile kernels/quant_int_half2.py and a GemvTile
     kernels/quant_int_gemv.py where they fit (else the default tile). Returns a new [M, N] of x.dtype.
+    x may also be a Half2X (quant_int_half2.py: one row as the f16x2 GEMV's operands), which runs that
+    GEMV at `tile` (a Half2Tile; None: HALF2X_DEFAULT).
     Raises ValueError for shapes that do not fit the layout, a group size that splits a packed word,
     or a GEMV tile given several rows."""
+    if isinstance(x, Half2X):
+        check_int_weights(packed, scales, offsets, bits, group_size, x.hidden)
+        if bits != 4:
+            raise ValueError(f"Half2X feeds the 4-bit f16x2 GEMV; these weights have {bits} bits")
+        tile = tile if isinstance(tile, Half2Tile) else HALF2X_DEFAULT
+        scales, offsets = scales.contiguous(), offsets.contiguous() if offsets is not None else None
+        return quant_int_half2.half2_int4_gemv(x, packed, scales, offsets, group_size, bias, tile=tile)
     num_rows, hidden = x.shape
     check_int_weights(packed, scales, offsets, bits, group_size, hidden)
     if x.stride(1) != 1:

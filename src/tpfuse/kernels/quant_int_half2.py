@@ -30,9 +30,9 @@ CPU tests check the layout, masks, scales and offsets; the GPU tests the f16x2 c
 
 Every program converts x again. half2_x makes those operands once (Half2X: the same bits), and the
 kernel also takes x in that form: about a quarter fewer instructions a program and fewer registers
-(tests/kernels/quant_int_asm.py --ready). No producer writes Half2X yet; it would pay only where the
-kernel that makes x (a norm, SiLU-and-mul) writes it, so benchmarks/int4_gemv.py --forms half2,ready
-measures the product on it first (docs/PERF.md).
+(tests/kernels/quant_int_asm.py --ready). The kernels that make x write it in that form themselves
+(store_half2x: the fused add + RMSNorm, SiLU-and-mul) where the projection reading x takes Half2X
+(model/input_forms.py), so the conversion costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ from tpfuse.kernels import pdl
 from tpfuse.kernels.quant_dot import IntTile
 from tpfuse.kernels.quant_int_gemv import one_row_output, split4
 
-__all__ = ["Half2Tile", "Half2X", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x"]
+__all__ = [
+    "Half2Tile", "Half2X", "empty_half2x", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x",
+    "store_half2x",
+]
 
 VECTOR_VALUES = 32  # codes in one 16-byte vector (4 words)
 
@@ -124,6 +127,38 @@ class Half2X:
     def hidden(self) -> int:
         return self.pairs.shape[0] * VECTOR_VALUES
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (1, self.hidden)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pairs.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.pairs.is_cuda
+
+    def values(self) -> torch.Tensor:
+        """The x [1, K] float32 the operands stand for: each value rounded to f16 at its vector's scale
+        (exactly what the f16x2 product multiplies; reference paths use it)."""
+        lanes = torch.stack([self.pairs & 0xFFFF, self.pairs >> 16], dim=-1)  # [vector, word * 4 + j, lane]
+        halves = lanes.to(torch.int16).view(torch.float16).float().reshape(-1, 4, 4, 2)
+        halves = halves * torch.tensor([1.0, 16.0, 1.0, 16.0], device=halves.device)[None, None, :, None]
+        xm = halves.permute(0, 1, 3, 2).reshape(-1, VECTOR_VALUES)  # [vector, word * 8 + lane * 4 + j]
+        return (xm * self.inv_m[:, None]).reshape(1, -1)
+
+
+def empty_half2x(hidden: int, dtype: torch.dtype, device) -> Half2X:
+    """An unwritten Half2X of x [1, hidden] (hidden a multiple of 32), for store_half2x."""
+    vectors = hidden // VECTOR_VALUES
+    return Half2X(
+        torch.empty((vectors, 16), dtype=torch.int32, device=device),
+        torch.empty(vectors, dtype=torch.float32, device=device),
+        torch.empty(vectors, dtype=torch.float32, device=device),
+        dtype,
+    )
+
 
 def half2_x(x: torch.Tensor) -> Half2X:
     """x [1, K] (bf16 / fp16, K a multiple of 32) as Half2X: the operands the kernel would make in
@@ -161,6 +196,31 @@ def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
         and (group_size >= hidden or group_size % VECTOR_VALUES == 0)
         and x.data_ptr() % 16 == 0
     )
+
+
+@triton.jit
+def store_half2x(y, pairs_ptr, inv_m_ptr, sums_ptr, first_vector, num_vectors, BLOCK: tl.constexpr):
+    """Writes y (float32 [BLOCK], BLOCK a multiple of 32: x's values from vector first_vector on, each
+    already rounded to x's dtype, lanes past x's end 0) into Half2X's tensors at pairs_ptr / inv_m_ptr /
+    sums_ptr, the vectors below num_vectors: half2_x's operands, bit for bit (the sums to float32
+    rounding)."""
+    NV: tl.constexpr = BLOCK // 32
+    vectors = tl.reshape(y, [NV, 32])
+    amax = tl.max(tl.abs(vectors), axis=1)
+    e = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 253)
+    m = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    index = first_vector + tl.arange(0, NV)
+    ok = index < num_vectors
+    tl.store(inv_m_ptr + index, (e << 23).to(tl.float32, bitcast=True), mask=ok)
+    tl.store(sums_ptr + index, tl.sum(vectors, axis=1), mask=ok)
+    xm = tl.reshape(vectors * m[:, None], [NV, 4, 2, 4])  # [vector, word, value // 4, value % 4]
+    j = tl.arange(0, 4)
+    xm = xm * tl.where(j % 2 == 1, 0.0625, 1.0)[None, None, None, :]  # the x16 lanes take m / 16
+    halves = xm.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    low, high = tl.split(tl.permute(halves, (0, 1, 3, 2)))  # [vector, word, j]: (x_j, x_j+4)
+    words = tl.reshape(low | (high << 16), [NV * 16])
+    w = tl.arange(0, NV * 16)
+    tl.store(pairs_ptr + first_vector * 16 + w, words, mask=first_vector * 16 + w < num_vectors * 16)
 
 
 @triton.jit

@@ -5,7 +5,9 @@ the sum x + residual is formed in float32 and rounded once to the activation dty
 value is the new residual, and the norm is computed from it in float32, multiplied by the weight in
 float32, and rounded once. This is what transformers' Llama does in float32 and matches it to
 rounding in bfloat16. The fused form may write the normed rows as FP8 rows instead
-(kernels/fp8_rows.py): the same rounded rows, quantized as the W8A8 product would quantize them.
+(kernels/fp8_rows.py): the same rounded rows, quantized as the W8A8 product would quantize them; or a
+single row as the f16x2 INT4 GEMV's operands (kernels/quant_int_half2.py's Half2X) of the same
+rounded row.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.fp8_rows import Fp8Rows, store_scales_of_row
+from tpfuse.kernels.quant_int_half2 import Half2X, empty_half2x, half2_x, store_half2x
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +46,15 @@ def fused_add_rmsnorm_fp8_rows_ref(
     normed, new_residual = fused_add_rmsnorm_ref(x, residual, weight, eps)
     data, scales = quantize_fp8_rows_ref(normed, group)
     return Fp8Rows(data.contiguous(), scales.contiguous(), x.dtype, group), new_residual
+
+
+def fused_add_rmsnorm_half2x_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Half2X, torch.Tensor]:
+    """fused_add_rmsnorm_ref of one row (x, residual [1, H], H a multiple of 32) with the normed row
+    as kernels/quant_int_half2.py's Half2X: (Half2X, new_residual [1, H] of x.dtype)."""
+    normed, new_residual = fused_add_rmsnorm_ref(x, residual, weight, eps)
+    return half2_x(normed), new_residual
 
 
 @triton.jit
@@ -83,6 +95,8 @@ def _fused_add_rmsnorm_kernel(
     out_ptr,
     new_res_ptr,
     scales_ptr,
+    pairs_ptr,
+    sums_ptr,
     stride_x,
     stride_res,
     stride_out,
@@ -90,6 +104,7 @@ def _fused_add_rmsnorm_kernel(
     eps,
     BLOCK_H: tl.constexpr,
     FP8_GROUP: tl.constexpr,  # > 0: out e4m3, scales_ptr [T, cdiv(hidden, FP8_GROUP)] (kernels/fp8_rows.py)
+    HALF2X: tl.constexpr,  # one row written as Half2X (pairs_ptr, scales_ptr its inv_m, sums_ptr), not out
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -104,10 +119,14 @@ def _fused_add_rmsnorm_kernel(
     s = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_out + cols, s, mask=mask)
     y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
-    if FP8_GROUP:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
-        y = store_scales_of_row(y.to(new_res_ptr.dtype.element_ty).to(tl.float32), scales_ptr, row, hidden,
-                                FP8_GROUP)  # fmt: skip
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if HALF2X:  # the row rounded to the activation dtype, as half2_x would read it
+        rounded = y.to(new_res_ptr.dtype.element_ty).to(tl.float32)
+        store_half2x(rounded, pairs_ptr, scales_ptr, sums_ptr, 0, hidden // 32, BLOCK_H)
+    else:
+        if FP8_GROUP:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
+            rounded = y.to(new_res_ptr.dtype.element_ty).to(tl.float32)
+            y = store_scales_of_row(rounded, scales_ptr, row, hidden, FP8_GROUP)
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -155,9 +174,11 @@ def fused_add_rmsnorm_launch(
     eps: float,
     num_warps: int | None = None,
     fp8_group: int | None = None,
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-    """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks; None takes the default), and
-    with fp8_group the normed rows as Fp8Rows of that group (fused_add_rmsnorm_fp8_rows_triton)."""
+    half2x: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows | Half2X, torch.Tensor]:
+    """fused_add_rmsnorm_triton with an explicit num_warps (benchmarks; None takes the default), with
+    fp8_group the normed rows as Fp8Rows of that group (fused_add_rmsnorm_fp8_rows_triton), with half2x
+    the one normed row as Half2X (fused_add_rmsnorm_half2x_triton)."""
     x = _check_rows(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of x {tuple(x.shape)}")
@@ -165,10 +186,18 @@ def fused_add_rmsnorm_launch(
     num_rows, hidden = x.shape
     block, warps = _launch_config(hidden)
     kernel_group = 0 if fp8_group is None else fp8_kernel_group(fp8_group, hidden, block)
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8_group else x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    scales = new_residual
-    normed = out
+    if half2x:
+        if num_rows != 1 or hidden % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
+            )
+        normed = out = empty_half2x(hidden, x.dtype, x.device)
+        scales, pairs, sums = out.inv_m, out.pairs, out.sums
+    else:
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8_group else x.dtype, device=x.device)
+        scales = pairs = sums = new_residual
+        normed = out
     if fp8_group is not None:
         scales = torch.empty((num_rows, -(-hidden // fp8_group)), dtype=torch.float32, device=x.device)
         normed = Fp8Rows(out, scales, x.dtype, fp8_group)
@@ -178,16 +207,19 @@ def fused_add_rmsnorm_launch(
         x,
         residual,
         weight,
-        out,
+        new_residual if half2x else out,
         new_residual,
         scales,
+        pairs,
+        sums,
         x.stride(0),
         residual.stride(0),
-        out.stride(0),
+        new_residual.stride(0),
         hidden,
         eps,
         BLOCK_H=block,
         FP8_GROUP=kernel_group,
+        HALF2X=half2x,
         num_warps=num_warps or warps,
         **pdl.launch(x.device),
     )
@@ -220,3 +252,12 @@ def fused_add_rmsnorm_fp8_rows_triton(
     """Triton fused_add_rmsnorm_fp8_rows_ref, one launch: (Fp8Rows [T, H], new_residual [T, H]), new
     tensors; the same bits as fused_add_rmsnorm_triton followed by quantize_fp8_rows_triton on a GPU."""
     return fused_add_rmsnorm_launch(x, residual, weight, eps, fp8_group=group)
+
+
+def fused_add_rmsnorm_half2x_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Half2X, torch.Tensor]:
+    """Triton fused_add_rmsnorm_half2x_ref, one launch: (Half2X, new_residual [1, H]); the operands
+    half2_x makes of fused_add_rmsnorm_triton's normed row, bit for bit (the sums to rounding). Raises
+    ValueError for more than one row, H not a multiple of 32, or fp32 x."""
+    return fused_add_rmsnorm_launch(x, residual, weight, eps, half2x=True)

@@ -19,8 +19,8 @@ from tpfuse.kernels import (
     rope_store_kv_op,
 )
 from tpfuse.model.config import ModelConfig
+from tpfuse.model.input_forms import InputForm, input_form
 from tpfuse.model.layers import ParallelContext, QKVParallelLinear, RMSNorm, RowParallelLinear, ShardSlot
-from tpfuse.model.linear_method import fp8_rows_group
 
 
 @dataclass
@@ -202,10 +202,10 @@ class Attention(nn.Module):
             slots[prefix + "k_norm.weight"] = self.k_norm.slot()
         return slots
 
-    def fp8_rows_group(self, num_tokens: int) -> int | None:
-        """The group of the FP8 rows the input norm should write this layer's input as, None for the
-        plain tensor (its qkv projection's choice: model/linear_method.fp8_rows_group)."""
-        return fp8_rows_group(self.qkv_proj, num_tokens)
+    def input_form(self, num_tokens: int) -> InputForm | None:
+        """The form the input norm should write this layer's input in (model/input_forms.py), None for
+        the plain tensor: its qkv projection's choice."""
+        return input_form(self.qkv_proj, num_tokens)
 
     def forward(
         self,
@@ -215,7 +215,7 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, H] (normed; FP8 rows where fp8_rows_group); kv_cache: (k, v)
+        """positions: [T] int64; hidden: [T, H] (normed; in input_form's form); kv_cache: (k, v)
         each [num_blocks, block_size, num_kv_heads_local, head_dim], written at attn.slot_mapping.
         Returns [T, H], this rank's partial sum of the attention output."""
         num_tokens, d = positions.shape[0], self.head_dim

@@ -6,9 +6,9 @@ output summed over ranks into the residual stream and normed by `weight` (the ne
 norm); `forward_after_attention` starts one step earlier, from the attention's partial sum (the
 post-attention all-reduce + add + RMSNorm first); `checkpoint_slots(prefix)` names its checkpoint
 tensors. So a block may fuse its own prologue (the MoE router) and epilogue (the MoE combine) into
-the neighbouring syncs without the decoder loop knowing. fp8_group asks a block to write the next
-norm's output as FP8 rows of that group (kernels/fp8_rows.py) because its consumer takes them
-(fp8_rows_group); a block that cannot gives the plain tensor, which every consumer also takes.
+the neighbouring syncs without the decoder loop knowing. form asks a block to write the next norm's
+output in that input form (model/input_forms.py) because its consumer takes it (input_form); a block
+that cannot gives the plain tensor, which every consumer also takes.
 """
 
 from __future__ import annotations
@@ -20,19 +20,11 @@ import torch
 from torch import nn
 
 from tpfuse.comm.communicator import Communicator
-from tpfuse.kernels import silu_and_mul
 from tpfuse.model.attention import Attention
 from tpfuse.model.config import ModelConfig
+from tpfuse.model.input_forms import InputForm, fused_norm, input_form, silu_and_mul_as
 from tpfuse.model.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, ShardSlot
-from tpfuse.model.linear_method import fp8_rows_group, method_for
-
-
-def fused_norm(comm: Communicator, x, residual, weight, eps, fp8_group: int | None = None):
-    """comm's all-reduce + residual add + RMSNorm of x: (normed, new residual), normed as FP8 rows of
-    fp8_group columns a scale where given (its consumer takes them)."""
-    if fp8_group is not None:
-        return comm.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, fp8_group)
-    return comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
+from tpfuse.model.linear_method import method_for
 
 
 class FeedForwardBlock(nn.Module, abc.ABC):
@@ -46,14 +38,14 @@ class FeedForwardBlock(nn.Module, abc.ABC):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_group: int | None = None,
+        form: InputForm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] normed -> (the next norm's output, the new residual), both [T, H] (the output as
-        FP8 rows of fp8_group where given and the block can)."""
+        """x [T, H] normed -> (the next norm's output, the new residual), both [T, H] (the output in
+        `form` where given and the block can)."""
 
-    def fp8_rows_group(self, num_tokens: int) -> int | None:
-        """The group of the FP8 rows the post-attention norm should write this block's input as; None
-        (the plain tensor) unless a block's first projection takes them."""
+    def input_form(self, num_tokens: int) -> InputForm | None:
+        """The form the post-attention norm should write this block's input in; None (the plain
+        tensor) unless a block's first projection takes one."""
         return None
 
     def forward_after_attention(
@@ -64,15 +56,13 @@ class FeedForwardBlock(nn.Module, abc.ABC):
         weight: torch.Tensor,
         eps: float,
         comm: Communicator,
-        fp8_group: int | None = None,
+        form: InputForm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """From the attention's partial sum [T, H]: all-reduce + residual add + RMSNorm by post_weight
         (the post-attention norm), then forward_add_rmsnorm. A block overrides it to fuse that norm into
         its own first kernel."""
-        h, residual = fused_norm(
-            comm, partial, residual, post_weight, eps, self.fp8_rows_group(partial.shape[0])
-        )
-        return self.forward_add_rmsnorm(h, residual, weight, eps, comm, fp8_group)
+        h, residual = fused_norm(comm, partial, residual, post_weight, eps, self.input_form(partial.shape[0]))
+        return self.forward_add_rmsnorm(h, residual, weight, eps, comm, form)
 
 
 class GatedMLP(FeedForwardBlock):
@@ -99,14 +89,16 @@ class GatedMLP(FeedForwardBlock):
         self.down_proj = RowParallelLinear(i, hidden_size, parallel, dtype, method=method_for("row", [down]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] (or FP8 rows where fp8_rows_group) -> [T, H], this rank's partial sum."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        """x: [T, H] (or in input_form's form) -> [T, H], this rank's partial sum. The activation is
+        written in the form down_proj takes (input_forms.silu_and_mul_as)."""
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(silu_and_mul_as(gate_up, input_form(self.down_proj, gate_up.shape[0])))
 
-    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
-        return fused_norm(comm, self(x), residual, weight, eps, fp8_group)
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, form=None):
+        return fused_norm(comm, self(x), residual, weight, eps, form)
 
-    def fp8_rows_group(self, num_tokens: int) -> int | None:
-        return fp8_rows_group(self.gate_up_proj, num_tokens)
+    def input_form(self, num_tokens: int) -> InputForm | None:
+        return input_form(self.gate_up_proj, num_tokens)
 
     def checkpoint_slots(self, prefix: str) -> dict[str, ShardSlot]:
         gate, up, down = self.names

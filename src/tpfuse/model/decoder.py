@@ -6,9 +6,9 @@ loop, logits, checkpoint names) is here. The residual stream crosses ranks only 
 after o_proj (applying post_attention_layernorm; the feed-forward block's forward_after_attention runs
 it, model/blocks.py) and after the feed-forward block (applying the next layer's input_layernorm, or
 the final norm after the last layer). The embedding's partial sum enters the same way, with a zero
-residual, so a forward pass of N layers makes exactly 2N + 1 such calls. A norm writes its output as
-FP8 rows (kernels/fp8_rows.py) where the layer that reads it takes them (fp8_rows_group: FP8 W8A8
-projections where start-up timing chose that route), so the product launches no quantization.
+residual, so a forward pass of N layers makes exactly 2N + 1 such calls. A norm writes its output in
+the form the layer that reads it takes (model/input_forms.py: FP8 rows for FP8 W8A8 projections,
+Half2X for the INT4 GEMV, where start-up timing chose that route), so the product converts nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from torch import nn
 
 from tpfuse.kernels import rope_cos_sin_cache
 from tpfuse.model.attention import AttentionMetadata
-from tpfuse.model.blocks import DecoderLayer, fused_norm
+from tpfuse.model.blocks import DecoderLayer
 from tpfuse.model.config import ModelConfig
+from tpfuse.model.input_forms import fused_norm
 from tpfuse.model.layers import ParallelContext, ParallelLMHead, RMSNorm, ShardSlot, VocabParallelEmbedding
 
 # Checkpoint tensors that may be present and carry nothing tpfuse needs.
@@ -72,9 +73,9 @@ class DecoderForCausalLM(nn.Module):
         comm, eps, layers = self.comm, self.eps, self.layers
         num_tokens = input_ids.shape[0]
         partial = self.embed_tokens(input_ids)
-        fp8_group = layers[0].self_attn.fp8_rows_group(num_tokens)
+        form = layers[0].self_attn.input_form(num_tokens)
         h, residual = fused_norm(
-            comm, partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps, fp8_group
+            comm, partial, torch.zeros_like(partial), layers[0].input_layernorm.weight, eps, form
         )
         aux = []
         last = len(layers) - 1
@@ -84,9 +85,9 @@ class DecoderForCausalLM(nn.Module):
             partial = layer.self_attn(positions, h, attn, kv_caches[i], self.cos_sin_cache)
             next_norm = self.norm if i == last else layers[i + 1].input_layernorm
             post_norm = layer.post_attention_layernorm
-            fp8_group = None if i == last else layers[i + 1].self_attn.fp8_rows_group(num_tokens)
+            form = None if i == last else layers[i + 1].self_attn.input_form(num_tokens)
             h, residual = layer.mlp.forward_after_attention(
-                partial, residual, post_norm.weight, next_norm.weight, eps, comm, fp8_group
+                partial, residual, post_norm.weight, next_norm.weight, eps, comm, form
             )
         if self.aux_final_hidden:
             aux.append(h)

@@ -22,9 +22,10 @@ from torch import nn
 from tpfuse.kernels import grouped_route, grouped_topk_op, moe_finalize_op
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
-from tpfuse.model.blocks import FeedForwardBlock, GatedMLP, fused_norm
+from tpfuse.model.blocks import FeedForwardBlock, GatedMLP
 from tpfuse.model.config import ModelConfig
 from tpfuse.model.decoder import DecoderForCausalLM
+from tpfuse.model.input_forms import fused_norm
 from tpfuse.model.kv_layout import LatentCacheLayout
 from tpfuse.model.layers import ParallelContext, RMSNorm, ShardSlot
 from tpfuse.model.linear_method import expert_method_for, module_prefix
@@ -88,7 +89,7 @@ class DeepseekV3MoE(FeedForwardBlock):
             out = out + self.shared_experts(x)
         return out
 
-    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, form=None):
         """As SparseMoeBlock's: the combine ends in the layer's last sync (MoE finalize), with the shared
         experts' output as one more slot of each token, so routed and shared outputs are summed in
         float32 and rounded once, then all-reduced with the residual add and the next norm (at TP = 1
@@ -97,7 +98,7 @@ class DeepseekV3MoE(FeedForwardBlock):
         slots_per_token = self.top_k + (self.shared_experts is not None)
         fused = comm.world_size > 1 or moe_choice.fuse_finalize(x, x.shape[0] * slots_per_token)
         if not fused:
-            return fused_norm(comm, self(x), residual, weight, eps, fp8_group)
+            return fused_norm(comm, self(x), residual, weight, eps, form)
         slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if comm.world_size == 1:

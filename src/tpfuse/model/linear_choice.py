@@ -266,10 +266,28 @@ _QUANT_TILES: dict[tuple, IntTile] = {}
 # (prefill_candidates) have it timed at the engine's prefill chunk, over PREFILL_LAYERS layers a shape.
 PREFILL = "prefill"
 PREFILL_LAYERS = 2
-# A method's route on input its producer already quantized (fp8_rows_candidates: FP8 W8A8 on FP8 rows),
-# timed without that quantization and kept only where it beats PREFILL's route: then the layer takes
-# FP8 rows (fp8_rows_group) and a producer that cannot write them still gets PREFILL's route.
-PREFILL_FP8_ROWS = "prefill on fp8 rows"
+# A method's routes on input its producer writes in another form (form_candidates(layer, bucket) ->
+# (form, routes); model/input_forms.py: FP8 rows past MAX_ROWS, Half2X at one row), timed without
+# making that form and kept only where one beats the bucket's route on the plain tensor: the layer then
+# asks for the form (its method's input_form), and a producer that cannot write it still gets the plain
+# route. Kept under FormBucket(bucket).
+
+
+@dataclass(frozen=True)
+class FormBucket:
+    """The _QUANT_TILES bucket of the route on a layer's input form at rows_bucket (1 .. MAX_ROWS or
+    PREFILL)."""
+
+    rows_bucket: int | str
+
+    def __str__(self) -> str:
+        return f"{self.rows_bucket} rows on the input form"
+
+
+def _bucket_text(rows_bucket) -> str:
+    return str(rows_bucket) if isinstance(rows_bucket, FormBucket) else f"{rows_bucket} rows"
+
+
 # Off from the reference by more than this share of its largest value, a candidate is wrong, not
 # rounded: W8A8 tiles quantize x to e4m3 (a few % per output), a wrong scale or layout is off by ~100 %.
 AGREEMENT = 0.1
@@ -321,20 +339,26 @@ def _quant_candidates(layer, rows_bucket) -> tuple:
     return QUANT_TILES[rows_bucket]
 
 
-def _quant_timer(layers, rows: int):
+def _form_candidates(layer, rows_bucket) -> tuple:
+    """(form, routes) of the layer's method at rows_bucket (form_candidates; model/input_forms.py), or
+    (None, ()) where it has none."""
+    method = layer.method
+    return method.form_candidates(layer, rows_bucket) if hasattr(method, "form_candidates") else (None, ())
+
+
+def _quant_timer(layers, rows: int, form=None):
     """time_us(tile) for fastest: the tile's product at `rows` rows over the layers (one product a
     layer), checked once against the first layer's dequantized weight, timed as it will run: replayed
     from a CUDA graph at decode sizes, eagerly past MAX_ROWS (the engine's prompt chunks are larger
-    than its piecewise graphs take). A method's route_input(layer, x, tile), where it has one, gives
-    the input a tile takes, made before timing (FP8 rows that the layer's producer would write)."""
+    than its piecewise graphs take). form: the input made beforehand in that form
+    (model/input_forms.py: its producer's work, so it is not timed)."""
     first = layers[0]
     x = torch.randn(rows, first.shards.k_local, device=next(first.parameters()).device).to(torch.bfloat16)
     dequantize = getattr(first.method, "dequantize", None)
     reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
-    route_input = getattr(first.method, "route_input", lambda layer, x, tile: x)
+    x_in = form.make(x) if form is not None else x
 
     def time_us(tile):
-        x_in = route_input(first, x, tile)
         if reference is not None:
             check_agrees(first.method.product(first, x_in, None, tile), reference, tile.label())
         calls = [lambda layer=layer: layer.method.product(layer, x_in, None, tile) for layer in layers]
@@ -346,18 +370,19 @@ def _quant_timer(layers, rows: int):
     return time_us
 
 
-def fp8_rows_route(layer, rows: int):
-    """The route chosen for the layer's input as FP8 rows at `rows` rows (past MAX_ROWS), or None: the
+def form_route(layer, rows: int):
+    """The route chosen for the layer's input in its method's input form at `rows` rows, or None: the
     layer takes the plain tensor."""
-    if rows <= MAX_ROWS or not _QUANT_TILES:
+    rows_bucket = _quant_bucket(rows)
+    if rows_bucket is None or not _QUANT_TILES:
         return None
-    return _QUANT_TILES.get((layer.method.tile_key(layer), PREFILL_FP8_ROWS))
+    return _QUANT_TILES.get((layer.method.tile_key(layer), FormBucket(rows_bucket)))
 
 
-def set_fp8_rows_route(layer, route) -> None:
-    """Makes `route` the layer's FP8-rows choice for every layer of its (method, shape); None forgets it
-    (benchmarks, tests)."""
-    _set_quant_choice((layer.method.tile_key(layer), PREFILL_FP8_ROWS), route)
+def set_form_route(layer, rows: int, route) -> None:
+    """Makes `route` the layer's choice on its input form at `rows` rows for every layer of its
+    (method, shape); None forgets it (benchmarks, tests)."""
+    _set_quant_choice((layer.method.tile_key(layer), FormBucket(_quant_bucket(rows))), route)
 
 
 def set_quant_tile(layer, rows: int, tile) -> None:
@@ -425,14 +450,14 @@ def choose_quantized(
             timed = layers[:PREFILL_LAYERS] if rows_bucket == PREFILL else layers
             time_us = _quant_timer(timed, rows)
             decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows} rows")))
-            rows_routes = getattr(layers[0].method, "fp8_rows_candidates", lambda layer: ())(layers[0])
-            if rows_bucket == PREFILL and rows_routes:
+            form, form_routes = _form_candidates(layers[0], rows_bucket)
+            if form_routes:
                 try:
-                    route, us = fastest(rows_routes, time_us, f"{key} on fp8 rows at {rows} rows")
+                    route, us = fastest(form_routes, _quant_timer(timed, rows, form), f"{key} on {form}")
                 except RuntimeError:  # none builds here: the layer takes the plain tensor
                     continue
                 if us < decided[-1][3]:
-                    decided.append((key, PREFILL_FP8_ROWS, route, us))
+                    decided.append((key, FormBucket(rows_bucket), route, us))
     if agree is not None:
         decided = agree(decided)
     for key, rows_bucket, tile, _ in decided:
@@ -441,7 +466,8 @@ def choose_quantized(
         log.info(
             "quantized tiles: %s",
             "; ".join(
-                f"{k} at {b} rows: {t.label()}" + (f" ({us:.1f} us)" if us else "") for k, b, t, us in decided
+                f"{k} at {_bucket_text(b)}: {t.label()}" + (f" ({us:.1f} us)" if us else "")
+                for k, b, t, us in decided
             ),
         )
     return decided

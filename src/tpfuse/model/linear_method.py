@@ -70,8 +70,9 @@ class LinearMethod(Protocol):
     checkpoint_slots(layer, part) -> {tensor suffix ("weight", "weight_scale", ...): ShardSlot};
     process_weights(layer) runs once after loading (repacking, expanding scales; raises ValueError
     naming the tensor whose values do not fit); apply(layer, x [T, K_local], bias) -> [T, N_local].
-    Optional: fp8_rows_group(layer, rows), where apply also takes x as kernels/fp8_rows.py's Fp8Rows
-    (see fp8_rows_group below)."""
+    Optional: input_form(layer, rows) -> model/input_forms.py's InputForm or None, the form its
+    producer should write the input in (apply then also takes it), with form_candidates(layer, bucket)
+    for model/linear_choice.py to time."""
 
     name: str
 
@@ -171,15 +172,6 @@ def method_for(role: str, names: Sequence[str] = ()) -> LinearMethod:
     if full and hasattr(config, "linear_method_for"):
         return config.linear_method_for(role, full)
     return config.linear_method(role)
-
-
-def fp8_rows_group(layer: nn.Module, rows: int) -> int | None:
-    """The group (columns a scale) of the FP8 rows (kernels/fp8_rows.py) the projection `layer` takes
-    as input at `rows` rows, None for the plain tensor: its method's fp8_rows_group where it has one
-    (FP8 W8A8 where start-up timing chose that route). Its producer then writes them where it can;
-    every method also takes the plain tensor."""
-    method = getattr(layer, "method", None)
-    return method.fp8_rows_group(layer, rows) if hasattr(method, "fp8_rows_group") else None
 
 
 def reference_product(

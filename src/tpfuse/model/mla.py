@@ -89,9 +89,9 @@ class MLAAttention(nn.Module):
         per_head = weight.view(self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return per_head[:, : s.qk_nope_head_dim], per_head[:, s.qk_nope_head_dim :]
 
-    def fp8_rows_group(self, num_tokens: int) -> int | None:
+    def input_form(self, num_tokens: int) -> None:
         """None, the plain tensor: the latent and query projections share the normed input
-        (model/attention.py's Attention.fp8_rows_group)."""
+        (model/attention.py's Attention.input_form)."""
         return None
 
     def forward(

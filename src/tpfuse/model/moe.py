@@ -27,7 +27,8 @@ from tpfuse.kernels import (
 from tpfuse.kernels.fused_moe_tiles import tile_for
 from tpfuse.kernels.moe_router import RouteTile
 from tpfuse.model import moe_choice
-from tpfuse.model.blocks import FeedForwardBlock, fused_norm
+from tpfuse.model.blocks import FeedForwardBlock
+from tpfuse.model.input_forms import fused_norm
 from tpfuse.model.layers import Linear, ParallelContext, ShardSlot, divide
 from tpfuse.model.linear_method import expert_method_for
 
@@ -193,12 +194,12 @@ class SparseMoeBlock(FeedForwardBlock):
         topk_weights, topk_ids = self.route(x)
         return self.experts(x, topk_weights, topk_ids)
 
-    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, fp8_group=None):
+    def forward_add_rmsnorm(self, x, residual, weight, eps, comm, form=None):
         """The weighted combine ends inside the layer's last sync: at TP > 1 in the communicator's MoE
         finalize (combine + all-reduce + residual + RMSNorm, one kernel where it can:
         comm/moe_finalize.py); at TP = 1, where model/moe_choice.py measured it faster, in the fused
         combine + residual + RMSNorm (kernels/moe_finalize.py), else combine then fused add + RMSNorm (the
-        only form that writes FP8 rows for fp8_group)."""
+        only form that writes `form`)."""
         topk_weights, topk_ids = self.route(x)
         if comm.world_size > 1:
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
@@ -207,16 +208,16 @@ class SparseMoeBlock(FeedForwardBlock):
             slots = self.experts.slot_outputs(x, topk_weights, topk_ids)
             return moe_finalize_op(slots, self.top_k, residual, weight, eps)
         partial = self.experts(x, topk_weights, topk_ids)
-        return fused_norm(comm, partial, residual, weight, eps, fp8_group)
+        return fused_norm(comm, partial, residual, weight, eps, form)
 
-    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm, fp8_group=None):
+    def forward_after_attention(self, partial, residual, post_weight, weight, eps, comm, form=None):
         """At TP = 1 on decode-sized steps, where model/moe_choice.py measured it faster, two launches
         fewer: the post-attention add + RMSNorm runs inside the router product
         (kernels/moe_norm_router.py) and the top-k inside the experts' first kernel; else the plain
         sequence of model/blocks.py."""
         tile = moe_choice.norm_route_tile(partial, self) if comm.world_size == 1 else None
         if tile is None:
-            args = (partial, residual, post_weight, weight, eps, comm, fp8_group)
+            args = (partial, residual, post_weight, weight, eps, comm, form)
             return super().forward_after_attention(*args)
         h, residual, logits = moe_norm_route(partial, residual, post_weight, self.gate.weight, eps, tile)
         slots, _, _ = self.experts.routed_slot_outputs(h, logits, self.top_k, self.renormalize)

@@ -21,8 +21,9 @@ Where the activations are quantized one scale a row (per-channel and per-tensor 
 128-column block (128 x 128 blocks), start-up timing also times FP8_ROWS past 64 rows: the Triton
 kernel on rows the layer's producer (the fused all-reduce + RMSNorm before it) already quantized
 (kernels/fp8_rows.py), without that quantization, which the producer's epilogue does; where it beats
-the best route on the plain tensor, the layer takes FP8 rows (fp8_rows_group) and its producer writes
-them (a plain tensor from a producer that cannot still takes the best route). Weight-only checkpoints
+the best route on the plain tensor, the layer takes FP8 rows (input_form: model/input_forms.py's
+Fp8RowsForm) and its producer writes them (a plain tensor from a producer that cannot still takes the
+best route). Weight-only checkpoints
 (no input_activations) and GPUs without FP8 tensor cores run W8A16 throughout. Static input scales,
 where a checkpoint has them, are read and not used: activations are quantized dynamically.
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpfuse.kernels import fp8_linear_op, fp8_rows_linear_op, quantize_fp8_rows, use_triton
+from tpfuse.kernels import fp8_linear_op, fp8_rows_linear_op, use_triton
 from tpfuse.kernels.fp8_rows import BLOCK_GROUP, Fp8Rows
 from tpfuse.kernels.fp8_scaled_mm import (
     FP8_ROWS,
@@ -46,6 +47,7 @@ from tpfuse.kernels.fp8_scaled_mm import (
 from tpfuse.kernels.quant_fp8 import FP8_DTYPE, FP8_TILES, dequantize_fp8
 from tpfuse.kernels.quant_fp8_w8a8 import W8A8_TILES, activation_group, decode_group, fp8_dot_supported
 from tpfuse.model import linear_choice
+from tpfuse.model.input_forms import Fp8RowsForm
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import FP8_STORED, dummy_fp8, dummy_scale
 from tpfuse.model.shard import ShardSlot, empty_parameter
@@ -199,10 +201,14 @@ class Fp8LinearMethod:
             return ()
         return (TRITON_PREFILL, SCALED_MM) if self._scaled_mm_fits(layer) else (TRITON_PREFILL,)
 
-    def fp8_rows_candidates(self, layer: nn.Module) -> tuple[GemmRoute, ...]:
-        """The routes on FP8 rows start-up timing races against the prefill_candidates' best: FP8_ROWS
-        where W8A8 runs with activation groups FP8 rows take (_rows_group)."""
-        return (FP8_ROWS,) if self._w8a8(layer) and self._rows_group(layer) else ()
+    def form_candidates(self, layer: nn.Module, rows_bucket) -> tuple:
+        """(Fp8RowsForm, (FP8_ROWS,)): the route on FP8 rows that start-up timing races past 64 rows
+        against the prefill_candidates' best, where W8A8 runs with activation groups FP8 rows take
+        (_rows_group); else (None, ())."""
+        group = self._rows_group(layer)
+        if rows_bucket != linear_choice.PREFILL or not self._w8a8(layer) or group is None:
+            return None, ()
+        return Fp8RowsForm(group), (FP8_ROWS,)
 
     def _rows_group(self, layer: nn.Module) -> int | None:
         """The layer's W8A8 activation group where FP8 rows take it (the whole row: per-channel and
@@ -211,20 +217,13 @@ class Fp8LinearMethod:
         group = activation_group(layer.fp8_block, hidden)
         return group if group in (hidden, BLOCK_GROUP) else None
 
-    def fp8_rows_group(self, layer: nn.Module, rows: int) -> int | None:
-        """The group of the FP8 rows (kernels/fp8_rows.py) the layer's input should come as at `rows`
-        rows, where start-up timing found FP8_ROWS faster than the best prefill route on the plain
-        tensor (linear_choice.fp8_rows_route); None: the plain tensor (linear_method.fp8_rows_group)."""
-        return self._rows_group(layer) if linear_choice.fp8_rows_route(layer, rows) is not None else None
-
-    def route_input(self, layer: nn.Module, x: torch.Tensor, route) -> torch.Tensor | Fp8Rows:
-        """x as `route` takes it: quantized to FP8 rows for FP8_ROWS (its producer's work, so start-up
-        timing leaves it out of the route's time), else x."""
-        if route != FP8_ROWS:
-            return x
-        group = self._rows_group(layer)
-        data, scales = quantize_fp8_rows(x, group)
-        return Fp8Rows(data, scales, x.dtype, group)
+    def input_form(self, layer: nn.Module, rows: int) -> Fp8RowsForm | None:
+        """FP8 rows of the layer's activation group at `rows` rows, where start-up timing found FP8_ROWS
+        faster than the best prefill route on the plain tensor (linear_choice.form_route); None: the
+        plain tensor."""
+        if linear_choice.form_route(layer, rows) is None:
+            return None
+        return Fp8RowsForm(self._rows_group(layer))
 
     def _triton_scales(self, layer: nn.Module) -> tuple[torch.Tensor, tuple[int, int]]:
         """(scale, block) the Triton kernels read: the checkpoint's block scales where they are kept
@@ -236,11 +235,11 @@ class Fp8LinearMethod:
 
     def product(self, layer: nn.Module, x, bias: torch.Tensor | None, tile) -> torch.Tensor:
         """The product at a given tile or route (W8A16, a W8A8Tile's decode form, a GemmRoute):
-        what linear_choice times; x a tensor, or FP8 rows (route_input) for FP8_ROWS. The Triton
+        what linear_choice times; x a tensor, or FP8 rows (Fp8RowsForm.make) for FP8_ROWS. The Triton
         kernels read the checkpoint's block scales where they are kept (tile_scale: one scale a tile or
         a K step, not one a row), torch._scaled_mm its own."""
         if isinstance(x, Fp8Rows) or tile == FP8_ROWS:
-            rows = self.route_input(layer, x, FP8_ROWS) if isinstance(x, torch.Tensor) else x
+            rows = Fp8RowsForm(self._rows_group(layer)).make(x) if isinstance(x, torch.Tensor) else x
             return fp8_rows_linear_op(rows, layer.weight, *self._triton_scales(layer), bias)
         if tile == SCALED_MM and use_triton(x):
             scale_b = layer.scaled_mm_scales
@@ -248,7 +247,7 @@ class Fp8LinearMethod:
         return fp8_linear_op(x, layer.weight, *self._triton_scales(layer), bias, tile=tile)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None):
-        if isinstance(x, Fp8Rows):  # a producer quantized it: fp8_rows_group
+        if isinstance(x, Fp8Rows):  # a producer quantized it: input_form
             return self.product(layer, x, bias, FP8_ROWS)
         if not use_triton(x):
             return reference_product(layer, x, bias, lambda: self.dequantize(layer))

@@ -8,6 +8,10 @@ loaded from compressed-tensors pack-quantized tensors, whose layout it is:
 Column-parallel shards split rows; row-parallel shards split K at a group (and word) boundary, so
 the scales shard along K with the codes. Formats with other layouts (GPTQ, GGUF) subclass this and
 convert to it in process_weights.
+
+At one row, 4-bit layouts the f16x2 GEMV takes (kernels/quant_int_half2.py) may also take their input
+as that GEMV's operands made by the producer (model/input_forms.py's Half2XForm), where start-up
+timing finds the GEMV on them faster than the best tile on the plain row.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from torch import nn
 
 from tpfuse.kernels import int_linear_op, use_triton
 from tpfuse.kernels.quant_int import dequantize_int, values_per_word
+from tpfuse.kernels.quant_int_half2 import VECTOR_VALUES, Half2Tile, Half2X
 from tpfuse.model import linear_choice
+from tpfuse.model.input_forms import HALF2X, Half2XForm
 from tpfuse.model.linear_method import LinearShards, reference_product
 from tpfuse.model.quant.common import INT_STORED, QuantizationError, dummy_codes, dummy_group_scale
 from tpfuse.model.shard import ShardSlot, empty_parameter
@@ -124,20 +130,36 @@ class IntGroupLinearMethod:
     def product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, tile) -> torch.Tensor:
         return int_group_product(layer, x, bias, self.bits, layer.int_group, tile)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int_group_product(
-            layer, x, bias, self.bits, layer.int_group, linear_choice.quant_tile(layer, x.shape[0])
-        )
+    def form_candidates(self, layer: nn.Module, rows_bucket) -> tuple:
+        """(HALF2X, the f16x2 GEMV's start-up tiles) at one row where the layout fits that GEMV (4 bits,
+        K and the group in whole 32-value vectors), else (None, ())."""
+        k, group = layer.shards.k_local, layer.int_group
+        fits = self.bits == 4 and k % VECTOR_VALUES == 0 and (group >= k or group % VECTOR_VALUES == 0)
+        if rows_bucket != 1 or not fits:
+            return None, ()
+        return HALF2X, tuple(t for t in linear_choice.QUANT_TILES[1] if isinstance(t, Half2Tile))
+
+    def input_form(self, layer: nn.Module, rows: int) -> Half2XForm | None:
+        """HALF2X at one row where start-up timing chose the GEMV on it (linear_choice.form_route), else
+        None (the plain tensor)."""
+        return HALF2X if rows == 1 and linear_choice.form_route(layer, rows) is not None else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Half2X, bias: torch.Tensor | None) -> torch.Tensor:
+        choose = linear_choice.form_route if isinstance(x, Half2X) else linear_choice.quant_tile
+        return int_group_product(layer, x, bias, self.bits, layer.int_group, choose(layer, x.shape[0]))
 
 
 def int_group_product(
     layer: nn.Module, x: torch.Tensor, bias, bits: int, group: int, tile=None
 ) -> torch.Tensor:
-    """layer.weight_packed / weight_scale / weight_offset (kernels/quant_int.py's layout) times x:
-    the Triton kernel (tile: its launch configuration, None: the default), or on the reference path
-    the weight dequantized once and kept."""
+    """layer.weight_packed / weight_scale / weight_offset (kernels/quant_int.py's layout) times x (or
+    a Half2X): the Triton kernel (tile: its launch configuration, None: the default), or on the
+    reference path the weight dequantized once and kept."""
     packed, scale, offset = layer.weight_packed, layer.weight_scale, layer.weight_offset
     if use_triton(x):
         return int_linear_op(x, packed, scale, offset, bits, group, bias, tile=tile)
     k = layer.shards.k_local
-    return reference_product(layer, x, bias, lambda: dequantize_int(packed, scale, offset, bits, group, k))
+    dequantize = lambda: dequantize_int(packed, scale, offset, bits, group, k)  # noqa: E731
+    if isinstance(x, Half2X):
+        return reference_product(layer, x.values(), bias, dequantize).to(x.dtype)
+    return reference_product(layer, x, bias, dequantize)
