@@ -13,7 +13,7 @@ Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4
     [--forms int,vec,xs,magic] [--shapes qkv,o_proj,gate_up,down]
 --sweep also times SWEEP (tensor-core tiles by rows per program, pipeline stages and split-K),
 GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers) and HALF2_SWEEP
-(kernels/quant_int_half2.py's f16x2 GEMV by rows, K step and warps).
+(kernels/quant_int_half2.py's f16x2 GEMV by rows, K step, warps and K split).
 --forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV; "ready": the f16x2 tiles
 on x converted once beforehand, quant_int_half2.Half2X, timed without that conversion); --shapes those
 shapes.
@@ -65,6 +65,8 @@ HALF2_SWEEP = tuple(  # --sweep: f16x2 tiles (kernels/quant_int_half2.py) by row
     for n in (1, 2, 4, 8, 16)
     for k, w in ((1024, 1), (2048, 1), (4096, 1), (2048, 2), (4096, 2), (4096, 4))
     if n * k // (32 * 32 * w) <= 16
+) + tuple(  # and K split over 2-4 programs
+    Half2Tile(1, n, k, 1, 1, split_k=split) for n in (1, 2, 4) for k in (1024, 2048) for split in (2, 4)
 )
 FORMS = ("int", "vec", "xs", "magic", "half2", "ready")
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

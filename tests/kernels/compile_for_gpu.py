@@ -373,14 +373,16 @@ def _quant_variants(p: str):
             ((4096, 128, False), (14336, 128, False), (4096, 32, True)), (False, True)
         ):
             block_k = half2.half2_step(tile, hidden)
+            split_k, k_per_split = half2.half2_split(tile, hidden)
             yield (
                 half2._half2_kernel,
                 {"*": p, "q_ptr": i32, "o_ptr": "*fp32", "pairs_ptr": i32, "inv_m_ptr": "*fp32",
-                 "sums_ptr": "*fp32"},
+                 "sums_ptr": "*fp32", "partials_ptr": "*fp32", "counter_ptr": i32},
                 {"num_cols": "i32"},
                 dict(hidden=hidden, stride_qn=hidden // 8, stride_sn=hidden // group, GROUP=group,
                      HAS_OFFSET=odd, HAS_BIAS=odd, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=not odd,
-                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", X_READY=ready, INTERPRET=False),
+                     K_MASK=hidden % block_k != 0, X_FP16=p == "*fp16", X_READY=ready, INTERPRET=False,
+                     SPLIT_K=split_k, K_PER_SPLIT=k_per_split),
                 {"num_warps": tile.num_warps, "num_stages": 1},
             )  # fmt: skip
     w8a8_slots = {"*": p, "w_ptr": fp8, "s_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",

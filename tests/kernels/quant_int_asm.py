@@ -81,17 +81,23 @@ def compile_magic(tile):
 
 
 _HALF2_POINTERS = {"*": "*bf16", "q_ptr": "*i32", "pairs_ptr": "*i32", "inv_m_ptr": "*fp32",
-                   "sums_ptr": "*fp32"}  # fmt: skip
+                   "sums_ptr": "*fp32", "partials_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+
+
+def _half2_constexprs(tile, ready: bool) -> dict:
+    block_k = quant_int_half2.half2_step(tile, HIDDEN)
+    split_k, k_per_split = quant_int_half2.half2_split(tile, HIDDEN)
+    return dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
+                HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
+                K_MASK=HIDDEN % block_k != 0, X_FP16=False, X_READY=ready, INTERPRET=False, SPLIT_K=split_k,
+                K_PER_SPLIT=k_per_split)
 
 
 def compile_half2(tile):
     """quant_int_half2's f16x2 GEMV, bf16 x, symmetric, N a multiple of the rows per program."""
     block_k = quant_int_half2.half2_step(tile, HIDDEN)
-    constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
-                      HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
-                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, X_READY=False, INTERPRET=False)  # fmt: skip
     return _compile(quant_int_half2._half2_kernel, _HALF2_POINTERS,
-                    {"num_cols": "i32"}, constexprs, tile), block_k  # fmt: skip
+                    {"num_cols": "i32"}, _half2_constexprs(tile, False), tile), block_k  # fmt: skip
 
 
 def compile_form(tile):
@@ -121,11 +127,8 @@ def half2_program_stats(tile, ready: bool) -> dict:
     """The f16x2 kernel's SASS for a Half2Tile (static instructions: one K step at K = 4096 for the
     4096-step tiles, a loop of two for the 2048-step one), on x converted per program or made once
     (Half2X, ready): instructions, registers, and where the codes' loads sit among them."""
-    block_k = quant_int_half2.half2_step(tile, HIDDEN)
-    constexprs = dict(hidden=HIDDEN, stride_qn=HIDDEN // 8, stride_sn=HIDDEN // GROUP, GROUP=GROUP,
-                      HAS_OFFSET=False, HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=True,
-                      K_MASK=HIDDEN % block_k != 0, X_FP16=False, X_READY=ready, INTERPRET=False)  # fmt: skip
     kernel, pointers = quant_int_half2._half2_kernel, _HALF2_POINTERS
+    constexprs = _half2_constexprs(tile, ready)
     usage, sass = _disassemble(_compile(kernel, pointers, {"num_cols": "i32"}, constexprs, tile).asm["cubin"])
     code = [op + rest for _, _, op, rest in _LINE.findall(sass)]
     loads = [i for i, line in enumerate(code) if line.startswith("LDG") and ".EF" in line]

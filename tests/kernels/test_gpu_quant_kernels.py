@@ -142,7 +142,9 @@ def test_half2_int4_gemv_matches_float64_at_hard_inputs(dtype, n, k, group, offs
     spiked[0, torch.randperm(k, generator=gen, device=DEVICE)[:8]] = 4000.0
     for x in (spiked.to(dtype), tiny.to(dtype)):
         expected = x.double() @ quant_int.dequantize_int(packed, scales, shift, 4, group, k).double().T
-        for tile in (Half2Tile(1, 8, 1024, 1, 1), Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 8, 4096, 1, 4)):
+        tiles = (Half2Tile(1, 8, 1024, 1, 1), Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 8, 4096, 1, 4),
+                 Half2Tile(1, 2, 1024, 1, 1, split_k=3))  # fmt: skip
+        for tile in tiles:
             out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
 
             def run(inp, tile=tile, out=out):
@@ -168,7 +170,9 @@ def test_half2_int4_gemv_on_x_made_once_gives_the_plain_kernels_bits(n, k, group
     x = torch.randn(1, k, generator=gen, device=DEVICE).bfloat16()
     x[0, :5] = 3000.0
     made = quant_int_half2.half2_x(x)
-    for tile in (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 2, 4096, 1, 1), Half2Tile(1, 4, 4096, 1, 2)):
+    tiles = (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 2, 4096, 1, 1), Half2Tile(1, 4, 4096, 1, 2),
+             Half2Tile(1, 2, 2048, 1, 1, split_k=2))  # fmt: skip
+    for tile in tiles:
         plain = quant_int_half2.half2_int4_gemv(x, packed, scales, shift, group, tile=tile)
         out = torch.full((1, n), float("nan"), dtype=x.dtype, device=DEVICE)
 

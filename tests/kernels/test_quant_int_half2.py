@@ -1,8 +1,9 @@
 """The f16x2 one-row INT4 GEMV (kernels/quant_int_half2.py, Half2Tile) under the interpreter, where it
 runs its fp32 stand-in for the PTX, against float64 products of the dequantized weights: odd N (rows
-masked), K over several steps and K masked by whole vectors, symmetric and offset codes, bias,
-bf16 and fp16 x, into outputs poisoned with NaN; layouts it does not take go to kernels/quant_int.py's
-GEMV. The PTX itself is checked on the GPU (tests/kernels/test_gpu_quant_kernels.py)."""
+masked), K over several steps and K masked by whole vectors, K split over programs, symmetric
+and offset codes, bias, bf16 and fp16 x, into outputs poisoned with NaN; layouts it does not take go
+to kernels/quant_int.py's GEMV; the producers that write x as Half2X. The PTX itself is checked on
+the GPU (tests/kernels/test_gpu_quant_kernels.py)."""
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ TILES = {
     "one-step": Half2Tile(1, 8, 4096, 1, 4),
     "steps": Half2Tile(1, 4, 128, 1, 1),
     "steps-64": Half2Tile(1, 4, 64, 1, 1),
+    "split": Half2Tile(1, 4, 64, 1, 1, split_k=2),  # K in two parts, the last to arrive sums them
+    "split-3": Half2Tile(1, 8, 128, 1, 1, split_k=3),  # 2-3 parts (no empty one), masked vectors in the last
 }
 
 CASES = [  # n, k, group, offsets, bias, x dtype

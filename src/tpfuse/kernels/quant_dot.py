@@ -42,7 +42,7 @@ X_AS_IS, X_QUANTIZE_HERE, X_QUANTIZED = 0, 1, 2
 @dataclass(frozen=True)
 class IntTile(Tile):
     """skinny_linear.Tile for the weight-only kernels, with their defaults; block_m 1 is the GEMV form
-    (no tl.dot); split_k applies to the tensor-core form only."""
+    (no tl.dot); split_k applies to the tensor-core form and the f16x2 GEMV only."""
 
     block_n: int = 64
     block_k: int = 128

@@ -45,8 +45,10 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
+from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.quant_dot import IntTile
 from tpfuse.kernels.quant_int_gemv import one_row_output, split4
+from tpfuse.kernels.skinny_linear import partials_buffer, sum_splits_in_last
 
 __all__ = [
     "Half2Tile", "Half2X", "empty_half2x", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x",
@@ -104,10 +106,13 @@ add.f32 $0, f0, f1;
 @dataclass(frozen=True)
 class Half2Tile(IntTile):
     """A launch of the kernel here (block_m 1; block_n rows a program; block_k the K step, one 16-byte
-    vector a thread and row at 32 * 32 * num_warps; num_stages unused)."""
+    vector a thread and row at 32 * 32 * num_warps; num_stages unused; split_k > 1: K divided among
+    that many programs a row block, for shapes with too few row blocks to keep the GPU's loads in
+    flight)."""
 
     def label(self) -> str:
-        return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}"
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"half2 n{self.block_n} k{self.block_k} w{self.num_warps}{split}"
 
 
 @dataclass(frozen=True)
@@ -312,9 +317,10 @@ def rows_dot_x(
     q_rows, s_rows, o_rows, x_ptr, hidden, row_mask, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, K_MASK: tl.constexpr,
     X_FP16: tl.constexpr, INTERPRET: tl.constexpr, pairs_ptr=None, inv_m_ptr=None, sums_ptr=None,
-    X_READY: tl.constexpr = False,
+    X_READY: tl.constexpr = False, k_start=0,
 ):  # fmt: skip
-    """[BLOCK_N] float32: BLOCK_N weight rows dotted with x over K = hidden (module doc). q_rows
+    """[BLOCK_N] float32: BLOCK_N weight rows dotted with x over k_start .. hidden (module doc; k_start a
+    multiple of BLOCK_K). q_rows
     [BLOCK_N, 1, 1] points at each row's first word, s_rows / o_rows [BLOCK_N, 1] at its first scale
     / offset, x_ptr at x's first value (16-byte aligned). MASK_N: rows outside row_mask read as zeros;
     K_MASK: BLOCK_K does not divide K (whole vectors masked). INTERPRET: fp32 sums instead of the
@@ -326,7 +332,7 @@ def rows_dot_x(
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_N, CH], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in range(k_start, hidden, BLOCK_K):
         k_vec = k0 + c * 32
         k_ok = k_vec < hidden
         w_mask = tl.full([BLOCK_N, CH, 4], 1, tl.int1)
@@ -397,29 +403,41 @@ def rows_dot_x(
 
 @triton.jit
 def _half2_kernel(
-    x_ptr, pairs_ptr, inv_m_ptr, sums_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, num_cols,
-    hidden: tl.constexpr, stride_qn: tl.constexpr, stride_sn: tl.constexpr, GROUP: tl.constexpr,
+    x_ptr, pairs_ptr, inv_m_ptr, sums_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, partials_ptr, counter_ptr,
+    num_cols, hidden: tl.constexpr, stride_qn: tl.constexpr, stride_sn: tl.constexpr, GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr,  # BLOCK_N divides num_cols: rows unmasked
     K_MASK: tl.constexpr,  # BLOCK_K does not divide K: whole vectors masked
     X_FP16: tl.constexpr,
     X_READY: tl.constexpr,  # x as Half2X (pairs, inv_m, sums); x_ptr unused
     INTERPRET: tl.constexpr,  # fp32 sums instead of the f16x2 PTX (TRITON_INTERPRET)
+    SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes K_PER_SPLIT columns; partials summed by the last
+    K_PER_SPLIT: tl.constexpr,  # a multiple of BLOCK_K
     PDL: tl.constexpr,  # kernels/pdl.py
 ):  # fmt: skip
-    """BLOCK_N rows over the whole of K per program (rows_dot_x). Offsets are int32 (the launcher
-    checks N * row stride < 2^31)."""
+    """BLOCK_N rows over the whole of K per program, or over one of SPLIT_K parts of it (rows_dot_x).
+    Offsets are int32 (the launcher checks N * row stride < 2^31)."""
     pdl.begin(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = cols < num_cols
+    k_start = 0
+    k_end = hidden
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, hidden)
     out = rows_dot_x(
         q_ptr + (cols * stride_qn)[:, None, None], s_ptr + (cols * stride_sn)[:, None],
-        o_ptr + (cols * stride_sn)[:, None], x_ptr, hidden, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
-        not EVEN_N, K_MASK, X_FP16, INTERPRET, pairs_ptr, inv_m_ptr, sums_ptr, X_READY,
+        o_ptr + (cols * stride_sn)[:, None], x_ptr, k_end, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
+        not EVEN_N, K_MASK, X_FP16, INTERPRET, pairs_ptr, inv_m_ptr, sums_ptr, X_READY, k_start,
     )  # fmt: skip
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    last = True
+    if SPLIT_K > 1:
+        out, last = sum_splits_in_last(out, partials_ptr, counter_ptr + tl.program_id(0), cols, row_mask,
+                                       num_cols, SPLIT_K)  # fmt: skip
+    if last:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def interpreting() -> bool:
@@ -430,6 +448,15 @@ def interpreting() -> bool:
 def half2_step(tile: Half2Tile, hidden: int) -> int:
     """The K step: tile.block_k capped at next_power_of_2(K), at least one vector."""
     return max(VECTOR_VALUES, min(tile.block_k, triton.next_power_of_2(hidden)))
+
+
+def half2_split(tile: Half2Tile, hidden: int) -> tuple[int, int]:
+    """(parts, columns a part) of K for the tile: at most tile.split_k parts of whole K steps, none
+    empty."""
+    block_k = half2_step(tile, hidden)
+    split_k = max(1, min(tile.split_k, triton.cdiv(hidden, block_k)))
+    k_per_split = max(block_k, triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k)
+    return max(1, triton.cdiv(hidden, k_per_split)), k_per_split
 
 
 def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: Half2Tile, out=None):
@@ -447,17 +474,24 @@ def half2_int4_gemv(x, packed, scales, offsets, group_size, bias=None, *, tile: 
     if num_cols == 0:
         return out
     block_k = half2_step(tile, hidden)
+    split_k, k_per_split = half2_split(tile, hidden)
+    grid = (triton.cdiv(num_cols, tile.block_n), split_k)
+    partials = counters = out
+    if split_k > 1:
+        partials = partials_buffer(packed.device, split_k * num_cols)
+        counters = arrival_counters(packed.device, grid[0])
     o_arg = offsets if offsets is not None else scales
     bias_arg = bias if bias is not None else out
     shape = dict(
         hidden=hidden, stride_qn=packed.stride(0), stride_sn=scales.stride(0), GROUP=group_size,
         HAS_OFFSET=offsets is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=num_cols % tile.block_n == 0, K_MASK=hidden % block_k != 0, INTERPRET=interpreting(),
-        num_warps=tile.num_warps, num_stages=1, **pdl.launch(packed.device),
+        SPLIT_K=split_k, K_PER_SPLIT=k_per_split, num_warps=tile.num_warps, num_stages=1,
+        **pdl.launch(packed.device),
     )  # fmt: skip
     x_parts = (packed, x.pairs, x.inv_m, x.sums) if ready else (x, x, x, x)  # x_ptr, pairs, inv_m, sums
-    _half2_kernel[(triton.cdiv(num_cols, tile.block_n),)](
-        *x_parts, packed, scales, o_arg, bias_arg, out, num_cols, **shape,
+    _half2_kernel[grid](
+        *x_parts, packed, scales, o_arg, bias_arg, out, partials, counters, num_cols, **shape,
         X_FP16=not ready and x.dtype == torch.float16, X_READY=ready,
     )  # fmt: skip
     return out

@@ -56,6 +56,27 @@ class Tile:
 _PARTIALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
+@triton.jit
+def sum_splits_in_last(part, partials_ptr, counter_ptr, offsets, mask, split_stride, SPLIT_K: tl.constexpr):
+    """The end of a split-K program (program_id(1) its split): stores its float32 partial `part` at
+    partials_ptr + split * split_stride + offsets (mask), and the last of the SPLIT_K programs counting
+    at counter_ptr to arrive gets (the partials summed in split order, True), every other (part, False);
+    the last leaves the counter at 0 for the next launch or graph replay. The sum does not depend on the
+    order of arrival."""
+    tl.store(partials_ptr + tl.program_id(1) * split_stride + offsets, part, mask=mask)
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    total = part
+    if last:
+        tl.debug_barrier()
+        total = tl.zeros_like(part)
+        for split in tl.static_range(SPLIT_K):
+            total += tl.load(partials_ptr + split * split_stride + offsets, mask=mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(counter_ptr, 0)
+    return total, last
+
+
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor:
     """Split-K partials, float32, at least numel. Every buffer stays allocated for the life of the
     process (CUDA graphs captured with an older, smaller one keep its address). Grown only outside
