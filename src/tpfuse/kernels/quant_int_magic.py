@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.quant_dot import IntTile
-from tpfuse.kernels.skinny_linear import partials_buffer
+from tpfuse.kernels.skinny_linear import partials_buffer, sum_splits_in_last
 
 __all__ = ["MagicTile", "fits", "magic_block_k", "magic_int4_gemv"]
 
@@ -180,17 +180,8 @@ def _magic_kernel(
         out -= tl.sum(c * x_sum[None, :], axis=1)
     last = True
     if SPLIT_K > 1:
-        tl.store(partials_ptr + tl.program_id(1) * num_cols + cols, out, mask=col_mask)
-        tl.debug_barrier()  # every thread's partial stores before the release below
-        counter = counter_ptr + tl.program_id(0)
-        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        if last:
-            tl.debug_barrier()
-            out = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                out += tl.load(partials_ptr + split * num_cols + cols, mask=col_mask, other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
-            tl.atomic_xchg(counter, 0)
+        out, last = sum_splits_in_last(out, partials_ptr, counter_ptr + tl.program_id(0), cols, col_mask,
+                                       num_cols, SPLIT_K)  # fmt: skip
     if last:
         if HAS_BIAS:
             out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)

@@ -160,27 +160,12 @@ def _skinny_linear_kernel(
     if SWAP:
         acc = tl.trans(acc)
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT_K > 1:
-        # Split-K: every split stores its fp32 partial; the last of the column block's splits to
-        # arrive sums them in split order (so the result does not depend on arrival order) and
-        # resets the counter to 0 for the next launch or graph replay.
+    last = True
+    if SPLIT_K > 1:  # the column block's splits summed in split order by the last to arrive
         tile = rows[:, None] * num_cols + cols[None, :]
-        tl.store(partials_ptr + tl.program_id(1) * BLOCK_M * num_cols + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stores before the release below
-        counter = counter_ptr + tl.program_id(0)
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.debug_barrier()
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(partials_ptr + split * BLOCK_M * num_cols + tile, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter, 0)
-    else:
+        acc, last = sum_splits_in_last(acc, partials_ptr, counter_ptr + tl.program_id(0), tile, out_mask,
+                                       BLOCK_M * num_cols, SPLIT_K)  # fmt: skip
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
