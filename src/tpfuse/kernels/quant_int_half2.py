@@ -48,7 +48,7 @@ from tpfuse.kernels import pdl
 from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.quant_dot import IntTile
 from tpfuse.kernels.quant_int_gemv import one_row_output, split4
-from tpfuse.kernels.skinny_linear import partials_buffer, sum_splits_in_last
+from tpfuse.kernels.skinny_linear import partials_buffer, store_row_split_k
 
 __all__ = [
     "Half2Tile", "Half2X", "empty_half2x", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x",
@@ -430,14 +430,8 @@ def _half2_kernel(
         o_ptr + (cols * stride_sn)[:, None], x_ptr, k_end, row_mask, GROUP, HAS_OFFSET, BLOCK_N, BLOCK_K,
         not EVEN_N, K_MASK, X_FP16, INTERPRET, pairs_ptr, inv_m_ptr, sums_ptr, X_READY, k_start,
     )  # fmt: skip
-    last = True
-    if SPLIT_K > 1:
-        out, last = sum_splits_in_last(out, partials_ptr, counter_ptr + tl.program_id(0), cols, row_mask,
-                                       num_cols, SPLIT_K)  # fmt: skip
-    if last:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    store_row_split_k(out, partials_ptr, counter_ptr, cols, row_mask, num_cols, bias_ptr, out_ptr, HAS_BIAS,
+                      SPLIT_K)  # fmt: skip
 
 
 def interpreting() -> bool:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tpfuse.kernels.decode_merge import arrival_counters
 from tpfuse.kernels.quant_dot import IntTile
-from tpfuse.kernels.skinny_linear import partials_buffer, sum_splits_in_last
+from tpfuse.kernels.skinny_linear import partials_buffer, store_row_split_k
 
 __all__ = ["MagicTile", "fits", "magic_block_k", "magic_int4_gemv"]
 
@@ -178,14 +178,8 @@ def _magic_kernel(
         else:
             c = (BASE + 8.0) * s
         out -= tl.sum(c * x_sum[None, :], axis=1)
-    last = True
-    if SPLIT_K > 1:
-        out, last = sum_splits_in_last(out, partials_ptr, counter_ptr + tl.program_id(0), cols, col_mask,
-                                       num_cols, SPLIT_K)  # fmt: skip
-    if last:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+    store_row_split_k(out, partials_ptr, counter_ptr, cols, col_mask, num_cols, bias_ptr, out_ptr, HAS_BIAS,
+                      SPLIT_K)  # fmt: skip
 
 
 def magic_block_k(block_k: int, hidden: int, group_size: int) -> int | None:

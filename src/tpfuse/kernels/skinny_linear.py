@@ -77,6 +77,22 @@ def sum_splits_in_last(part, partials_ptr, counter_ptr, offsets, mask, split_str
     return total, last
 
 
+@triton.jit
+def store_row_split_k(out, partials_ptr, counter_ptr, cols, mask, num_cols, bias_ptr, out_ptr,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+    """The end of a one-row GEMV program (program_id(0) its column block, program_id(1) its split):
+    out [BLOCK_N] float32 at cols (mask), summed over the splits by the last to arrive
+    (sum_splits_in_last; partials [SPLIT_K, num_cols]), plus bias, stored in out_ptr's dtype."""
+    last = True
+    if SPLIT_K > 1:
+        out, last = sum_splits_in_last(out, partials_ptr, counter_ptr + tl.program_id(0), cols, mask,
+                                       num_cols, SPLIT_K)  # fmt: skip
+    if last:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor:
     """Split-K partials, float32, at least numel. Every buffer stays allocated for the life of the
     process (CUDA graphs captured with an older, smaller one keep its address). Grown only outside
