@@ -77,6 +77,9 @@ def main() -> None:
                 "one_shot_fp8_groups": _ptx(
                     allreduce.one_shot_kernel, allreduce.EPILOGUE_NORM_FP8_GROUPS.value, "*fp8e4nv"
                 ),
+                "two_shot_half2x": _ptx(  # the INT4 GEMV's operands: pairs (int32) and stats
+                    allreduce.two_shot_kernel, allreduce.EPILOGUE_NORM_HALF2X.value, "*i32"
+                ),
                 "staged": _ptx(allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value),
                 "ordered_push": _ptx(
                     allreduce_pcie.staged_kernel, allreduce.EPILOGUE_NORM.value, lockstep=False

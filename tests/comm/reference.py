@@ -51,17 +51,24 @@ def run_ranks_in_phases(call, world_size: int, phases=PHASES_IN_ORDER, ranks=Non
 
 
 def fused_in_phases(
-    wss, xs, residual, weight, algorithm, fp8_scale=None, phases=PHASES_IN_ORDER, fp8_group=None
+    wss, xs, residual, weight, algorithm, fp8_scale=None, phases=PHASES_IN_ORDER, fp8_group=None, half2x=False
 ):
     """launch.fused_add_rmsnorm (eps EPS) of every virtual rank, run phase by phase, into poisoned
     (normed, new_residual) outputs (normed e4m3 when fp8_scale is given, Fp8Rows of fp8_group columns
-    a scale with NaN scales where fp8_group is); returns them in rank order."""
+    a scale with NaN scales where fp8_group is, a Half2X of -1 pairs and NaN stats with half2x);
+    returns them in rank order."""
     from tpfuse.kernels.fp8_rows import Fp8Rows
+    from tpfuse.kernels.quant_int_half2 import empty_half2x
 
     rows, hidden = xs[0].shape
     dtype = torch.float8_e4m3fn if fp8_scale is not None or fp8_group else xs[0].dtype
 
     def normed():
+        if half2x:
+            out = empty_half2x(hidden, xs[0].dtype, xs[0].device)
+            out.pairs.fill_(-1)
+            out.stats.fill_(float("nan"))
+            return out
         out = poisoned(xs[0].shape, dtype)
         if fp8_group is None:
             return out
@@ -71,7 +78,7 @@ def fused_in_phases(
     run_ranks_in_phases(
         lambda r, ph: launch.fused_add_rmsnorm(
             wss[r], xs[r], residual, weight, EPS, algorithm, fp8_scale=fp8_scale, outputs=outs[r], phases=ph,
-            fp8_group=fp8_group,
+            fp8_group=fp8_group, half2x=half2x,
         ),
         len(wss),
         phases=phases,

@@ -120,6 +120,25 @@ def test_fp8_rows_are_the_plain_output_quantized_a_scale_a_row_or_group(algorith
         assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_half2x_is_the_plain_output_as_the_int4_gemvs_operands(algorithm):
+    """The Half2X epilogue with concurrent ranks: on every rank, half2_x of the plain fused output's row
+    (the f16x2 INT4 GEMV's operands), bit for bit."""
+    from tpfuse.kernels.quant_int_half2 import half2_x
+
+    wss = _workspaces(2, 1, 4096)
+    xs = [cuda_randn(1, 4096, dtype=torch.bfloat16) for _ in range(2)]
+    residual, weight = cuda_randn(1, 4096, dtype=torch.bfloat16), cuda_randn(4096, dtype=torch.bfloat16)
+    plain = _fused(wss, xs, residual, weight, algorithm)
+    made = on_streams(
+        2, lambda r: launch.fused_add_rmsnorm(wss[r], xs[r], residual, weight, EPS, algorithm, half2x=True)
+    )
+    for (operands, new_residual), (normed, plain_residual) in zip(made, plain, strict=True):
+        expected = half2_x(normed)
+        assert torch.equal(new_residual, plain_residual)
+        assert torch.equal(operands.pairs, expected.pairs) and torch.equal(operands.inv_m, expected.inv_m)
+
+
 def test_all_gather_through_the_communicator_concatenates_in_rank_order():
     comms = create_virtual_communicators(4, DEVICE, 8, 1000, torch.float32)
     xs = [torch.randn(3, 250, device=DEVICE) for _ in range(4)]

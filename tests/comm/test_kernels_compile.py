@@ -36,8 +36,8 @@ def ptx_by_kernel():
 
 @pytest.mark.parametrize(
     "name",
-    ["one_shot", "two_shot", "one_shot_fp8", "two_shot_fp8_rows", "one_shot_fp8_groups", "staged",
-     "ordered_push", "hierarchical", "pull"],
+    ["one_shot", "two_shot", "one_shot_fp8", "two_shot_fp8_rows", "one_shot_fp8_groups", "two_shot_half2x",
+     "staged", "ordered_push", "hierarchical", "pull"],
 )  # fmt: skip
 def test_flags_are_release_stores_and_acquire_loads_at_system_scope(ptx_by_kernel, name):
     ptx = ptx_by_kernel[name]

@@ -131,6 +131,30 @@ def test_fp8_rows_are_the_plain_epilogue_quantized_a_scale_a_row_or_group(algori
         assert (fp8.scales[2] == 1.0).all() and fp8.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world_size,hidden", [(2, 64), (3, 160)])
+def test_half2x_is_the_plain_epilogue_as_the_int4_gemvs_operands(algorithm, world_size, hidden):
+    """The Half2X epilogue (kernels/quant_int_half2.py) gives, on every rank, half2_x of the plain
+    fused output's row, bit for bit (the vector sums to float32 rounding), and the same residual."""
+    from tpfuse.kernels.quant_int_half2 import half2_x
+
+    wss = _workspaces(world_size, 2, hidden, torch.bfloat16)  # room for the refused two rows below
+    xs = [torch.randn(1, hidden).bfloat16() for _ in range(world_size)]
+    residual, weight = torch.randn(1, hidden).bfloat16(), torch.randn(hidden).bfloat16()
+    xs[0][0, :32] = 0
+    residual[0, :32] = 0  # a vector of zeros
+    plain = _fused(wss, xs, residual, weight, algorithm)
+    made = fused_in_phases(wss, xs, residual, weight, algorithm, half2x=True)
+    for (operands, new_residual), (normed, plain_residual) in zip(made, plain, strict=True):
+        expected = half2_x(normed)
+        assert torch.equal(new_residual, plain_residual)
+        assert torch.equal(operands.pairs, expected.pairs) and torch.equal(operands.inv_m, expected.inv_m)
+        assert torch.allclose(operands.sums, expected.sums, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one bf16 / fp16 row"):
+        launch.fused_add_rmsnorm(wss[0], torch.randn(2, hidden).bfloat16(), torch.randn(2, hidden).bfloat16(),
+                                 weight, EPS, algorithm, half2x=True)  # fmt: skip
+
+
 def test_rows_beyond_the_program_count_are_each_reduced_once():
     wss = _workspaces(2, 7, 16, torch.float32, max_programs=3)
     xs = [torch.randn(7, 16) for _ in range(2)]

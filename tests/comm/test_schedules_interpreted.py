@@ -38,9 +38,9 @@ def _steps(algorithm, world_size):
     return tuple(1 << i for i in range(schedules.get(algorithm).steps(world_size)))
 
 
-def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None, fp8_group=None):
+def _fused(wss, xs, residual, weight, algorithm, fp8_scale=None, fp8_group=None, half2x=False):
     phases = _steps(algorithm, len(wss))
-    outs = fused_in_phases(wss, xs, residual, weight, algorithm, fp8_scale, phases, fp8_group)
+    outs = fused_in_phases(wss, xs, residual, weight, algorithm, fp8_scale, phases, fp8_group, half2x)
     for ws in wss:
         ws.check()
     return outs
@@ -181,3 +181,22 @@ def test_fp8_rows_are_the_plain_epilogue_quantized_a_scale_a_row_or_group(algori
         data, scales = quantize_fp8_rows_ref(normed, group)
         assert torch.equal(new_residual, plain_residual) and torch.equal(fp8.scales, scales)
         assert torch.equal(fp8.data.view(torch.uint8), data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("algorithm", NEW)
+def test_half2x_is_the_plain_epilogue_as_the_int4_gemvs_operands(algorithm):
+    """Each PCIe schedule's Half2X epilogue: half2_x of its plain fused output's row."""
+    from tpfuse.kernels.quant_int_half2 import half2_x
+
+    wss = _workspaces(4, 1, 96)
+    xs = [torch.randn(1, 96).bfloat16() for _ in range(4)]
+    residual, weight = torch.randn(1, 96).bfloat16(), torch.randn(96).bfloat16()
+    plain = _fused(wss, xs, residual, weight, algorithm)
+    for (operands, new_residual), (normed, plain_residual) in zip(
+        _fused(wss, xs, residual, weight, algorithm, half2x=True), plain, strict=True
+    ):
+        expected = half2_x(normed)
+        assert torch.equal(new_residual, plain_residual)
+        assert torch.equal(operands.pairs, expected.pairs) and torch.equal(operands.inv_m, expected.inv_m)
+        assert torch.allclose(operands.sums, expected.sums, rtol=1e-5, atol=1e-5)
+

@@ -19,7 +19,8 @@ Epilogue numerics (as tpfuse.kernels.rmsnorm): s = round(sum_fp32 + residual) is
 normed = round(s * rsqrt(mean(s^2) + eps) * weight) in float32; FP8: normed_fp32 / scale rounded to the
 nearest-even float8_e4m3fn value and clamped to +-448 (saturating); FP8 rows: normed, as rounded
 above, quantized one scale a row or a FP8_GROUP columns (kernels/fp8_rows.py), the scales stored
-beside it.
+beside it; Half2X: one normed row, as rounded above, as the f16x2 INT4 GEMV's operands
+(kernels/quant_int_half2.py; out_ptr its pairs, scale_ptr its stats).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tpfuse.comm.sync import (
     wait_for_peers,
 )
 from tpfuse.kernels.fp8_rows import BLOCK_GROUP, E4M3_MAX, round_to_e4m3, store_scales_of_row
+from tpfuse.kernels.quant_int_half2 import store_half2x
 from tpfuse.kernels.rmsnorm import rmsnorm_row
 
 EPILOGUE_SUM = tl.constexpr(0)  # plain all-reduce
@@ -47,6 +49,7 @@ EPILOGUE_NORM_FP8 = tl.constexpr(2)  # + residual, RMSNorm, FP8 e4m3 with a per-
 EPILOGUE_GATHER = tl.constexpr(3)  # all-gather: every rank's rows into the concatenated output (one-shot)
 EPILOGUE_NORM_FP8_ROWS = tl.constexpr(4)  # + residual, RMSNorm, FP8 rows, one scale a row (fp8_rows.py)
 EPILOGUE_NORM_FP8_GROUPS = tl.constexpr(5)  # ... one scale a FP8_GROUP columns (block FP8 weights' K block)
+EPILOGUE_NORM_HALF2X = tl.constexpr(6)  # + residual, RMSNorm, one row as Half2X (quant_int_half2.py)
 FP8_GROUP = tl.constexpr(BLOCK_GROUP)
 
 
@@ -80,17 +83,23 @@ def _push_row(peer_table, slot, row, hidden, cols, v, mask, WS: tl.constexpr, DT
 @triton.jit
 def _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, eps,
                   EPILOGUE: tl.constexpr):  # fmt: skip
-    """s_row: the new residual row (activation dtype); stores it, and its RMSNorm (+FP8) to out_ptr (FP8
-    rows: the row's scale to scale_ptr + row)."""
+    """s_row: the new residual row (activation dtype; 0 past hidden); stores it, and its RMSNorm (+FP8)
+    to out_ptr (FP8 rows: the row's scale to scale_ptr + row; Half2X, row 0 only: out_ptr its pairs,
+    scale_ptr its stats [2, hidden / 32])."""
     tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
     y = rmsnorm_row(s_row.to(tl.float32), weight_ptr, cols, in_row, hidden, eps)
-    if EPILOGUE == EPILOGUE_NORM_FP8:
-        y = tl.clamp(round_to_e4m3(y / tl.load(scale_ptr)), -E4M3_MAX, E4M3_MAX)
-    if EPILOGUE == EPILOGUE_NORM_FP8_ROWS:  # the row as the plain epilogue rounds it, then quantized
-        y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, cols.shape[0])
-    if EPILOGUE == EPILOGUE_NORM_FP8_GROUPS:
-        y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, FP8_GROUP)
-    tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
+    if EPILOGUE == EPILOGUE_NORM_HALF2X:  # the row as the plain epilogue rounds it
+        vectors = hidden // 32
+        store_half2x(y.to(s_row.dtype).to(tl.float32), out_ptr, scale_ptr, scale_ptr + vectors, 0, vectors,
+                     cols.shape[0])  # fmt: skip
+    else:
+        if EPILOGUE == EPILOGUE_NORM_FP8:
+            y = tl.clamp(round_to_e4m3(y / tl.load(scale_ptr)), -E4M3_MAX, E4M3_MAX)
+        if EPILOGUE == EPILOGUE_NORM_FP8_ROWS:  # the row as the plain epilogue rounds it, then quantized
+            y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, cols.shape[0])
+        if EPILOGUE == EPILOGUE_NORM_FP8_GROUPS:
+            y = store_scales_of_row(y.to(s_row.dtype).to(tl.float32), scale_ptr, row, hidden, FP8_GROUP)
+        tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 @triton.jit

@@ -118,6 +118,14 @@ class CustomCommunicator(Communicator):
         ws = self.workspace
         return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, fp8_group=group))
 
+    def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
+        algorithm = self._algorithm("fused", x)
+        if algorithm == FALLBACK or algorithm in self.externals:  # externals have no Half2X epilogue here
+            fallback = self._fallback("fused all-reduce", x)
+            return fallback.fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps)
+        ws = self.workspace
+        return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, half2x=True))
+
     def all_gather(self, x, dim=-1):
         # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise
         if x.device != self.workspace.device or not launch.fits(self.workspace, x):

@@ -21,6 +21,7 @@ from tpfuse.comm.schedules import ALGORITHMS, NO_GATHER  # noqa: F401 - the name
 from tpfuse.comm.sync import ALL_PHASES, interpreting
 from tpfuse.comm.workspace import RankWorkspace
 from tpfuse.kernels.fp8_rows import Fp8Rows
+from tpfuse.kernels.quant_int_half2 import empty_half2x
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +95,16 @@ def fused_add_rmsnorm(
     outputs: tuple | None = None,
     phases: int = ALL_PHASES,
     fp8_group: int | None = None,
+    half2x: bool = False,
 ) -> tuple:
     """s = round(all_reduce(x) + residual); returns (normed, s), both new [T, H] tensors unless
     `outputs` gives them. x, residual: [T, H] of one dtype, residual identical on every rank (as in
     tensor parallelism; two-shot adds the owner's copy); weight: [H]. normed has x's dtype, or
     float8_e4m3fn when fp8_scale (a float32 tensor of one element: normed / scale is stored) is given,
     or kernels/fp8_rows.py's Fp8Rows of fp8_group columns a scale (the whole row, or
-    allreduce.FP8_GROUP; outputs then (Fp8Rows, s)). Bit-identical on every rank. Raises ValueError on
-    shape or size problems."""
+    allreduce.FP8_GROUP; outputs then (Fp8Rows, s)), or with half2x the one normed row as
+    kernels/quant_int_half2.py's Half2X (H a multiple of 32, bf16 / fp16; outputs then (Half2X, s)).
+    Bit-identical on every rank. Raises ValueError on shape or size problems."""
     rows = _as_rows(x)
     _check_fits(ws, rows, "fused all-reduce input", algorithm)
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -110,12 +113,18 @@ def fused_add_rmsnorm(
         )
     if weight.shape != (rows.shape[1],):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({rows.shape[1]},)")
-    if fp8_group is not None and fp8_scale is not None:
-        raise ValueError("FP8 rows carry their own scales: give fp8_group or fp8_scale, not both")
+    if (fp8_group is not None) + (fp8_scale is not None) + half2x > 1:
+        raise ValueError("give one output form: fp8_group, fp8_scale or half2x")
+    one_row = rows.shape[0] == 1 and rows.shape[1] % 32 == 0 and rows.dtype in (torch.bfloat16, torch.float16)
+    if half2x and not one_row:
+        got = f"{tuple(rows.shape)} {rows.dtype}"
+        raise ValueError(f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {got}")
     if fp8_group is not None and fp8_group < rows.shape[1] and fp8_group != k.FP8_GROUP.value:
         groups = f"one scale a row or a {k.FP8_GROUP.value}-column group"
         raise ValueError(f"FP8 rows take {groups}; got {fp8_group}")
     res_rows = _as_rows(residual)
+    if outputs is None and half2x:
+        outputs = (empty_half2x(rows.shape[1], rows.dtype, rows.device), torch.empty_like(rows))
     if outputs is None:
         fp8 = fp8_scale is not None or fp8_group is not None
         out_dtype = torch.float8_e4m3fn if fp8 else rows.dtype
@@ -126,7 +135,9 @@ def fused_add_rmsnorm(
             normed = Fp8Rows(normed, scales, rows.dtype, fp8_group)
         outputs = (normed, torch.empty_like(rows))
     normed, res_out = outputs
-    if fp8_group is not None:
+    if half2x:
+        out, scale, epilogue = normed.pairs, normed.stats, k.EPILOGUE_NORM_HALF2X.value
+    elif fp8_group is not None:
         by_row = normed.group >= rows.shape[1]
         epilogue = (k.EPILOGUE_NORM_FP8_ROWS if by_row else k.EPILOGUE_NORM_FP8_GROUPS).value
         out, scale = normed.data, normed.scales
@@ -135,7 +146,7 @@ def fused_add_rmsnorm(
     else:
         out, scale, epilogue = normed, fp8_scale.to(torch.float32).reshape(1), k.EPILOGUE_NORM_FP8.value
     _launch(ws, algorithm, rows, res_rows, weight, out, res_out, scale, eps, epilogue, phases)
-    if fp8_group is not None:
+    if fp8_group is not None or half2x:
         return normed, res_out.view(x.shape)
     return normed.view(x.shape), res_out.view(x.shape)
 

@@ -120,13 +120,21 @@ class Half2X:
     """x [1, K] as the f16x2 product's operands, made once for every product that reads it (half2_x)
     instead of once a program: pairs [K / 32, 16] int32, word v of a vector its four f16x2 operands
     ((x0, x4) m, (x1, x5) m / 16, (x2, x6) m, (x3, x7) m / 16 of the vector's values 8v .. 8v + 7, the
-    low lane first); inv_m [K / 32] float32 (1 / m, the module doc's block floating point); sums
-    [K / 32] float32 (each vector's x sum, for offset codes); dtype, x's."""
+    low lane first); stats [2, K / 32] float32, contiguous: inv_m (1 / m, the module doc's block
+    floating point) then sums (each vector's x sum, for offset codes), one tensor so that a kernel
+    writes both from one pointer; dtype, x's."""
 
     pairs: torch.Tensor
-    inv_m: torch.Tensor
-    sums: torch.Tensor
+    stats: torch.Tensor
     dtype: torch.dtype
+
+    @property
+    def inv_m(self) -> torch.Tensor:
+        return self.stats[0]
+
+    @property
+    def sums(self) -> torch.Tensor:
+        return self.stats[1]
 
     @property
     def hidden(self) -> int:
@@ -159,8 +167,7 @@ def empty_half2x(hidden: int, dtype: torch.dtype, device) -> Half2X:
     vectors = hidden // VECTOR_VALUES
     return Half2X(
         torch.empty((vectors, 16), dtype=torch.int32, device=device),
-        torch.empty(vectors, dtype=torch.float32, device=device),
-        torch.empty(vectors, dtype=torch.float32, device=device),
+        torch.empty((2, vectors), dtype=torch.float32, device=device),
         dtype,
     )
 
@@ -187,7 +194,7 @@ def half2_x(x: torch.Tensor) -> Half2X:
     xm = xm * torch.tensor([1.0, 0.0625, 1.0, 0.0625], device=x.device)  # the x16 lanes take m / 16
     halves = xm.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # [vector, word, lane, j]
     pairs = halves[:, :, 0, :] | (halves[:, :, 1, :] << 16)  # (x_j, x_j+4) for j = 0..3
-    return Half2X(pairs.reshape(-1, 16).contiguous(), inv_m.contiguous(), vectors.sum(dim=1), x.dtype)
+    return Half2X(pairs.reshape(-1, 16).contiguous(), torch.stack([inv_m, vectors.sum(dim=1)]), x.dtype)
 
 
 def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:

@@ -12,7 +12,8 @@ optimization and never a requirement.
     FP8 W8A8 prefill product quantizes its input to; written by the norms at every tensor-parallel
     size (the all-reduce kernels' FP8-rows epilogue).
   - Half2XForm: one row as the f16x2 INT4 GEMV's operands (kernels/quant_int_half2.py's Half2X);
-    written by the norm at TP = 1 and across ranks by the torch.distributed path, and by SiLU-and-mul.
+    written by the norms at every tensor-parallel size (the all-reduce kernels' Half2X epilogue) and
+    by SiLU-and-mul.
 """
 
 from __future__ import annotations
