@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (about 10 minutes, best on one H200: the issues' GPU; split it in two where the
-# limit is 600 s) for docs/PERF.md's "Not measured yet" list: the GPU tests of code that ran on the
+# One device call (about 10 minutes, best on one H200: the issues' GPU; two, "a" then "b", where a
+# call may run 600 s) for docs/PERF.md's "Not measured yet" list: the GPU tests of code that ran on the
 # GPU only inside benchmarks or not at all (FP8 rows from the norms with the model-level test's
 # harness fix, W8A8 decode tiles on 128x128 blocks, the f16x2 INT4 GEMV on x made once, the norm and
 # SiLU-and-mul writing it, an INT4 model taking it), FP8 prefill per route with start-up's eagerly
@@ -10,12 +10,17 @@
 # grouped router, the quantized expert slots under PDL, the engine's start-up PDL choice for FP8
 # llama, and last (it ran past 200 s before) the block-FP8 models end to end. $OUT keeps at most 8
 # files (what comes back). Carry the server wheels (.whl).
-# Usage (device machine, repo root): bash benchmarks/pending_checks.sh
+# Usage (device machine, repo root): bash benchmarks/pending_checks.sh [a|b]
+# a: the GPU tests, FP8, DeepSeek-V3 and the MoE groups (about 5 minutes); b: INT4, MLA, the PDL choice
+# and the block-FP8 models (about 6); no argument: both.
 set -u
+PART=${1:-all}
+in_part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 source benchmarks/device_env.sh
 s=$SECONDS
 step() { echo "== [$((SECONDS-s)) s] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
+if in_part a; then
 step "GPU tests of code that ran on the GPU only in benchmarks or not at all: FP8 rows, W8A8 decode on 128x128 blocks, the f16x2 GEMV on Half2X"
 timeout 200 python3 -m pytest -q -m gpu --timeout=150 tests/kernels/test_gpu_quant_kernels.py tests/comm/test_gpu_virtual_ranks.py \
   -k "fp8_rows or (w8a8_decode and block3) or (half2 and not producers)" -p no:cacheprovider -rf --tb=short > "$OUT/tests_fp8.log" 2>&1
@@ -42,6 +47,8 @@ step "the fused MoE entry (norm + router, routed slots; unquantized and quantize
 timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_moe_gpu.py tests/model/test_model_gpu.py \
   tests/kernels/test_gpu_quant_kernels.py tests/kernels/test_mla_gpu.py tests/kernels/test_pdl.py \
   -k "entry or routed or grouped_route or quantized_moe_chain" -p no:cacheprovider 2>&1 | tail -n 2
+fi
+if in_part b; then
 step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
 timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2,ready 2>&1 | grep -E "best|copy"
 step "INT4 llama-3.1-8b model step with PDL (batch 1 and 64; batch 1 with Half2X off / on / chosen; batch 1's kernels)"
@@ -62,4 +69,5 @@ timeout 230 python3 -m pytest -q -m gpu --timeout=100 tests/kernels/test_gpu_qua
   -p no:cacheprovider -rf --tb=short --durations=5 > "$OUT/tests_block_models.log" 2>&1
 grep -E "^E |FAIL|passed|failed|Timeout|[0-9.]+s call" "$OUT/tests_block_models.log" | tail -n 14
 cat "$OUT/tests_block_models.log" >> "$OUT/tests.log" && rm "$OUT/tests_block_models.log"
+fi
 step "done"
