@@ -240,8 +240,8 @@ def reset() -> None:
 # shape), and may expose tile_candidates(bucket) (else QUANT_TILES, the integer kernels'). Candidates
 # are few (each is a compile at start-up). Bucket 1: kernels/quant_int_half2.py's f16x2 GEMV (about
 # 2.2 instructions per weight on sm_90) at the tiles that won its sweep at each llama-3.1-8b shape
-# (docs/PERF.md: 1.2-1.35x the fp32 forms below on the H100) and with K split in two (twice the
-# programs where 4096 rows leave an H100 at 7 warps an SM: Nsight Compute, docs/PERF.md), and for the
+# (docs/PERF.md: 1.2-1.35x the fp32 forms below on the H100) and with K split over 2-4 programs (more
+# programs, 64-72 registers, where 4096 rows left an H100 at 7 warps an SM: docs/PERF.md), and for the
 # layouts it does not take
 # (8 bits, fp32 x, groups splitting a 32-code vector) the GEMV of kernels/quant_int.py and two forms
 # of kernels/quant_int_gemv.py (GemvTile: fp32 products, 3.1-3.4 instructions per weight), and
@@ -252,7 +252,7 @@ def reset() -> None:
 # otherwise; at 64 rows 128 weight rows a program, so x is re-read from L2 half as often).
 QUANT_TILES: dict[int, tuple[IntTile, ...]] = {
     1: (Half2Tile(1, 4, 2048, 1, 1), Half2Tile(1, 2, 4096, 1, 1), Half2Tile(1, 4, 4096, 1, 2),
-        Half2Tile(1, 2, 2048, 1, 1, split_k=2), Half2Tile(1, 4, 2048, 1, 1, split_k=2),
+        Half2Tile(1, 2, 2048, 1, 1, split_k=2), Half2Tile(1, 4, 1024, 1, 1, split_k=4),
         IntTile(1, 8, 1024, 1, 4), GemvTile(1, 16, 2048, 1, 2), GemvTile(1, 8, 2048, 1, 2, pin=True),
         MagicTile(1, 128, 128, 1, 4), MagicTile(1, 128, 128, 1, 4, split_k=2),
         MagicTile(1, 128, 128, 1, 4, split_k=4), MagicTile(1, 128, 128, 4, 4, split_k=2)),
