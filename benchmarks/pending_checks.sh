@@ -26,8 +26,8 @@ timeout 200 python3 -m pytest -q -m gpu --timeout=150 tests/kernels/test_gpu_qua
   -k "fp8_rows or (w8a8_decode and block3) or (half2 and not producers)" -p no:cacheprovider -rf --tb=short > "$OUT/tests_fp8.log" 2>&1
 grep -E "^E |FAIL|passed|failed" "$OUT/tests_fp8.log" | tail -n 12
 cat "$OUT/tests_fp8.log" >> "$OUT/tests.log" && rm "$OUT/tests_fp8.log"  # $OUT returns at most 8 files
-step "an INT4 model taking Half2X from the norms and SiLU-and-mul: the plain row's logits bit for bit; start-up's choice"
-timeout 150 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_gpu_quant_kernels.py -k "half2x_from_the_producers" \
+step "an INT4 model taking Half2X from the norms and SiLU-and-mul: the plain row's logits bit for bit; start-up's choice; the engine under CUDA graphs"
+timeout 200 python3 -m pytest -q -m gpu --timeout=140 tests/kernels/test_gpu_quant_kernels.py -k "half2x_from_the_producers or int4_engine_taking_half2x" \
   -p no:cacheprovider -rf --tb=short --durations=2 > "$OUT/tests_half2x.log" 2>&1
 grep -E "^E |FAIL|passed|failed|[0-9.]+s call" "$OUT/tests_half2x.log" | tail -n 8
 cat "$OUT/tests_half2x.log" >> "$OUT/tests.log" && rm "$OUT/tests_half2x.log"

@@ -374,6 +374,38 @@ def test_half2x_from_the_producers_gives_the_decode_logits_of_the_plain_row():
     linear_choice.reset()
 
 
+def test_an_int4_engine_taking_half2x_under_cuda_graphs_gives_the_plain_rows_tokens():
+    """One sequence (one row a decode step) through the engine under CUDA graphs with the INT4 layers on
+    one f16x2 tile, qkv, gate_up and down taking Half2X from the norms and SiLU-and-mul or the plain
+    row (both forced before start-up, which then leaves bucket 1 as set): the same greedy tokens."""
+    from tests.model.harness import load_for_test
+    from tpfuse.engine.llm import LLM
+    from tpfuse.engine.sampling_params import SamplingParams
+    from tpfuse.kernels.quant_int_half2 import Half2Tile
+    from tpfuse.model import linear_choice
+    from tpfuse.model.input_forms import HALF2X
+
+    model, _ = load_for_test("llama-3.2-1b", dtype="bfloat16", device=DEVICE, load_format="dummy",
+                             quantization="int4")  # fmt: skip
+    layer0 = model.layers[0]
+    readers = (layer0.self_attn.qkv_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj)
+    tile = Half2Tile(1, 2, 2048, 1, 1, split_k=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for on_form in (False, True):
+        linear_choice.reset()
+        for layer in (*readers, layer0.self_attn.o_proj):
+            linear_choice.set_quant_tile(layer, 1, tile)
+        for layer in readers if on_form else ():
+            linear_choice.set_form_route(layer, 1, tile)
+        llm = LLM("llama-3.2-1b", device="cuda", dtype="bfloat16", quantization="int4", num_kv_blocks=256)
+        tokens[on_form] = llm.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+        llm.shutdown()
+        assert all(layer.method.input_form(layer, 1) is (HALF2X if on_form else None) for layer in readers)
+    linear_choice.reset()
+    assert len(tokens[True]) == 24 and tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
 def test_fp8_rows_from_the_norms_give_the_prefill_logits_of_the_projections_own_quantization(quantization):
     """An FP8 model (dummy llama-3.2-1b, per-channel or 128 x 128 blocks) whose qkv and gate_up take FP8
