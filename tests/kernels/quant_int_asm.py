@@ -20,6 +20,9 @@ tile pins them (GemvTile.pin).
 --ready prints, for the f16x2 start-up tiles, the program with x converted per program and on x made
 once beforehand (quant_int_half2.Half2X): instructions, registers, where the codes' loads sit.
 Usage: python tests/kernels/quant_int_asm.py [--json] [--sweep] [--ready], with TRITON_INTERPRET unset.
+The counts are the installed Triton's; the device machine's may differ (3.6 kept 168 registers where
+3.8 kept 80, docs/PERF.md): install that version beside it (`pip install --target /tmp/triton36
+--no-deps triton==3.6.0`) and put it first on PYTHONPATH to see the device's code.
 """
 
 from __future__ import annotations
