@@ -15,7 +15,8 @@ Usage (device machine, repo root): python benchmarks/int4_gemv.py [--copy-tbps 4
 GEMV_SWEEP (more GemvTile forms: pinned or not, prefetch, warps, rows, registers) and HALF2_SWEEP
 (kernels/quant_int_half2.py's f16x2 GEMV by rows, K step, warps and K split).
 --forms keeps the tiles of those families ("int": kernels/quant_int.py's GEMV; "ready": the f16x2 tiles
-on x converted once beforehand, quant_int_half2.Half2X, timed without that conversion); --shapes those
+on x converted once beforehand, quant_int_half2.Half2X, timed without that conversion, and then the
+norm and SiLU-and-mul that would write it, each writing the plain row and Half2X); --shapes those
 shapes.
 Each row's "form" is its family; "kernel" is "magic" for the tensor-core kernel, "half2" for the
 f16x2 GEMV, else "gemv".
@@ -188,10 +189,33 @@ def main(argv: list[str] | None = None) -> int:
         if best:
             ranked = sorted(best.items(), key=lambda b: b[1])
             print(f"{name:8} best: " + ", ".join(f"{form} {tile} {us:.2f} us" for form, (us, tile) in ranked))
+    producers = time_producers(device, args.smoke) if "ready" in forms else {}
+    for what, us in producers.items():
+        print(f"producer {what}: {us:.2f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(copy_tbps=copy_tbps, rows=rows), f, indent=1)
+            json.dump(dict(copy_tbps=copy_tbps, rows=rows, producers=producers), f, indent=1)
     return 0
+
+
+def time_producers(device: str, smoke: bool) -> dict[str, float]:
+    """The kernels that make x, writing the plain row and writing Half2X instead (what taking Half2X
+    adds to them, beside what the "ready" rows save): the fused add + RMSNorm at llama-3.1-8b's hidden
+    size and SiLU-and-mul at its intermediate size, one row."""
+    from tpfuse.kernels import activation, rmsnorm
+
+    hidden, inter = (256, 384) if smoke else (4096, 14336)
+    gen = torch.Generator(device).manual_seed(7)
+    x, residual = (torch.randn(1, hidden, generator=gen, device=device).bfloat16() for _ in range(2))
+    weight = torch.rand(hidden, generator=gen, device=device).bfloat16()
+    gate_up = torch.randn(1, 2 * inter, generator=gen, device=device).bfloat16()
+    cases = {
+        "add + RMSNorm, plain row": lambda: rmsnorm.fused_add_rmsnorm_triton(x, residual, weight, 1e-5),
+        "add + RMSNorm, Half2X": lambda: rmsnorm.fused_add_rmsnorm_half2x_triton(x, residual, weight, 1e-5),
+        "SiLU-and-mul, plain row": lambda: activation.silu_and_mul_triton(gate_up),
+        "SiLU-and-mul, Half2X": lambda: activation.silu_and_mul_half2x_triton(gate_up),
+    }
+    return {what: round(time_us([call], smoke), 2) for what, call in cases.items()}
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ timeout 170 python3 -m pytest -q -m gpu --timeout=160 tests/kernels/test_fused_m
   -k "entry or routed or grouped_route or quantized_moe_chain" -p no:cacheprovider 2>&1 | tail -n 2
 fi
 if in_part b; then
-step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms"
-timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2,ready 2>&1 | grep -E "best|copy"
+step "INT4 one-row kernels: the f16x2 GEMV beside the fp32 forms, on Half2X, with K split; the producers writing Half2X"
+timeout 150 python3 benchmarks/int4_gemv.py --forms int,vec,half2,ready 2>&1 | grep -E "best|copy|producer"
 step "INT4 llama-3.1-8b model step with PDL (batch 1 and 64; batch 1 with Half2X off / on / chosen; batch 1's kernels)"
 timeout 150 python3 benchmarks/quant_decode.py --methods int4 --iters 30 --prefill-tokens 256 --pdl --profile \
   > "$OUT/int4_step.log" 2>&1

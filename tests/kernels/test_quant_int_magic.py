@@ -243,3 +243,5 @@ def test_the_int4_gemv_benchmark_runs_and_its_kernels_agree_with_the_reference(t
     assert half2_tiles and sum(r["kernel"] == "ready" for r in rows) == half2_tiles
     assert len(rows) == len(bench.SMOKE_SHAPES) * len(QUANT_TILES[1]) + half2_tiles
     assert all(r["rel_err"] < 2**-7 for r in rows), rows
+    producers = json.loads((tmp_path / "rows.json").read_text())["producers"]  # each with and without Half2X
+    assert len(producers) == 4 and all(us > 0 for us in producers.values())
