@@ -100,31 +100,36 @@ class CustomCommunicator(Communicator):
             )
         return super().moe_finalize_all_reduce(slot_out, top_k, residual, weight, eps)
 
-    def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
+    def _fused_with_epilogue(self, x, residual, weight, eps, on_fallback, **form):
+        """The fused op with an output form only tpfuse's kernels write (form: launch.fused_add_rmsnorm's
+        fp8_scale, fp8_group or half2x); where the plan takes the fallback or an external library, which
+        have no such epilogue here, on_fallback(the fallback communicator) instead."""
         algorithm = self._algorithm("fused", x)
-        if algorithm == FALLBACK or algorithm in self.externals:  # externals have no FP8 epilogue here
-            fallback = self._fallback("fused all-reduce", x)
-            return fallback.fused_add_rmsnorm_all_reduce_fp8(x, residual, weight, eps, scale)
-        result = launch.fused_add_rmsnorm(
-            self.workspace, x, residual, weight, eps, algorithm, fp8_scale=scale
-        )
-        return self._done(result)
+        if algorithm == FALLBACK or algorithm in self.externals:
+            return on_fallback(self._fallback("fused all-reduce", x))
+        ws = self.workspace
+        return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, **form))
+
+    def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
+        return self._fused_with_epilogue(
+            x, residual, weight, eps,
+            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_fp8(x, residual, weight, eps, scale),
+            fp8_scale=scale,
+        )  # fmt: skip
 
     def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
-        algorithm = self._algorithm("fused", x)
-        if algorithm == FALLBACK or algorithm in self.externals:  # externals have no FP8 epilogue here
-            fallback = self._fallback("fused all-reduce", x)
-            return fallback.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, group)
-        ws = self.workspace
-        return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, fp8_group=group))
+        return self._fused_with_epilogue(
+            x, residual, weight, eps,
+            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, group),
+            fp8_group=group,
+        )  # fmt: skip
 
     def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
-        algorithm = self._algorithm("fused", x)
-        if algorithm == FALLBACK or algorithm in self.externals:  # externals have no Half2X epilogue here
-            fallback = self._fallback("fused all-reduce", x)
-            return fallback.fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps)
-        ws = self.workspace
-        return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, half2x=True))
+        return self._fused_with_epilogue(
+            x, residual, weight, eps,
+            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps),
+            half2x=True,
+        )  # fmt: skip
 
     def all_gather(self, x, dim=-1):
         # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise
