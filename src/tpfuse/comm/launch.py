@@ -21,7 +21,7 @@ from tpfuse.comm.schedules import ALGORITHMS, NO_GATHER  # noqa: F401 - the name
 from tpfuse.comm.sync import ALL_PHASES, interpreting
 from tpfuse.comm.workspace import RankWorkspace
 from tpfuse.kernels.fp8_rows import Fp8Rows
-from tpfuse.kernels.quant_int_half2 import empty_half2x
+from tpfuse.kernels.quant_int_half2 import check_holds, empty_half2x
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +115,8 @@ def fused_add_rmsnorm(
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({rows.shape[1]},)")
     if (fp8_group is not None) + (fp8_scale is not None) + half2x > 1:
         raise ValueError("give one output form: fp8_group, fp8_scale or half2x")
-    one_row = rows.shape[0] == 1 and rows.shape[1] % 32 == 0 and rows.dtype in (torch.bfloat16, torch.float16)
-    if half2x and not one_row:
-        got = f"{tuple(rows.shape)} {rows.dtype}"
-        raise ValueError(f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {got}")
+    if half2x:
+        check_holds(*rows.shape, rows.dtype)
     if fp8_group is not None and fp8_group < rows.shape[1] and fp8_group != k.FP8_GROUP.value:
         groups = f"one scale a row or a {k.FP8_GROUP.value}-column group"
         raise ValueError(f"FP8 rows take {groups}; got {fp8_group}")

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import pdl
-from tpfuse.kernels.quant_int_half2 import Half2X, empty_half2x, half2_x, store_half2x
+from tpfuse.kernels.quant_int_half2 import Half2X, check_holds, empty_half2x, half2_x, store_half2x
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +55,9 @@ def silu_and_mul_launch(
     inter = x.shape[-1] // 2
     block = block or min(triton.next_power_of_2(inter), 1024)
     if half2x:
-        if x.shape[0] != 1 or inter % 32 or block % 32 or x.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
-            )
+        check_holds(x.shape[0], inter, x.dtype)
+        if block % 32:
+            raise ValueError(f"SiLU-and-mul writes Half2X a 32-value vector at a time; got {block} columns")
         result = out = empty_half2x(inter, x.dtype, x.device)
         args = (x, x, x.stride(0), 0, inter, out.pairs, out.inv_m, out.sums)
     else:

@@ -51,8 +51,8 @@ from tpfuse.kernels.quant_int_gemv import one_row_output, split4
 from tpfuse.kernels.skinny_linear import partials_buffer, store_row_split_k
 
 __all__ = [
-    "Half2Tile", "Half2X", "empty_half2x", "fits", "half2_int4_gemv", "half2_x", "interpreting", "rows_dot_x",
-    "store_half2x",
+    "Half2Tile", "Half2X", "check_holds", "empty_half2x", "fits", "half2_int4_gemv", "half2_x", "holds",
+    "interpreting", "rows_dot_x", "store_half2x",
 ]
 
 VECTOR_VALUES = 32  # codes in one 16-byte vector (4 words)
@@ -162,6 +162,19 @@ class Half2X:
         return (xm * self.inv_m[:, None]).reshape(1, -1)
 
 
+def holds(rows: int, cols: int, dtype: torch.dtype) -> bool:
+    """Whether a Half2X holds x [rows, cols] of dtype: one bf16 / fp16 row of a multiple of 32 values."""
+    return rows == 1 and cols % VECTOR_VALUES == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+def check_holds(rows: int, cols: int, dtype: torch.dtype) -> None:
+    """Raises ValueError naming the shape unless holds(rows, cols, dtype)."""
+    if not holds(rows, cols, dtype):
+        raise ValueError(
+            f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got ({rows}, {cols}) {dtype}"
+        )
+
+
 def empty_half2x(hidden: int, dtype: torch.dtype, device) -> Half2X:
     """An unwritten Half2X of x [1, hidden] (hidden a multiple of 32), for store_half2x."""
     vectors = hidden // VECTOR_VALUES
@@ -176,15 +189,9 @@ def half2_x(x: torch.Tensor) -> Half2X:
     """x [1, K] (bf16 / fp16, K a multiple of 32) as Half2X: the operands the kernel would make in
     registers, bit for bit (m a power of two, so x m is exact in fp32 and rounds once to f16). Raises
     ValueError for another shape or dtype."""
-    if (
-        x.dim() != 2
-        or x.shape[0] != 1
-        or x.shape[1] % VECTOR_VALUES
-        or x.dtype not in (torch.bfloat16, torch.float16)
-    ):
-        raise ValueError(
-            f"half2_x takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
-        )
+    if x.dim() != 2:
+        raise ValueError(f"half2_x takes x [1, K]; got {tuple(x.shape)}")
+    check_holds(*x.shape, x.dtype)
     vectors = x.float().reshape(-1, VECTOR_VALUES)
     amax = vectors.abs().amax(dim=1)
     e = (amax.view(torch.int32) >> 23).clamp(1, 253)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tpfuse.kernels import pdl
 from tpfuse.kernels.fp8_rows import Fp8Rows, store_scales_of_row
-from tpfuse.kernels.quant_int_half2 import Half2X, empty_half2x, half2_x, store_half2x
+from tpfuse.kernels.quant_int_half2 import Half2X, check_holds, empty_half2x, half2_x, store_half2x
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,10 +188,7 @@ def fused_add_rmsnorm_launch(
     kernel_group = 0 if fp8_group is None else fp8_kernel_group(fp8_group, hidden, block)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if half2x:
-        if num_rows != 1 or hidden % 32 or x.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"Half2X takes one bf16 / fp16 row of a multiple of 32 values; got {tuple(x.shape)} {x.dtype}"
-            )
+        check_holds(num_rows, hidden, x.dtype)
         normed = out = empty_half2x(hidden, x.dtype, x.device)
         scales, pairs, sums = out.inv_m, out.pairs, out.sums
     else:

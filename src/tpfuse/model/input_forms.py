@@ -27,7 +27,7 @@ from torch import nn
 from tpfuse.comm.communicator import Communicator
 from tpfuse.kernels import quantize_fp8_rows, silu_and_mul, silu_and_mul_half2x
 from tpfuse.kernels.fp8_rows import Fp8Rows
-from tpfuse.kernels.quant_int_half2 import Half2X, half2_x
+from tpfuse.kernels.quant_int_half2 import Half2X, half2_x, holds
 
 
 class InputForm(Protocol):
@@ -64,24 +64,20 @@ class Half2XForm:
     """One bf16 / fp16 row as Half2X (kernels/quant_int_half2.py); more rows stay plain."""
 
     def make(self, x: torch.Tensor) -> Half2X | torch.Tensor:
-        return half2_x(x) if _one_row(x) else x
+        return half2_x(x) if holds(*x.shape, x.dtype) else x
 
     def fused_norm(self, comm: Communicator, x, residual, weight, eps: float):
-        if _one_row(x):
+        if holds(*x.shape, x.dtype):
             return comm.fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps)
         return comm.fused_add_rmsnorm_all_reduce(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> Half2X | torch.Tensor:
-        if x.shape[0] == 1 and x.shape[1] % 64 == 0 and x.dtype in (torch.bfloat16, torch.float16):
+        if x.shape[1] % 2 == 0 and holds(x.shape[0], x.shape[1] // 2, x.dtype):
             return silu_and_mul_half2x(x)
         return silu_and_mul(x)
 
 
 HALF2X = Half2XForm()
-
-
-def _one_row(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and x.shape[1] % 32 == 0 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def input_form(layer: nn.Module, rows: int) -> InputForm | None:
