@@ -349,28 +349,32 @@ def _form_candidates(layer, rows_bucket) -> tuple:
     return method.form_candidates(layer, rows_bucket) if hasattr(method, "form_candidates") else (None, ())
 
 
-def _quant_timer(layers, rows: int, form=None):
-    """time_us(tile) for fastest: the tile's product at `rows` rows over the layers (one product a
-    layer), checked once against the first layer's dequantized weight, timed as it will run: replayed
-    from a CUDA graph at decode sizes, eagerly past MAX_ROWS (the engine's prompt chunks are larger
-    than its piecewise graphs take). form: the input made beforehand in that form
-    (model/input_forms.py: its producer's work, so it is not timed)."""
+def _quant_timers(layers, rows: int):
+    """timer(form=None) -> time_us(tile) for fastest: the tile's product at `rows` rows over the layers
+    (one product a layer), checked once against the first layer's dequantized weight, timed as it will
+    run: replayed from a CUDA graph at decode sizes, eagerly past MAX_ROWS (the engine's prompt chunks
+    are larger than its piecewise graphs take). form: the input made beforehand in that form
+    (model/input_forms.py: its producer's work, so it is not timed). One input and reference for all."""
     first = layers[0]
     x = torch.randn(rows, first.shards.k_local, device=next(first.parameters()).device).to(torch.bfloat16)
     dequantize = getattr(first.method, "dequantize", None)
     reference = x.float() @ dequantize(first).float().T if dequantize is not None else None
-    x_in = form.make(x) if form is not None else x
 
-    def time_us(tile):
-        if reference is not None:
-            check_agrees(first.method.product(first, x_in, None, tile), reference, tile.label())
-        calls = [lambda layer=layer: layer.method.product(layer, x_in, None, tile) for layer in layers]
-        if rows <= MAX_ROWS:
-            return graph_us(calls, min_launches=16, replays=5, samples=3)
-        every_layer = lambda: [call() for call in calls]  # noqa: E731
-        return statistics.median(stream_us(every_layer, repeats=3) for _ in range(3)) / len(calls)
+    def timer(form=None):
+        x_in = form.make(x) if form is not None else x
 
-    return time_us
+        def time_us(tile):
+            if reference is not None:
+                check_agrees(first.method.product(first, x_in, None, tile), reference, tile.label())
+            calls = [lambda layer=layer: layer.method.product(layer, x_in, None, tile) for layer in layers]
+            if rows <= MAX_ROWS:
+                return graph_us(calls, min_launches=16, replays=5, samples=3)
+            every_layer = lambda: [call() for call in calls]  # noqa: E731
+            return statistics.median(stream_us(every_layer, repeats=3) for _ in range(3)) / len(calls)
+
+        return time_us
+
+    return timer
 
 
 def form_route(layer, rows: int):
@@ -451,12 +455,12 @@ def choose_quantized(
                 continue
             # Past MAX_ROWS a product is compute-bound and its outputs large: a few layers suffice.
             timed = layers[:PREFILL_LAYERS] if rows_bucket == PREFILL else layers
-            time_us = _quant_timer(timed, rows)
-            decided.append((key, rows_bucket, *fastest(candidates, time_us, f"{key} at {rows} rows")))
+            timer = _quant_timers(timed, rows)
+            decided.append((key, rows_bucket, *fastest(candidates, timer(), f"{key} at {rows} rows")))
             form, form_routes = _form_candidates(layers[0], rows_bucket)
             if form_routes:
                 try:
-                    route, us = fastest(form_routes, _quant_timer(timed, rows, form), f"{key} on {form}")
+                    route, us = fastest(form_routes, timer(form), f"{key} on {form}")
                 except RuntimeError:  # none builds here: the layer takes the plain tensor
                     continue
                 if us < decided[-1][3]:
