@@ -108,7 +108,7 @@ def _variants(dtype: str):
             rmsnorm._fused_add_rmsnorm_kernel, {"*": p, "out_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
             {"eps": "fp32"}, dict(BLOCK_H=4096, FP8_GROUP=group, HALF2X=False),
         )  # fmt: skip
-    half2x = {"*": p, "scales_ptr": "*fp32", "pairs_ptr": "*i32", "sums_ptr": "*fp32"}  # the INT4 GEMV's x
+    half2x = {"*": p, "scales_ptr": "*fp32", "pairs_ptr": "*i32"}  # the INT4 GEMV's x: pairs, stats
     yield rmsnorm._fused_add_rmsnorm_kernel, half2x, {"eps": "fp32"}, dict(plain_norm, HALF2X=True)
     yield (
         rope._rope_kernel,
@@ -130,7 +130,7 @@ def _variants(dtype: str):
         {"num_warps": 1},
     )
     yield activation._silu_and_mul_kernel, {"*": p}, {}, dict(BLOCK=1024, HALF2X=False)
-    half2x = {"*": p, "pairs_ptr": "*i32", "inv_m_ptr": "*fp32", "sums_ptr": "*fp32"}
+    half2x = {"*": p, "pairs_ptr": "*i32", "stats_ptr": "*fp32"}
     yield activation._silu_and_mul_kernel, half2x, {}, dict(BLOCK=1024, HALF2X=True)
     yield (
         kv_store._store_kv_kernel,

@@ -89,9 +89,7 @@ def _store_normed(s_row, row, cols, in_row, hidden, weight_ptr, out_ptr, residua
     tl.store(residual_out_ptr + row * hidden + cols, s_row, mask=in_row)
     y = rmsnorm_row(s_row.to(tl.float32), weight_ptr, cols, in_row, hidden, eps)
     if EPILOGUE == EPILOGUE_NORM_HALF2X:  # the row as the plain epilogue rounds it
-        vectors = hidden // 32
-        store_half2x(y.to(s_row.dtype).to(tl.float32), out_ptr, scale_ptr, scale_ptr + vectors, 0, vectors,
-                     cols.shape[0])  # fmt: skip
+        store_half2x(y.to(s_row.dtype).to(tl.float32), out_ptr, scale_ptr, 0, hidden // 32, cols.shape[0])
     else:
         if EPILOGUE == EPILOGUE_NORM_FP8:
             y = tl.clamp(round_to_e4m3(y / tl.load(scale_ptr)), -E4M3_MAX, E4M3_MAX)

@@ -24,8 +24,8 @@ def silu_and_mul_half2x_ref(x: torch.Tensor) -> Half2X:
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, inter, pairs_ptr, inv_m_ptr, sums_ptr, BLOCK: tl.constexpr,
-    HALF2X: tl.constexpr,  # one row written as Half2X (pairs / inv_m / sums_ptr; BLOCK a multiple of 32)
+    x_ptr, out_ptr, stride_x, stride_out, inter, pairs_ptr, stats_ptr, BLOCK: tl.constexpr,
+    HALF2X: tl.constexpr,  # one row written as Half2X (pairs_ptr, stats_ptr; BLOCK a multiple of 32)
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.begin(PDL)
@@ -38,7 +38,7 @@ def _silu_and_mul_kernel(
     if HALF2X:
         rounded = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         first_vector = tl.program_id(1) * (BLOCK // 32)
-        store_half2x(rounded, pairs_ptr, inv_m_ptr, sums_ptr, first_vector, inter // 32, BLOCK)
+        store_half2x(rounded, pairs_ptr, stats_ptr, first_vector, inter // 32, BLOCK)
     else:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -59,10 +59,10 @@ def silu_and_mul_launch(
         if block % 32:
             raise ValueError(f"SiLU-and-mul writes Half2X a 32-value vector at a time; got {block} columns")
         result = out = empty_half2x(inter, x.dtype, x.device)
-        args = (x, x, x.stride(0), 0, inter, out.pairs, out.inv_m, out.sums)
+        args = (x, x, x.stride(0), 0, inter, out.pairs, out.stats)
     else:
         result = out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-        args = (x, out, x.stride(0), out.stride(0), inter, out, out, out)
+        args = (x, out, x.stride(0), out.stride(0), inter, out, out)
     if x.shape[0] == 0:
         return result
     grid = (x.shape[0], triton.cdiv(inter, block))

@@ -218,11 +218,11 @@ def fits(x: torch.Tensor, bits: int, group_size: int) -> bool:
 
 
 @triton.jit
-def store_half2x(y, pairs_ptr, inv_m_ptr, sums_ptr, first_vector, num_vectors, BLOCK: tl.constexpr):
+def store_half2x(y, pairs_ptr, stats_ptr, first_vector, num_vectors, BLOCK: tl.constexpr):
     """Writes y (float32 [BLOCK], BLOCK a multiple of 32: x's values from vector first_vector on, each
-    already rounded to x's dtype, lanes past x's end 0) into Half2X's tensors at pairs_ptr / inv_m_ptr /
-    sums_ptr, the vectors below num_vectors: half2_x's operands, bit for bit (the sums to float32
-    rounding)."""
+    already rounded to x's dtype, lanes past x's end 0) into a Half2X of num_vectors vectors (its pairs
+    at pairs_ptr, its stats [2, num_vectors] at stats_ptr), the vectors below num_vectors: half2_x's
+    operands, bit for bit (the sums to float32 rounding)."""
     NV: tl.constexpr = BLOCK // 32
     vectors = tl.reshape(y, [NV, 32])
     amax = tl.max(tl.abs(vectors), axis=1)
@@ -230,8 +230,8 @@ def store_half2x(y, pairs_ptr, inv_m_ptr, sums_ptr, first_vector, num_vectors, B
     m = ((254 - e) << 23).to(tl.float32, bitcast=True)
     index = first_vector + tl.arange(0, NV)
     ok = index < num_vectors
-    tl.store(inv_m_ptr + index, (e << 23).to(tl.float32, bitcast=True), mask=ok)
-    tl.store(sums_ptr + index, tl.sum(vectors, axis=1), mask=ok)
+    tl.store(stats_ptr + index, (e << 23).to(tl.float32, bitcast=True), mask=ok)  # inv_m
+    tl.store(stats_ptr + num_vectors + index, tl.sum(vectors, axis=1), mask=ok)  # sums
     xm = tl.reshape(vectors * m[:, None], [NV, 4, 2, 4])  # [vector, word, value // 4, value % 4]
     j = tl.arange(0, 4)
     xm = xm * tl.where(j % 2 == 1, 0.0625, 1.0)[None, None, None, :]  # the x16 lanes take m / 16

@@ -96,7 +96,6 @@ def _fused_add_rmsnorm_kernel(
     new_res_ptr,
     scales_ptr,
     pairs_ptr,
-    sums_ptr,
     stride_x,
     stride_res,
     stride_out,
@@ -104,7 +103,7 @@ def _fused_add_rmsnorm_kernel(
     eps,
     BLOCK_H: tl.constexpr,
     FP8_GROUP: tl.constexpr,  # > 0: out e4m3, scales_ptr [T, cdiv(hidden, FP8_GROUP)] (kernels/fp8_rows.py)
-    HALF2X: tl.constexpr,  # one row written as Half2X (pairs_ptr, scales_ptr its inv_m, sums_ptr), not out
+    HALF2X: tl.constexpr,  # one row written as Half2X (pairs_ptr, scales_ptr its stats), not out
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -121,7 +120,7 @@ def _fused_add_rmsnorm_kernel(
     y = rmsnorm_row_weighted(s.to(tl.float32), w, hidden, eps)
     if HALF2X:  # the row rounded to the activation dtype, as half2_x would read it
         rounded = y.to(new_res_ptr.dtype.element_ty).to(tl.float32)
-        store_half2x(rounded, pairs_ptr, scales_ptr, sums_ptr, 0, hidden // 32, BLOCK_H)
+        store_half2x(rounded, pairs_ptr, scales_ptr, 0, hidden // 32, BLOCK_H)
     else:
         if FP8_GROUP:  # the row rounded to the activation dtype, as quantize_fp8_rows would read it
             rounded = y.to(new_res_ptr.dtype.element_ty).to(tl.float32)
@@ -190,10 +189,10 @@ def fused_add_rmsnorm_launch(
     if half2x:
         check_holds(num_rows, hidden, x.dtype)
         normed = out = empty_half2x(hidden, x.dtype, x.device)
-        scales, pairs, sums = out.inv_m, out.pairs, out.sums
+        scales, pairs = out.stats, out.pairs
     else:
         out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8_group else x.dtype, device=x.device)
-        scales = pairs = sums = new_residual
+        scales = pairs = new_residual
         normed = out
     if fp8_group is not None:
         scales = torch.empty((num_rows, -(-hidden // fp8_group)), dtype=torch.float32, device=x.device)
@@ -208,7 +207,6 @@ def fused_add_rmsnorm_launch(
         new_residual,
         scales,
         pairs,
-        sums,
         x.stride(0),
         residual.stride(0),
         new_residual.stride(0),
