@@ -156,15 +156,18 @@ def b1_by_input_form(model, args) -> dict[str, float]:
     if not offered:
         return {}
     chosen = {layer: linear_choice.form_route(layer, 1) for layer in offered}
+    on_form = {  # the layer's plain tile where the form offers it, else the form's first route
+        layer: linear_choice.quant_tile(layer, 1) if linear_choice.quant_tile(layer, 1) in routes else routes[0]
+        for layer, routes in offered.items()
+    }
     result = {}
-    for label, route_of in (
-        ("plain rows everywhere", lambda layer, routes: None),
-        ("the input form into every layer that takes it",
-         lambda layer, routes: tile if (tile := linear_choice.quant_tile(layer, 1)) in routes else routes[0]),
-        ("start-up's choices as made", lambda layer, routes: chosen[layer]),
-    ):  # fmt: skip
-        for layer, routes in offered.items():
-            linear_choice.set_form_route(layer, 1, route_of(layer, routes))
+    for label, routes in (
+        ("plain rows everywhere", dict.fromkeys(offered)),
+        ("the input form into every layer that takes it", on_form),
+        ("start-up's choices as made", chosen),
+    ):
+        for layer, route in routes.items():
+            linear_choice.set_form_route(layer, 1, route)
         result[label] = graph_step_s(model, 1, args.context, args.iters) * 1e3
     return result
 
