@@ -156,10 +156,9 @@ def b1_by_input_form(model, args) -> dict[str, float]:
     if not offered:
         return {}
     chosen = {layer: linear_choice.form_route(layer, 1) for layer in offered}
-    on_form = {  # the layer's plain tile where the form offers it, else the form's first route
-        layer: linear_choice.quant_tile(layer, 1) if linear_choice.quant_tile(layer, 1) in routes else routes[0]
-        for layer, routes in offered.items()
-    }
+    plain = {layer: linear_choice.quant_tile(layer, 1) for layer in offered}
+    # on the form: the layer's plain tile where the form offers it, else the form's first route
+    on_form = {m: plain[m] if plain[m] in routes else routes[0] for m, routes in offered.items()}
     result = {}
     for label, routes in (
         ("plain rows everywhere", dict.fromkeys(offered)),
