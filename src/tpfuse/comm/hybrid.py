@@ -111,25 +111,22 @@ class CustomCommunicator(Communicator):
         return self._done(launch.fused_add_rmsnorm(ws, x, residual, weight, eps, algorithm, **form))
 
     def fused_add_rmsnorm_all_reduce_fp8(self, x, residual, weight, eps, scale):
-        return self._fused_with_epilogue(
-            x, residual, weight, eps,
-            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_fp8(x, residual, weight, eps, scale),
-            fp8_scale=scale,
-        )  # fmt: skip
+        on_fallback = lambda comm: comm.fused_add_rmsnorm_all_reduce_fp8(  # noqa: E731
+            x, residual, weight, eps, scale
+        )
+        return self._fused_with_epilogue(x, residual, weight, eps, on_fallback, fp8_scale=scale)
 
     def fused_add_rmsnorm_all_reduce_fp8_rows(self, x, residual, weight, eps, group):
-        return self._fused_with_epilogue(
-            x, residual, weight, eps,
-            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_fp8_rows(x, residual, weight, eps, group),
-            fp8_group=group,
-        )  # fmt: skip
+        on_fallback = lambda comm: comm.fused_add_rmsnorm_all_reduce_fp8_rows(  # noqa: E731
+            x, residual, weight, eps, group
+        )
+        return self._fused_with_epilogue(x, residual, weight, eps, on_fallback, fp8_group=group)
 
     def fused_add_rmsnorm_all_reduce_half2x(self, x, residual, weight, eps):
-        return self._fused_with_epilogue(
-            x, residual, weight, eps,
-            lambda fallback: fallback.fused_add_rmsnorm_all_reduce_half2x(x, residual, weight, eps),
-            half2x=True,
-        )  # fmt: skip
+        on_fallback = lambda comm: comm.fused_add_rmsnorm_all_reduce_half2x(  # noqa: E731
+            x, residual, weight, eps
+        )
+        return self._fused_with_epilogue(x, residual, weight, eps, on_fallback, half2x=True)
 
     def all_gather(self, x, dim=-1):
         # not in the plan: the custom gather whenever it fits (decode-sized), the fallback otherwise
